@@ -1,0 +1,28 @@
+"""fuse-shared runtime: routing and fused MoE forward for the fused-shared layout.
+
+Needs only torch (and Triton on NVIDIA GPUs); never click, tqdm or huggingface-hub.
+"""
+
+from .layout import (
+    CONFIG_KEY,
+    LAYOUT_VERSION,
+    ActivationParams,
+    ExpertTensorNames,
+    FusedSharedExperts,
+    LayoutError,
+    RoutingSpec,
+    moe_layer_tensors,
+    read_config_block,
+)
+
+__all__ = [
+    "CONFIG_KEY",
+    "LAYOUT_VERSION",
+    "ActivationParams",
+    "ExpertTensorNames",
+    "FusedSharedExperts",
+    "LayoutError",
+    "RoutingSpec",
+    "moe_layer_tensors",
+    "read_config_block",
+]
