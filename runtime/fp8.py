@@ -74,6 +74,21 @@ def dequantize_block_fp8(wq: torch.Tensor, scale_inv: torch.Tensor, block: int =
     return wq.to(torch.float32) * expand_block_scales(scale_inv.to(torch.float32), rows, cols, block)
 
 
+def dequantize_block_fp8_rows(
+    wq_rows: torch.Tensor, scale_inv: torch.Tensor, row_start: int, block: int = WEIGHT_BLOCK
+) -> torch.Tensor:
+    """Dequantize rows ``[row_start, row_start + len)`` of a block-scaled FP8 weight.
+
+    ``scale_inv`` is the weight's whole ``[R, C]`` grid; ``row_start`` need not be a
+    multiple of the block size, so a shared expert cut mid-block reads the right scales.
+    """
+    rows, cols = wq_rows.shape
+    s = scale_inv.to(torch.float32)
+    row_blocks = torch.arange(row_start, row_start + rows) // block
+    col_blocks = torch.arange(cols) // block
+    return wq_rows.to(torch.float32) * s[row_blocks][:, col_blocks]
+
+
 def dequantize_fp8(wq: torch.Tensor, scale: torch.Tensor, block: int = WEIGHT_BLOCK) -> torch.Tensor:
     """Float32 weights from FP8 ``wq [out, in]`` with a scale of any common granularity.
 

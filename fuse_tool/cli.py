@@ -1,0 +1,139 @@
+"""The ``fuse-shared`` command line."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import ConversionError
+from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
+from .report import describe_plan
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (SI, as huggingface_hub), '512MiB' -> binary units."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 5GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(1)
+
+
+def _resolve_source(model: str) -> tuple[Path, str]:
+    if Path(model).exists():
+        return Path(model), model
+    from . import hub  # only when a Hub id is given
+
+    if not hub.is_hub_reference(model):
+        raise ConversionError("no such folder, and not a Hub repo id (owner/name[@revision])", file=model)
+    return hub.resolve_model_source(model), model
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fuse-shared")
+def main() -> None:
+    """Fuse MoE shared experts into trailing routed-expert slots, offline."""
+
+
+_convert_options = [
+    click.option("--precision", type=click.Choice(["fp8", "source"]), default="fp8", show_default=True,
+                 help="fp8: experts as FP8 e4m3 128x128 blocks; source: no FP8 anywhere, the fusion alone in the source's precision."),
+    click.option("--other-linear", type=click.Choice(["fp8", "keep"]), default="fp8", show_default=True,
+                 help="Non-expert linear layers: FP8 like the DeepSeek-V3 release, or kept in the source dtype (listed in modules_to_not_convert)."),
+    click.option("--scale-fmt", type=click.Choice(["float", "ue8m0"]), default=None,
+                 help="Block scales as any float32, or rounded up to powers of two (DeepSeek-V3.1). Default: the source's."),
+    click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (SI units: 5GB = 5e9 bytes)."),
+]
+
+
+def _with_convert_options(f):
+    for opt in reversed(_convert_options):
+        f = opt(f)
+    return f
+
+
+def _options(precision, other_linear, scale_fmt, max_shard_size) -> ConvertOptions:
+    return ConvertOptions(precision=precision, other_linear=other_linear, scale_fmt=scale_fmt,
+                          max_shard_size=parse_size(max_shard_size) if isinstance(max_shard_size, str) else DEFAULT_MAX_SHARD_SIZE)
+
+
+@main.command()
+@click.argument("model")
+@_with_convert_options
+def inspect(model, precision, other_linear, scale_fmt, max_shard_size):
+    """Show what MODEL (a folder or Hub repo id) is and what converting it would write."""
+    from .convert import plan_conversion
+
+    try:
+        path, _ = _resolve_source(model)
+        plan = plan_conversion(path, _options(precision, other_linear, scale_fmt, max_shard_size))
+    except Exception as e:  # noqa: BLE001 - every failure is a one-line message
+        _fail(e)
+    click.echo(describe_plan(plan))
+
+
+@main.command()
+@click.argument("model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@_with_convert_options
+@click.option("--device", default="cpu", show_default=True, help="Where the FP8 math runs: cpu or cuda.")
+@click.option("--overwrite", is_flag=True, help="Replace a previous conversion in OUT_DIR.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--allow-non-finite", is_flag=True, help="Convert weights that hold NaN or Inf instead of refusing them.")
+@click.option("--push-to", metavar="REPO_ID", default=None, help="Push the result to this Hub repo when done.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, device, overwrite, dry_run, allow_non_finite, push_to, quiet):
+    """Convert MODEL (a folder or Hub repo id[@revision]) into OUT_DIR in the fused-shared layout."""
+    from .convert import convert_checkpoint, plan_conversion
+
+    try:
+        options = _options(precision, other_linear, scale_fmt, max_shard_size)
+        path, source_id = _resolve_source(model)
+        if dry_run:
+            click.echo(describe_plan(plan_conversion(path, options)))
+            click.echo("dry run: nothing written")
+            return
+        result = convert_checkpoint(path, out_dir, options, overwrite=overwrite, device=device, progress=not quiet,
+                                    allow_non_finite=allow_non_finite, source_id=source_id)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    click.echo(describe_plan(result.plan))
+    rate = result.plan.total_size / result.seconds / 1e9 if result.seconds else 0.0
+    click.echo(f"wrote          {len(result.files)} files to {result.out_dir} in {result.seconds:.1f} s ({rate:.2f} GB/s)")
+    if push_to:
+        _push(out_dir, push_to, private=False, revision=None, commit_message=None, quiet=quiet)
+
+
+def _push(out_dir, repo_id, *, private, revision, commit_message, quiet) -> None:
+    from . import hub
+
+    try:
+        url = hub.push_checkpoint(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, progress=not quiet)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    click.echo(f"pushed         {out_dir} to {url}")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repo as private.")
+@click.option("--revision", default=None, help="Branch to push to (created if missing).")
+@click.option("--commit-message", default=None)
+@click.option("--quiet", is_flag=True)
+def push(out_dir, repo_id, private, revision, commit_message, quiet):
+    """Publish a converted checkpoint in OUT_DIR to the Hub repo REPO_ID, with a model card."""
+    _push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, quiet=quiet)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,58 @@
+"""Human-readable summaries of a plan (``inspect``, ``--dry-run``) and of a finished conversion."""
+
+from __future__ import annotations
+
+from .plan import ConversionPlan
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "none"
+    out, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def describe_plan(plan: ConversionPlan) -> str:
+    a, b, r = plan.arch, plan.block, plan.block.routing
+    decoder = [lp.layer for lp in plan.layers if not lp.is_mtp]
+    mtp = [lp.layer for lp in plan.layers if lp.is_mtp]
+    groups = f", {r.n_group} groups / top {r.topk_group}" if r.n_group > 1 else ""
+    kinds = plan.bytes_by_kind()
+    storage = sorted({lp.storage for lp in plan.layers})
+    shared_modes = sorted({m for lp in plan.layers for m in lp.shared_modes})
+    lines = [
+        f"model          {a.model_type} ({a.family})",
+        f"experts        E={b.num_routed_experts} routed + S={b.num_fused_shared_experts} shared slot(s) -> {b.num_experts} per MoE layer "
+        f"(I={b.expert_intermediate_size}, shared W={b.source_shared_intermediate_size})",
+        f"routing        {r.scoring}, top-{r.top_k}{groups}, {'renormalized' if r.renormalize else 'not renormalized'}, "
+        f"rsf {r.routed_scaling_factor:g}, {'with' if r.has_bias else 'no'} selection bias",
+        f"activation     {b.activation}" + (
+            f" (alpha {a.activation_params.alpha:g}, beta {a.activation_params.beta:g}, limit {a.activation_params.clamp_limit:g})"
+            if b.activation == "swiglu_oai" else ""),
+        f"MoE layers     {len(decoder)} decoder ({_ranges(decoder)}) + {len(mtp)} MTP ({_ranges(mtp)})",
+        f"expert storage {', '.join(storage)}; source format {', '.join(sorted({lp.source_format for lp in plan.layers}))}",
+        f"source         {len(plan.source.tensors):,} tensors in {len(plan.source.shard_files)} files, "
+        f"{_size(plan.source.total_bytes)}, quantization: {plan.source_quantization}",
+        f"output         {plan.num_tensors:,} tensors in {len(plan.shards)} shards, {_size(plan.total_size)}; "
+        f"precision {plan.options.precision}, other linear {plan.options.other_linear}, scale format {plan.scale_fmt}",
+        "bytes          " + ", ".join(f"{k} {_size(v)}" for k, v in sorted(kinds.items())),
+        f"shared slots   {', '.join(shared_modes)}",
+    ]
+    if plan.modules_to_not_convert and plan.options.precision == "fp8":
+        lines.append(f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)")
+    lines += [f"note           {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""Reading safetensors checkpoints from their headers, and tensor data with bounded memory.
+
+Headers are parsed and validated here (no tensor data is touched), so planning a
+1.5 TB checkpoint costs a few MB. Tensor data is read with ``os.pread`` into fresh
+buffers rather than through a memory map, so resident memory is exactly what the
+converter holds, whatever the shard size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .errors import ConversionError
+
+MAX_HEADER_BYTES = 100_000_000
+
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+FP8_DTYPE_CODE = "F8_E4M3"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes live: ``nbytes`` bytes at absolute ``offset`` of ``file``."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header: tensor locations and ``__metadata__``.
+
+    Raises ConversionError naming the file for a truncated file, a header length past
+    the end, corrupt JSON, unknown dtypes, sizes that disagree with shapes, and data
+    offsets that overlap or leave the file.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConversionError(f"not a safetensors file: {size} bytes, shorter than the 8-byte header length", file=path)
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise ConversionError(f"header length {n} is over the safetensors limit of {MAX_HEADER_BYTES} bytes (corrupt file?)", file=path)
+            if 8 + n > size:
+                raise ConversionError(f"header length {n} runs past the end of the file ({size} bytes): truncated or corrupt", file=path)
+            raw = f.read(n)
+    except OSError as e:
+        raise ConversionError(f"cannot read: {e.strerror or e}", file=path) from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"header is not valid JSON ({e})", file=path) from None
+    if not isinstance(header, dict):
+        raise ConversionError("header is not a JSON object", file=path)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ConversionError("__metadata__ is not a JSON object", file=path)
+    data_start = 8 + n
+    data_size = size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise ConversionError("header entry is not an object", file=path, tensor=name)
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_SIZES:
+            raise ConversionError(f"unknown dtype {dtype!r}", file=path, tensor=name)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise ConversionError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise ConversionError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
+        begin, end = offsets
+        expected = math.prod(shape) * DTYPE_SIZES[dtype]
+        if begin < 0 or end < begin or end - begin != expected:
+            raise ConversionError(f"data_offsets {offsets} hold {end - begin} bytes, expected {expected} for {dtype} {shape}", file=path, tensor=name)
+        if end > data_size:
+            raise ConversionError(f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated file", file=path, tensor=name)
+        tensors[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, expected)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ConversionError(f"data of {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap", file=path, tensor=n1)
+    return tensors, metadata
+
+
+def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> bytearray:
+    """``length`` bytes of a tensor's data from byte ``start`` of that tensor."""
+    if length is None:
+        length = info.nbytes - start
+    buf = bytearray(length)
+    with open(info.file, "rb", buffering=0) as f:
+        got = os.preadv(f.fileno(), [buf], info.offset + start)
+    if got != length:
+        raise ConversionError(f"short read: wanted {length} bytes at {info.offset + start}, got {got} (file truncated?)", file=info.file, tensor=info.name)
+    return buf
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """The whole tensor, in its own dtype, on the CPU."""
+    return bytes_to_tensor(read_bytes(info), info.dtype, info.shape)
+
+
+def bytes_to_tensor(buf: bytearray, dtype: str, shape: Iterable[int]) -> torch.Tensor:
+    shape = tuple(shape)
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+    return torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]).reshape(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """Serialize a safetensors header for tensors laid out in the given order.
+
+    Returns the header bytes (length prefix included, padded to 8 bytes) and each
+    tensor's offset from the start of the data section.
+    """
+    header: dict[str, object] = {"__metadata__": metadata}
+    offsets: dict[str, int] = {}
+    pos = 0
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets[name] = pos
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets

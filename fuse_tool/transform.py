@@ -1,0 +1,162 @@
+"""Executing plan tasks: read a bounded piece of source data, transform it, hand it to the writer.
+
+Each task yields ``Write`` (bytes for an output tensor at an offset) or ``CopyRange``
+(bytes to copy straight from a source file, never entering Python). Pieces are at most
+``CHUNK_BYTES`` of source or float32 data, so memory stays bounded whatever the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from runtime.fp8 import FLOAT32_TINY, FP8_MAX, dequantize_block_fp8_rows, quantize_block_fp8, ue8m0_round_up
+from runtime.layout import WEIGHT_BLOCK, scale_grid
+
+from .errors import ConversionError
+from .plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
+from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
+
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Write:
+    tensor: str
+    offset: int
+    data: torch.Tensor  # any dtype; written as its raw bytes
+
+
+@dataclass(frozen=True)
+class CopyRange:
+    tensor: str
+    offset: int
+    file: Path
+    file_offset: int
+    length: int
+
+
+Piece = Write | CopyRange
+
+
+def run_task(task: Task, device: str = "cpu", allow_non_finite: bool = False) -> Iterator[Piece]:
+    """The pieces that make up a task's output tensors."""
+    if isinstance(task, CopyTask):
+        yield CopyRange(task.target.tensor, task.target.offset, task.source.file, task.source.offset, task.source.nbytes)
+    elif isinstance(task, ProjectionTask):
+        yield from _projection(task, device, allow_non_finite)
+    elif isinstance(task, CastTask):
+        t = read_matrix_rows_as(task.source, TORCH_DTYPES[task.out_dtype])
+        _check_finite(t, task.source, allow_non_finite)
+        yield Write(task.target.tensor, task.target.offset, t)
+    elif isinstance(task, ConstantTask):
+        yield Write(task.target.tensor, task.target.offset, torch.tensor(task.values, dtype=torch.float32))
+    else:  # pragma: no cover
+        raise TypeError(f"unknown task {task!r}")
+
+
+def read_matrix_rows_as(info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    return bytes_to_tensor(read_bytes(info), info.dtype, info.shape).to(dtype)
+
+
+def _read_rows(m: Matrix, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a source matrix, in its own dtype."""
+    buf = read_bytes(m.info, m.offset + r0 * m.row_bytes, (r1 - r0) * m.row_bytes)
+    return bytes_to_tensor(buf, m.dtype, (r1 - r0, m.cols))
+
+
+def _read_matrix_f32(m: Matrix) -> torch.Tensor:
+    return _read_rows(m, 0, m.rows).to(torch.float32)
+
+
+def _check_finite(t: torch.Tensor, info: TensorInfo, allow: bool) -> None:
+    if not allow and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ConversionError(f"has {bad} non-finite values (NaN or Inf); pass --allow-non-finite to convert anyway", file=info.file, tensor=info.name)
+
+
+def _dequantized_rows(sw: SourceWeight, r0: int, r1: int, scales: torch.Tensor | None) -> torch.Tensor:
+    raw = _read_rows(sw.weight, r0, r1)
+    if sw.scale_kind is None:
+        return raw.to(torch.float32)
+    if sw.scale_kind == "block":
+        return dequantize_block_fp8_rows(raw, scales, r0)
+    if sw.scale_kind == "channel":
+        return raw.to(torch.float32) * scales.reshape(-1, 1)[r0:r1]
+    return raw.to(torch.float32) * scales.reshape(())
+
+
+def _zero_block_scale(scale_fmt: str) -> float:
+    s = torch.tensor([FLOAT32_TINY / FP8_MAX], dtype=torch.float32)
+    return float(ue8m0_round_up(s) if scale_fmt == "ue8m0" else s)
+
+
+def _rows_per_chunk(row_bytes: int, multiple: int) -> int:
+    rows = max(1, CHUNK_BYTES // max(1, row_bytes))
+    return max(multiple, rows // multiple * multiple)
+
+
+def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Piece]:
+    sw, cut = task.source, task.cut
+    w = sw.weight
+    if task.mode == "copy":
+        yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes)
+        if task.scale is not None:
+            s = sw.scale
+            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes)
+        return
+    if task.mode == "region":
+        yield from _region(task)
+        return
+    yield from _quantize(task, device, allow_non_finite)
+
+
+def _region(task: ProjectionTask) -> Iterator[Piece]:
+    """Whole source blocks (or plain elements) copied into a zero-padded output; scales likewise."""
+    sw, cut = task.source, task.cut
+    w = sw.weight
+    item = DTYPE_SIZES[w.dtype]
+    out_row_bytes = cut.out_cols * item
+    step = _rows_per_chunk(max(w.row_bytes, out_row_bytes), 1)
+    for t0 in range(0, cut.out_rows, step):
+        t1 = min(cut.out_rows, t0 + step)
+        out = torch.zeros((t1 - t0, out_row_bytes), dtype=torch.uint8)
+        s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
+        if s1 > s0:
+            raw = _read_rows(w, s0, s1).view(torch.uint8).reshape(s1 - s0, w.row_bytes)
+            out[: s1 - s0, : (cut.c1 - cut.c0) * item] = raw[:, cut.c0 * item : cut.c1 * item]
+        yield Write(task.weight.tensor, task.weight.offset + t0 * out_row_bytes, out)
+    if task.scale is not None:
+        grid = _read_matrix_f32(sw.scale)
+        B = WEIGHT_BLOCK
+        rb, cb = cut.r0 // B, cut.c0 // B
+        nr, nc = math.ceil((cut.r1 - cut.r0) / B), math.ceil((cut.c1 - cut.c0) / B)
+        out_grid = torch.full(scale_grid(cut.out_rows, cut.out_cols), _zero_block_scale(task.scale_fmt), dtype=torch.float32)
+        out_grid[:nr, :nc] = grid[rb : rb + nr, cb : cb + nc]
+        yield Write(task.scale.tensor, task.scale.offset, out_grid)
+
+
+def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Piece]:
+    """Dequantize (or upcast) a cut of the source to float32 and quantize it to FP8 128x128 blocks."""
+    sw, cut = task.source, task.cut
+    w = sw.weight
+    scales = _read_matrix_f32(sw.scale) if sw.scale is not None else None
+    step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK)
+    scale_rows = []
+    for t0 in range(0, cut.out_rows, step):
+        t1 = min(cut.out_rows, t0 + step)
+        f = torch.zeros((t1 - t0, cut.out_cols), dtype=torch.float32)
+        s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
+        if s1 > s0:
+            rows = _dequantized_rows(sw, s0, s1, scales)
+            _check_finite(rows, w.info, allow_non_finite)
+            f[: s1 - s0, : cut.c1 - cut.c0] = rows[:, cut.c0 : cut.c1]
+        q, s = quantize_block_fp8(f.to(device), scale_fmt=task.scale_fmt)
+        yield Write(task.weight.tensor, task.weight.offset + t0 * cut.out_cols, q.cpu())
+        scale_rows.append(s.cpu())
+    if task.scale is not None:
+        yield Write(task.scale.tensor, task.scale.offset, torch.cat(scale_rows))

@@ -1,0 +1,222 @@
+"""Tiny real checkpoints for tests, built with transformers' own model classes.
+
+``save_pretrained`` writes the on-disk names released checkpoints use (per-expert
+tensors for DeepSeek/GLM, the MiniMax-M3 VL release names through its conversion
+mapping, stacked experts for the MiniMax-M3 text model), so the converter meets the
+real layouts. FP8 variants are made from those the way the releases store them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from runtime.fp8 import quantize_block_fp8
+
+COMMON = dict(vocab_size=96, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "minimax_m3_text", "minimax_m3_vl")
+
+
+def build_config(family: str, *, hidden: int = 64, inter: int = 32, experts: int = 8, layers: int = 3, shared_width: int | None = None, **over):
+    """A tiny config of the family; ``shared_width`` picks W (n_shared_experts * I, or MiniMax's own width)."""
+    import transformers as T
+
+    moe = dict(hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=2, **COMMON)
+    if family in ("deepseek_v3", "kimi_k2"):
+        n_shared = (shared_width or inter) // inter
+        cfg = T.DeepseekV3Config(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
+                                 n_shared_experts=n_shared, n_group=2 if family == "deepseek_v3" else 1, topk_group=1,
+                                 first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, **over)
+    elif family == "deepseek_v2":
+        n_shared = (shared_width or 2 * inter) // inter
+        cfg = T.DeepseekV2Config(**moe, **{**MLA, "q_lora_rank": None}, intermediate_size=3 * inter, moe_intermediate_size=inter,
+                                 n_routed_experts=experts, n_shared_experts=n_shared, first_k_dense_replace=1,
+                                 routed_scaling_factor=1.0, **over)
+    elif family == "glm4_moe":
+        cfg = T.Glm4MoeConfig(**moe, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts, head_dim=32,
+                              n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=2.5, **over)
+    elif family == "glm4_moe_lite":
+        cfg = T.Glm4MoeLiteConfig(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
+                                  n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=1.8, **over)
+    elif family == "glm_moe_dsa":
+        cfg = T.GlmMoeDsaConfig(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
+                                n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                index_n_heads=2, index_head_dim=16, index_topk=4, **over)
+    elif family in ("minimax_m3_text", "minimax_m3_vl"):
+        from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as C
+
+        text = dict(hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=2, head_dim=32, intermediate_size=inter,
+                    shared_intermediate_size=shared_width or inter, dense_intermediate_size=3 * inter, num_local_experts=experts,
+                    moe_layer_freq=[0] + [1] * (layers - 1), **COMMON, **over)
+        if family == "minimax_m3_text":
+            cfg = C.MiniMaxM3VLTextConfig(**text)
+        else:
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8)
+            cfg = C.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=hidden)
+    else:
+        raise ValueError(family)
+    if family == "kimi_k2":
+        cfg.model_type_override = "kimi_k2"
+    return cfg
+
+
+def model_class(family: str):
+    import transformers as T
+
+    if family in ("deepseek_v3", "kimi_k2"):
+        return T.DeepseekV3ForCausalLM
+    if family == "minimax_m3_text":
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+        return MiniMaxM3VLForCausalLM
+    if family == "minimax_m3_vl":
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+        return MiniMaxM3SparseForConditionalGeneration
+    return {
+        "deepseek_v2": T.DeepseekV2ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
+        "glm4_moe_lite": T.Glm4MoeLiteForCausalLM, "glm_moe_dsa": T.GlmMoeDsaForCausalLM,
+    }[family]
+
+
+def randomize_(model, seed: int = 0) -> None:
+    """Give every parameter and buffer (router bias included) visible random values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point() or "inv_freq" in name:
+                continue
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
+
+
+def build_checkpoint(family: str, path: Path, *, seed: int = 0, dtype=torch.bfloat16, mtp: bool = False, **cfg_kw) -> Path:
+    """Build, randomize and save a tiny model of ``family``; optionally add an MTP layer the way releases store it."""
+    cfg = build_config(family, **cfg_kw)
+    torch.manual_seed(seed)
+    model = model_class(family)(cfg)
+    randomize_(model, seed)
+    model = model.to(dtype)
+    model.save_pretrained(path)
+    if family == "kimi_k2":
+        _edit_config(path, lambda c: c.update(model_type="kimi_k2"))
+    if mtp:
+        add_mtp_layer(path)
+    return path
+
+
+def _edit_config(path: Path, fn) -> None:
+    p = path / "config.json"
+    c = json.loads(p.read_text())
+    fn(c)
+    p.write_text(json.dumps(c, indent=2))
+
+
+def load_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder (tests only: tiny models)."""
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def rewrite(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
+    """Replace a checkpoint's weights with ``tensors``, in ``shards`` files with an index."""
+    for f in list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json")):
+        f.unlink()
+    names = sorted(tensors)
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i * per : (i + 1) * per]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in part}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def add_mtp_layer(path: Path) -> None:
+    """Append an MTP layer (index = num_hidden_layers) like DeepSeek-V3's layer 61: a full MoE decoder layer plus glue."""
+    t = load_all(path)
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    last = f"model.layers.{n - 1}."
+    for k, v in list(t.items()):
+        if k.startswith(last):
+            t[f"model.layers.{n}." + k[len(last):]] = v.clone() * 1.01
+    H = cfg["hidden_size"]
+    dt = t["model.embed_tokens.weight"].dtype
+    t[f"model.layers.{n}.eh_proj.weight"] = torch.randn(H, 2 * H).to(dt) * 0.05
+    t[f"model.layers.{n}.enorm.weight"] = torch.ones(H, dtype=dt)
+    t[f"model.layers.{n}.hnorm.weight"] = torch.ones(H, dtype=dt)
+    t[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(H, dtype=dt)
+    t[f"model.layers.{n}.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+    rewrite(path, t, shards=2)
+    _edit_config(path, lambda c: c.update(num_nextn_predict_layers=1))
+
+
+_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|eh_proj|shared_head|e_score_correction_bias|indexer\.weights_proj)")
+
+
+def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> None:
+    """Quantize a BF16 checkpoint in place the way DeepSeek's FP8 releases store it (weight_scale_inv, 128x128)."""
+    t = load_all(path)
+    out = {}
+    for k, v in t.items():
+        if k.endswith(".weight") and v.dim() == 2 and ".layers." in k and not _SKIP_FP8.search(k):
+            q, s = quantize_block_fp8(v.float(), scale_fmt=scale_fmt)
+            out[k], out[k + "_scale_inv"] = q, s
+        elif k.endswith(("gate_up_proj", "down_proj")) and v.dim() == 3:
+            I2 = v.shape[1]
+            if k.endswith("gate_up_proj"):
+                halves = [quantize_block_fp8(h.float(), scale_fmt=scale_fmt) for h in v.chunk(2, dim=1)]
+                out[k] = torch.cat([h[0] for h in halves], dim=1)
+                out[k + "_scale_inv"] = torch.cat([h[1] for h in halves], dim=1)
+            else:
+                out[k], out[k + "_scale_inv"] = quantize_block_fp8(v.float(), scale_fmt=scale_fmt)
+        else:
+            out[k] = v
+    rewrite(path, out, shards=shards)
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    if scale_fmt == "ue8m0":
+        qc["scale_fmt"] = "ue8m0"
+    _edit_config(path, lambda c: c.update(quantization_config=qc))
+
+
+def to_compressed_tensors_channel(path: Path, shards: int = 2) -> None:
+    """Quantize in place like GLM-4.5-FP8: compressed-tensors, per-channel ``weight_scale [out, 1]``."""
+    t = load_all(path)
+    out, ignore = {}, []
+    for k, v in t.items():
+        if k.endswith(".weight") and v.dim() == 2 and ".layers." in k and not _SKIP_FP8.search(k):
+            w = v.float()
+            s = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+            out[k] = (w / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[k + "_scale"] = s
+        else:
+            out[k] = v
+            if k.endswith(".weight"):
+                ignore.append(k[: -len(".weight")])
+    rewrite(path, out, shards=shards)
+    qc = {
+        "config_groups": {"group_0": {
+            "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float"},
+            "targets": ["Linear"],
+            "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel", "symmetric": True, "type": "float"},
+        }},
+        "format": "float-quantized", "ignore": ignore, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    }
+    _edit_config(path, lambda c: c.update(quantization_config=qc))
