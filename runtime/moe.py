@@ -1,0 +1,264 @@
+"""Fused MoE forward over all E+S experts of the fused-shared layout (LAYOUT sections 3-5).
+
+    experts = ExpertWeights.from_checkpoint(path, layer)
+    y = fused_moe(x, experts, ids, weights)          # x [T, H] -> [T, H], x's dtype
+    moe = FusedSharedMoE.from_checkpoint(path, layer) # router GEMM + route + fused_moe
+
+Triton on CUDA (``moe_triton``), the PyTorch reference elsewhere (``moe_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch
+
+from ._backend import resolve_backend
+from .fp8 import FP8_DTYPE
+from .layout import WEIGHT_BLOCK, LayoutError, moe_layer_tensors, read_config_block, scale_name
+from .routing import RoutingConfig, route
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class ExpertWeights:
+    """The E+S experts of one MoE layer, gate and up stacked.
+
+    - ``w13`` ``[E+S, 2I, H]``: gate rows ``[0, I)`` then up rows ``[I, 2I)``; FP8 e4m3
+      with ``w13_scale`` ``[E+S, 2*ceil(I/128), ceil(H/128)]`` (gate grid then up grid),
+      or bf16/fp16/fp32 with no scale (the layout's no-FP8 variant).
+    - ``w2`` ``[E+S, H, I]`` with ``w2_scale`` ``[E+S, ceil(H/128), ceil(I/128)]`` or None.
+    - ``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit`` ``[E+S]`` float32 (LAYOUT section 3);
+      None means plain SwiGLU (1, 0, +inf).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    gemm1_alpha: torch.Tensor | None = None
+    gemm1_beta: torch.Tensor | None = None
+    gemm1_clamp_limit: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.w13.dim() != 3 or self.w2.dim() != 3:
+            raise ValueError("w13 must be [E+S, 2I, H] and w2 [E+S, H, I]")
+        NE, I2, H = self.w13.shape
+        if I2 % 2 or tuple(self.w2.shape) != (NE, H, I2 // 2):
+            raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not fit together")
+        I = I2 // 2
+        fp8 = self.w13.dtype == FP8_DTYPE
+        if (self.w2.dtype == FP8_DTYPE) != fp8:
+            raise ValueError("w13 and w2 must both be FP8 or both not")
+        if fp8:
+            if self.w13_scale is None or self.w2_scale is None:
+                raise ValueError("FP8 expert weights need w13_scale and w2_scale")
+            gi, gh = math.ceil(I / WEIGHT_BLOCK), math.ceil(H / WEIGHT_BLOCK)
+            if tuple(self.w13_scale.shape) != (NE, 2 * gi, gh) or tuple(self.w2_scale.shape) != (NE, gh, gi):
+                raise ValueError(f"block scales {tuple(self.w13_scale.shape)}, {tuple(self.w2_scale.shape)} do not fit "
+                                 f"(expected {(NE, 2 * gi, gh)}, {(NE, gh, gi)})")
+            self.w13_scale = self.w13_scale.to(torch.float32)
+            self.w2_scale = self.w2_scale.to(torch.float32)
+        else:
+            if self.w13.dtype not in FLOAT_DTYPES or self.w2.dtype != self.w13.dtype:
+                raise ValueError(f"expert weights must be FP8 e4m3 or one of {FLOAT_DTYPES}, got {self.w13.dtype}/{self.w2.dtype}")
+            self.w13_scale = self.w2_scale = None
+        dev = self.w13.device
+        defaults = {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}
+        for name, value in defaults.items():
+            t = getattr(self, name)
+            t = torch.full((NE,), value, dtype=torch.float32, device=dev) if t is None else t.to(device=dev, dtype=torch.float32).reshape(-1)
+            if t.numel() != NE:
+                raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
+            setattr(self, name, t.contiguous())
+
+    @property
+    def num_experts(self) -> int:
+        """E + S."""
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13.dtype == FP8_DTYPE
+
+    def to(self, device) -> "ExpertWeights":
+        f = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return ExpertWeights(f(self.w13), f(self.w2), f(self.w13_scale), f(self.w2_scale),
+                             f(self.gemm1_alpha), f(self.gemm1_beta), f(self.gemm1_clamp_limit))
+
+    def subset(self, start: int, stop: int) -> "ExpertWeights":
+        """Experts ``[start, stop)`` as views (e.g. the routed ones alone, or the shared slots)."""
+        f = lambda t: None if t is None else t[start:stop]  # noqa: E731
+        return replace(self, w13=f(self.w13), w2=f(self.w2), w13_scale=f(self.w13_scale), w2_scale=f(self.w2_scale),
+                       gemm1_alpha=f(self.gemm1_alpha), gemm1_beta=f(self.gemm1_beta),
+                       gemm1_clamp_limit=f(self.gemm1_clamp_limit))
+
+    @classmethod
+    def from_per_expert(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
+                        gate_scale=None, up_scale=None, down_scale=None, **gemm1) -> "ExpertWeights":
+        """From per-expert ``[I, H]``, ``[I, H]``, ``[H, I]`` tensors (and their block scales)."""
+        w13 = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate, up)])
+        w2 = torch.stack(list(down))
+        s13 = s2 = None
+        if gate_scale is not None:
+            s13 = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate_scale, up_scale)])
+            s2 = torch.stack(list(down_scale))
+        return cls(w13, w2, s13, s2, **gemm1)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu") -> "ExpertWeights":
+        """Load one MoE layer's experts from a converted checkpoint folder."""
+        return _Checkpoint(path).experts(layer, device)
+
+
+class _Checkpoint:
+    """Lazy tensor access to a converted HF folder (index or single model.safetensors)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        with open(os.path.join(self.path, "config.json")) as f:
+            self.config: Mapping[str, Any] = json.load(f)
+        self.block = read_config_block(self.config)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(self.path, "model.safetensors")
+            if not os.path.exists(single):
+                raise LayoutError(f"{self.path}: no model.safetensors.index.json or model.safetensors")
+            from safetensors import safe_open
+
+            with safe_open(single, "pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        self.layers = moe_layer_tensors(self.weight_map)
+
+    def get(self, name: str, device="cpu") -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise LayoutError(f"{self.path}: tensor {name!r} not found")
+        with safe_open(os.path.join(self.path, self.weight_map[name]), "pt", device=str(device)) as f:
+            return f.get_tensor(name)
+
+    def names(self, layer: int):
+        if layer not in self.layers:
+            raise LayoutError(f"{self.path}: layer {layer} is not a converted MoE layer (found {sorted(self.layers)})")
+        return self.layers[layer]
+
+    def experts(self, layer: int, device) -> ExpertWeights:
+        names = self.names(layer)
+        NE = self.block.num_experts
+        has = lambda n: n in self.weight_map  # noqa: E731
+        if names.storage == "stacked":
+            gu, dn = names.stacked()
+            w13, w2 = self.get(gu, device), self.get(dn, device)
+            s13 = self.get(scale_name(gu), device) if has(scale_name(gu)) else None
+            s2 = self.get(scale_name(dn), device) if has(scale_name(dn)) else None
+            if w13.shape[0] != NE:
+                raise LayoutError(f"{gu}: {w13.shape[0]} experts, config says E+S = {NE}")
+        else:
+            per = [names.per_expert(e) for e in range(NE)]
+            w13 = torch.stack([torch.cat([self.get(g, device), self.get(u, device)], 0) for g, u, _ in per])
+            w2 = torch.stack([self.get(d, device) for _, _, d in per])
+            s13 = s2 = None
+            if has(scale_name(per[0][0])):
+                s13 = torch.stack([torch.cat([self.get(scale_name(g), device), self.get(scale_name(u), device)], 0)
+                                   for g, u, _ in per])
+                s2 = torch.stack([self.get(scale_name(d), device) for _, _, d in per])
+        alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())
+        return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit)
+
+    def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        names = self.names(layer)
+        w = self.get(names.router_weight(), device).to(torch.float32)
+        bias = None
+        for cand in names.bias_candidates():
+            if cand in self.weight_map:
+                bias = self.get(cand, device).to(torch.float32)
+                break
+        return w, bias
+
+
+def fused_moe(
+    x: torch.Tensor,
+    experts: ExpertWeights,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    num_valid_tokens: torch.Tensor | None = None,
+    backend: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """``y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over all K+S slots, in one pass.
+
+    ``x`` ``[T, H]`` bf16/fp16/fp32; ``ids`` ``[T, K+S]`` integer (ids outside ``[0, E+S)``,
+    e.g. -1, are skipped); ``weights`` ``[T, K+S]`` float32. With FP8 experts the activations
+    are quantized per 1x128 token group (dynamic) before each GEMM. Rows at or past
+    ``num_valid_tokens`` (one-element device tensor) come out as zeros. ``backend``:
+    None/"auto", "triton" or "torch"; ``config`` overrides the Triton tile choice.
+    """
+    if x.dim() != 2 or x.shape[1] != experts.hidden_size:
+        raise ValueError(f"x must be [T, {experts.hidden_size}], got {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K+S] with T = {x.shape[0]}")
+    if resolve_backend(backend, x, experts.w13) == "triton":
+        from .moe_triton import fused_moe_triton
+
+        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, config)
+    from .moe_reference import fused_moe_reference
+
+    return fused_moe_reference(x, experts, ids, weights, num_valid_tokens)
+
+
+class FusedSharedMoE(torch.nn.Module):
+    """One converted MoE layer: router GEMM (float32) + :func:`route` + :func:`fused_moe`."""
+
+    def __init__(self, experts: ExpertWeights, router_weight: torch.Tensor, bias: torch.Tensor | None,
+                 cfg: RoutingConfig, backend: str | None = None):
+        super().__init__()
+        if tuple(router_weight.shape) != (cfg.num_experts, experts.hidden_size):
+            raise ValueError(f"router weight {tuple(router_weight.shape)} != [{cfg.num_experts}, {experts.hidden_size}]")
+        if experts.num_experts != cfg.num_total_experts:
+            raise ValueError(f"{experts.num_experts} experts, routing config says E+S = {cfg.num_total_experts}")
+        self.experts = experts
+        self.cfg = cfg
+        self.backend = backend
+        self.register_buffer("router_weight", router_weight.to(torch.float32))
+        self.register_buffer("e_score_correction_bias", None if bias is None else bias.to(torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        dev = self.router_weight.device
+        if self.experts.w13.device != dev:
+            self.experts = self.experts.to(dev)
+        return self
+
+    def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        logits = torch.nn.functional.linear(h.to(torch.float32), self.router_weight)
+        ids, w = route(logits, self.e_score_correction_bias, self.cfg, num_valid_tokens, backend=self.backend)
+        return fused_moe(h, self.experts, ids, w, num_valid_tokens, backend=self.backend).reshape(shape)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu",
+                        backend: str | None = None) -> "FusedSharedMoE":
+        ck = _Checkpoint(path)
+        cfg = RoutingConfig.from_config(ck.block)
+        w, bias = ck.router(layer, device)
+        return cls(ck.experts(layer, device), w, bias, cfg, backend)

@@ -1,0 +1,54 @@
+"""PyTorch reference for ``fused_moe``: the same math as the Triton path, expert by expert, in float32.
+
+FP8 experts: activations are quantized per 1x128 token group (``fp8.quantize_activations``)
+before GEMM1 and again (the SwiGLU output) before GEMM2; weights are dequantized with their
+128x128 block scales. Other experts: activations are rounded to the weight dtype before each GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import dequantize_block_fp8, quantize_activations
+
+
+def _quant_dequant(a: torch.Tensor) -> torch.Tensor:
+    """Per-1x128-group FP8 round trip of activations ``a [rows, K]``, in float32."""
+    q, s = quantize_activations(a)
+    return q.to(torch.float32) * s.repeat_interleave(128, dim=1)[:, : a.shape[1]]
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, alpha, beta, limit) -> torch.Tensor:
+    """LAYOUT section 3: ``min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + beta)``."""
+    g = torch.minimum(g, limit)
+    u = torch.maximum(torch.minimum(u, limit), -limit)
+    return g * torch.sigmoid(alpha * g) * (u + beta)
+
+
+def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
+    """Reference fused MoE; same contract as :func:`runtime.moe.fused_moe`."""
+    T, H = x.shape
+    NE, I = experts.num_experts, experts.intermediate_size
+    fp8 = experts.is_fp8
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    ids = ids.to(torch.int64)
+    ok = (ids >= 0) & (ids < NE)
+    if num_valid_tokens is not None:
+        nv = num_valid_tokens.reshape(-1)[0].to(x.device)
+        ok &= (torch.arange(T, device=x.device) < nv)[:, None]
+    a = _quant_dequant(x) if fp8 else x.to(experts.w13.dtype).to(torch.float32)
+    for e in torch.unique(ids[ok]).tolist():
+        tok, slot = torch.nonzero(ok & (ids == e), as_tuple=True)
+        if fp8:
+            w13 = dequantize_block_fp8(experts.w13[e], experts.w13_scale[e]) if I % 128 == 0 else torch.cat(
+                [dequantize_block_fp8(experts.w13[e, :I], experts.w13_scale[e, : -(-I // 128)]),
+                 dequantize_block_fp8(experts.w13[e, I:], experts.w13_scale[e, -(-I // 128):])], 0)
+            w2 = dequantize_block_fp8(experts.w2[e], experts.w2_scale[e])
+        else:
+            w13, w2 = experts.w13[e].to(torch.float32), experts.w2[e].to(torch.float32)
+        gu = a[tok] @ w13.T
+        h = swiglu(gu[:, :I], gu[:, I:], experts.gemm1_alpha[e], experts.gemm1_beta[e], experts.gemm1_clamp_limit[e])
+        h = _quant_dequant(h) if fp8 else h.to(experts.w13.dtype).to(torch.float32)
+        y = h @ w2.T
+        out.index_add_(0, tok, y * weights[tok, slot].to(torch.float32)[:, None])
+    return out.to(x.dtype)
