@@ -14,8 +14,15 @@ from .layout import (
     moe_layer_tensors,
     read_config_block,
 )
+from .moe import ExpertWeights, FusedSharedMoE, fused_moe
+from .routing import RoutingConfig, route
 
 __all__ = [
+    "ExpertWeights",
+    "FusedSharedMoE",
+    "RoutingConfig",
+    "fused_moe",
+    "route",
     "CONFIG_KEY",
     "LAYOUT_VERSION",
     "ActivationParams",

@@ -201,6 +201,7 @@ def fused_moe(
     num_valid_tokens: torch.Tensor | None = None,
     backend: str | None = None,
     config: Mapping[str, Any] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over all K+S slots, in one pass.
 
@@ -208,7 +209,8 @@ def fused_moe(
     e.g. -1, are skipped); ``weights`` ``[T, K+S]`` float32. With FP8 experts the activations
     are quantized per 1x128 token group (dynamic) before each GEMM. Rows at or past
     ``num_valid_tokens`` (one-element device tensor) come out as zeros. ``backend``:
-    None/"auto", "triton" or "torch"; ``config`` overrides the Triton tile choice.
+    None/"auto", "triton" or "torch"; ``config`` overrides the Triton tile choice;
+    ``out`` is an optional preallocated ``[T, H]`` result of x's dtype.
     """
     if x.dim() != 2 or x.shape[1] != experts.hidden_size:
         raise ValueError(f"x must be [T, {experts.hidden_size}], got {tuple(x.shape)}")
@@ -219,10 +221,14 @@ def fused_moe(
     if resolve_backend(backend, x, experts.w13) == "triton":
         from .moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, config)
+        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, config, out)
     from .moe_reference import fused_moe_reference
 
-    return fused_moe_reference(x, experts, ids, weights, num_valid_tokens)
+    y = fused_moe_reference(x, experts, ids, weights, num_valid_tokens)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
 
 
 class FusedSharedMoE(torch.nn.Module):

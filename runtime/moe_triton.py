@@ -244,13 +244,16 @@ def _alloc(shape, dtype, like):
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
-def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, config=None):
+def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, config=None, out=None):
     """Triton fused MoE; same contract as :func:`runtime.moe.fused_moe`."""
     T, H = x.shape
     KS = ids.shape[1]
     NE, I = experts.num_experts, experts.intermediate_size
     fp8 = experts.is_fp8
-    out = _alloc((T, H), x.dtype, x)
+    if out is None:
+        out = _alloc((T, H), x.dtype, x)
+    elif out.shape != (T, H) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous [T, H] tensor of x's dtype")
     if T == 0:
         return out
     dev = str(x.device.type) + (torch.cuda.get_device_name(x.device) if x.is_cuda else "")

@@ -88,6 +88,7 @@ def route(
     cfg: RoutingConfig,
     num_valid_tokens: torch.Tensor | None = None,
     backend: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids ``[T, K+S]`` (int32) and weights ``[T, K+S]`` (float32) from router logits ``[T, E]``.
 
@@ -95,6 +96,7 @@ def route(
     ``num_valid_tokens`` (a one-element integer device tensor) marks rows past it as padding:
     they get id -1 and weight 0 without being routed (CUDA-graph friendly: no host sync).
     ``backend``: None/"auto" (Triton on CUDA, else PyTorch), "triton" or "torch".
+    ``out``: optional preallocated ``(ids, weights)`` to write into (static buffers for graphs).
     """
     if logits.dim() != 2 or logits.shape[1] != cfg.num_experts:
         raise ValueError(f"logits must be [T, {cfg.num_experts}], got {tuple(logits.shape)}")
@@ -103,7 +105,12 @@ def route(
     if resolve_backend(backend, logits) == "triton":
         from .routing_triton import route_triton
 
-        return route_triton(logits, bias, cfg, num_valid_tokens)
+        return route_triton(logits, bias, cfg, num_valid_tokens, out)
     from .routing_reference import route_reference
 
-    return route_reference(logits, bias, cfg, num_valid_tokens)
+    ids, w = route_reference(logits, bias, cfg, num_valid_tokens)
+    if out is not None:
+        out[0].copy_(ids)
+        out[1].copy_(w)
+        return out
+    return ids, w

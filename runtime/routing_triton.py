@@ -110,12 +110,17 @@ def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scorin
                 RENORM=renorm, num_warps=num_warps)
 
 
-def route_triton(logits, bias, cfg, num_valid_tokens=None):
+def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None):
     """Triton routing; same contract as :func:`runtime.routing.route`."""
     T, E = logits.shape
     KS = cfg.num_slots
-    ids = torch.empty(T, KS, dtype=torch.int32, device=logits.device)
-    w = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
+    if out is not None:
+        ids, w = out
+        if ids.shape != (T, KS) or ids.dtype != torch.int32 or w.shape != (T, KS) or w.dtype != torch.float32 or not (ids.is_contiguous() and w.is_contiguous()):
+            raise ValueError("out must be contiguous ([T, K+S] int32, [T, K+S] float32)")
+    else:
+        ids = torch.empty(T, KS, dtype=torch.int32, device=logits.device)
+        w = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, w
     meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,

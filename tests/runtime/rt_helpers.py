@@ -1,0 +1,122 @@
+"""Shared test helpers: random experts and tiny converted checkpoints written with safetensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from runtime.fp8 import quantize_block_fp8
+from runtime.moe import ExpertWeights
+
+
+def random_experts(NE, H, I, fp8=True, oai=False, dtype=torch.bfloat16, device="cpu", gen=None):
+    """E+S experts with gate/up/down of unit-ish output scale; SwiGLU-OAI params when ``oai``."""
+    w13 = torch.randn(NE, 2 * I, H, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(NE, H, I, generator=gen) / math.sqrt(I)
+    kw = {}
+    if oai:
+        kw = dict(gemm1_alpha=torch.full((NE,), 1.702), gemm1_beta=torch.ones(NE),
+                  gemm1_clamp_limit=torch.full((NE,), 0.5))
+    if fp8:
+        g, gs = quantize_block_fp8(w13[:, :I])
+        u, us = quantize_block_fp8(w13[:, I:])
+        d, ds = quantize_block_fp8(w2)
+        ew = ExpertWeights(torch.cat([g, u], 1), d, torch.cat([gs, us], 1), ds, **kw)
+    else:
+        ew = ExpertWeights(w13.to(dtype), w2.to(dtype), **kw)
+    return ew.to(device)
+
+
+def random_ids(T, KS, NE, gen=None, skip_expert=None):
+    """Distinct ids per row; ``skip_expert`` never chosen (an expert that gets no token)."""
+    pool = [e for e in range(NE) if e != skip_expert]
+    rows = [torch.tensor(pool)[torch.randperm(len(pool), generator=gen)[:KS]] for _ in range(T)]
+    return torch.stack(rows).to(torch.int32)
+
+
+def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1, topk_group=1,
+                     activation="swiglu", bias_name="gate.e_score_correction_bias", nested=False,
+                     sharded=True, layers=(1,), gen=None):
+    """A tiny converted checkpoint (LAYOUT v1). Returns {layer: dict of float32 source tensors}."""
+    os.makedirs(path, exist_ok=True)
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    truth = {}
+    NE = E + S
+    names = {"proj": ("gate_proj", "up_proj", "down_proj"), "w13": ("w1", "w3", "w2")}
+    for L in layers:
+        block = f"model.layers.{L}.mlp"
+        ex = f"{block}.experts"
+        gate = torch.randn(NE, I, H, generator=gen) / math.sqrt(H)
+        up = torch.randn(NE, I, H, generator=gen) / math.sqrt(H)
+        down = torch.randn(NE, H, I, generator=gen) / math.sqrt(I)
+        router = torch.randn(E, H, generator=gen) / math.sqrt(H)
+        bias = torch.randn(E, generator=gen) * 0.1
+        if activation == "swiglu_oai":
+            alpha, beta, limit = torch.full((NE,), 1.702), torch.ones(NE), torch.full((NE,), 7.0)
+        else:
+            alpha, beta, limit = torch.ones(NE), torch.zeros(NE), torch.full((NE,), math.inf)
+        truth[L] = dict(gate=gate, up=up, down=down, router=router, bias=bias if bias_name else None,
+                        alpha=alpha, beta=beta, limit=limit)
+
+        def put(name, w):
+            if fp8:
+                q, s = quantize_block_fp8(w)
+                tensors[name] = q
+                tensors[name + "_scale_inv"] = s
+            else:
+                tensors[name] = w.to(torch.bfloat16)
+
+        if storage == "stacked":
+            if fp8:
+                gq, gs = quantize_block_fp8(gate)
+                uq, us = quantize_block_fp8(up)
+                tensors[f"{ex}.gate_up_proj"] = torch.cat([gq, uq], 1)
+                tensors[f"{ex}.gate_up_proj_scale_inv"] = torch.cat([gs, us], 1)
+                put(f"{ex}.down_proj", down)
+            else:
+                tensors[f"{ex}.gate_up_proj"] = torch.cat([gate, up], 1).to(torch.bfloat16)
+                tensors[f"{ex}.down_proj"] = down.to(torch.bfloat16)
+        else:
+            g, u, d = names[storage]
+            for e in range(NE):
+                put(f"{ex}.{e}.{g}.weight", gate[e])
+                put(f"{ex}.{e}.{u}.weight", up[e])
+                put(f"{ex}.{e}.{d}.weight", down[e])
+        tensors[f"{block}.gate.weight"] = router
+        if bias_name:
+            tensors[f"{block}.{bias_name}"] = bias
+        tensors[f"{ex}.gemm1_alpha"] = alpha
+        tensors[f"{ex}.gemm1_beta"] = beta
+        tensors[f"{ex}.gemm1_clamp_limit"] = limit
+    tensors["model.embed_tokens.weight"] = torch.randn(8, H, generator=gen)
+    fse = {
+        "version": 1, "num_routed_experts": E, "num_fused_shared_experts": S, "expert_intermediate_size": I,
+        "source_shared_intermediate_size": S * I, "moe_layers": list(layers), "activation": activation,
+        "routing": {"scoring": "sigmoid", "top_k": K, "n_group": n_group, "topk_group": topk_group,
+                    "renormalize": True, "routed_scaling_factor": 2.5, "has_bias": bool(bias_name)},
+        "weight_block_size": [128, 128] if fp8 else None, "source": {"model_type": "test"},
+    }
+    inner = {"model_type": "test", "hidden_size": H, "fused_shared_experts": fse}
+    config = {"model_type": "wrapper", "text_config": inner} if nested else inner
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if sharded:
+        keys = sorted(tensors)
+        half = len(keys) // 2
+        wm = {}
+        for i, part in enumerate((keys[:half], keys[half:])):
+            fn = f"model-{i + 1:05d}-of-00002.safetensors"
+            save_file({k: tensors[k] for k in part}, os.path.join(path, fn), metadata={"format": "pt"})
+            wm.update({k: fn for k in part})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f)
+    else:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return truth

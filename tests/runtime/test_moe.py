@@ -1,0 +1,140 @@
+"""Fused MoE: the PyTorch reference against an independent float64 computation, and the Triton
+kernels (interpreter on CPU) against the reference on small shapes."""
+
+import math
+
+import pytest
+import torch
+
+from runtime import ExpertWeights, fused_moe
+from runtime._backend import triton_available
+from runtime.fp8 import FP8_MAX, dequantize_block_fp8
+
+from rt_helpers import random_experts, random_ids
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
+
+
+def _q64(a):
+    """Independent 1x128 FP8 quantize-dequantize in float64 (scale computed in float32 as the layout says)."""
+    rows, K = a.shape
+    out = torch.empty_like(a, dtype=torch.float64)
+    for g0 in range(0, K, 128):
+        blk = a[:, g0:g0 + 128]
+        amax = blk.abs().amax(dim=1).to(torch.float32)
+        scale = (torch.clamp(amax, min=torch.finfo(torch.float32).tiny) / FP8_MAX).double()
+        q = (blk.double() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double()
+        out[:, g0:g0 + 128] = q * scale[:, None]
+    return out
+
+
+def independent_moe(x, ew, ids, w):
+    """Token by token, slot by slot, float64, from the dequantized weights."""
+    I = ew.intermediate_size
+    gi = -(-I // 128)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xs = _q64(x.double()) if ew.is_fp8 else x.to(ew.w13.dtype).double()
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if not 0 <= e < ew.num_experts:
+                continue
+            if ew.is_fp8:
+                g = dequantize_block_fp8(ew.w13[e, :I], ew.w13_scale[e, :gi]).double()
+                u = dequantize_block_fp8(ew.w13[e, I:], ew.w13_scale[e, gi:]).double()
+                d = dequantize_block_fp8(ew.w2[e], ew.w2_scale[e]).double()
+            else:
+                g, u, d = ew.w13[e, :I].double(), ew.w13[e, I:].double(), ew.w2[e].double()
+            a, b, lim = float(ew.gemm1_alpha[e]), float(ew.gemm1_beta[e]), float(ew.gemm1_clamp_limit[e])
+            gv = (g @ xs[t]).clamp(max=lim)
+            uv = (u @ xs[t]).clamp(-lim, lim)
+            h = gv * torch.sigmoid(a * gv) * (uv + b)
+            h = _q64(h[None])[0] if ew.is_fp8 else h.to(ew.w13.dtype).double()
+            out[t] += float(w[t, k]) * (d @ h)
+    return out
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("fp8,oai,H,I", [(True, False, 256, 128), (True, True, 320, 192), (False, False, 256, 128)])
+def test_reference_matches_independent_float64(fp8, oai, H, I):
+    g = torch.Generator().manual_seed(H + I + fp8)
+    ew = random_experts(7, H, I, fp8=fp8, oai=oai, gen=g)
+    x = torch.randn(5, H, generator=g)
+    ids = random_ids(5, 3, 7, gen=g)
+    ids[1, 2] = -1
+    w = torch.rand(5, 3, generator=g)
+    y = fused_moe(x, ew, ids, w, backend="torch")
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert rel(y, independent_moe(x, ew, ids, w)) < (2e-3 if fp8 else 1e-4)
+
+
+def test_clamp_and_offsets_act():
+    """SwiGLU-OAI with a small limit must differ from plain SwiGLU (the parameters are used)."""
+    g = torch.Generator().manual_seed(1)
+    ew = random_experts(3, 256, 128, oai=True, gen=g)
+    plain = ExpertWeights(ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
+    x = torch.randn(2, 256, generator=g) * 4
+    ids = torch.tensor([[0, 2], [1, 2]], dtype=torch.int32)
+    w = torch.ones(2, 2)
+    assert rel(fused_moe(x, ew, ids, w, backend="torch"), fused_moe(x, plain, ids, w, backend="torch")) > 0.05
+
+
+CASES = [
+    # NE, H, I, T, KS, fp8, oai, x dtype, config override, skip expert
+    (9, 256, 128, 1, 9, True, False, torch.bfloat16, None, None),  # T = 1, every expert once (8 + 1 shared)
+    (9, 256, 128, 40, 3, True, False, torch.bfloat16, None, 4),  # T > BLOCK_M, expert 4 gets no token
+    (10, 256, 128, 24, 4, True, True, torch.float32, dict(prequant=True), None),  # prequantized path, S = 2
+    (6, 320, 192, 11, 3, True, True, torch.float16, None, None),  # I and H not multiples of 128
+    (8, 256, 128, 70, 2, True, False, torch.bfloat16, None, 0),  # T > 64: the mid-size tile config, S = 0
+    (5, 256, 128, 9, 3, False, False, torch.bfloat16, None, None),  # no-FP8 variant, bf16 weights
+    (5, 192, 128, 6, 2, False, True, torch.float32, None, None),  # no-FP8, fp32 weights
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"NE{c[0]}H{c[1]}I{c[2]}T{c[3]}KS{c[4]}{'fp8' if c[5] else 'src'}")
+def test_triton_matches_reference(case):
+    NE, H, I, T, KS, fp8, oai, dt, cfg, skip = case
+    g = torch.Generator().manual_seed(NE * 100 + T)
+    ew = random_experts(NE, H, I, fp8=fp8, oai=oai, gen=g, dtype=torch.bfloat16 if dt != torch.float32 else torch.float32)
+    x = torch.randn(T, H, generator=g).to(dt)
+    ids = random_ids(T, KS, NE, gen=g, skip_expert=skip)
+    w = torch.rand(T, KS, generator=g)
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    out = torch.full((T, H), float("nan"), dtype=dt)
+    fused_moe(x, ew, ids, w, backend="triton", config=cfg, out=out)
+    assert not torch.isnan(out).any()
+    assert rel(out, ref) < (1e-2 if dt == torch.float16 else 2e-3)  # output rounding of 16-bit types
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padding_rows_and_invalid_ids(backend):
+    g = torch.Generator().manual_seed(5)
+    ew = random_experts(9, 256, 128, gen=g)
+    x = torch.randn(12, 256, generator=g, dtype=torch.float32)
+    ids = random_ids(12, 3, 9, gen=g)
+    ids[2, 1] = -1
+    w = torch.rand(12, 3, generator=g)
+    nv = torch.tensor([7], dtype=torch.int32)
+    out = torch.full((12, 256), float("nan"))
+    fused_moe(x, ew, ids, w, nv, backend=backend, out=out)
+    assert torch.all(out[7:] == 0)
+    keep = ids[:7].clone()
+    ref = fused_moe(x[:7], ew, keep, w[:7], backend="torch")
+    assert rel(out[:7], ref) < 1e-5
+
+
+def test_validation():
+    g = torch.Generator().manual_seed(0)
+    ew = random_experts(3, 256, 128, gen=g)
+    with pytest.raises(ValueError):
+        ExpertWeights(ew.w13, ew.w2)  # FP8 without scales
+    with pytest.raises(ValueError):
+        fused_moe(torch.randn(2, 128), ew, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    assert ew.num_experts == 3 and ew.hidden_size == 256 and ew.intermediate_size == 128
+    assert math.isinf(float(ew.gemm1_clamp_limit[0]))
