@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from fake_hub import FakeHub  # noqa: E402
+
+WRITE_TOKEN = "hf_fake_write_alice_0123456789"
+READ_TOKEN = "hf_fake_read_alice_0123456789"
+BOB_TOKEN = "hf_fake_write_bob_0123456789"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A running fake Hub, with huggingface_hub pointed at it (endpoint, cache, token, no Xet)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    fake = FakeHub().start()
+    fake.add_token(WRITE_TOKEN, "alice", role="write", orgs=("fuse-org",))
+    fake.add_token(READ_TOKEN, "alice", role="read", orgs=("fuse-org",))
+    fake.add_token(BOB_TOKEN, "bob", role="write")
+
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_TOKEN", WRITE_TOKEN)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    # huggingface_hub reads these at import time: patch the module constants it reads at call time.
+    monkeypatch.setattr(constants, "ENDPOINT", fake.url)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake speaks LFS, not Xet
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(home / ".agent_harnesses.json"))
+    try:
+        yield fake
+    finally:
+        fake.stop()
+        _http.close_session()
+
+
+@pytest.fixture
+def converted(tmp_path):
+    from checkpoints import write_converted_checkpoint
+
+    return write_converted_checkpoint(tmp_path / "out")
