@@ -1,0 +1,69 @@
+"""Sparse safetensors skeletons of released checkpoints, from ../shared/fixtures/checkpoints.
+
+Each skeleton has the release's config.json and every tensor's exact header entry;
+the data region is a hole (``truncate``), so a 700 GB checkpoint costs a few MB of disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+
+from fuse_tool.safetensors_io import build_header
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "checkpoints"
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def read_inventory(name: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    rows = []
+    with gzip.open(FIXTURES / name / "tensors.tsv.gz", "rt") as f:
+        next(f)
+        for line in f:
+            tname, dtype, shape = line.rstrip("\n").split("\t")
+            rows.append((tname, dtype, tuple(int(x) for x in shape.split(",")) if shape else ()))
+    return rows
+
+
+def fixture_config(name: str) -> dict:
+    d = FIXTURES / name
+    for cand in ("config.json", "config.transformers_repr.json"):
+        if (d / cand).is_file():
+            return json.loads((d / cand).read_text())
+    if name == "minimax-m2.5":  # the fixture README: use M2.7's config
+        return fixture_config("minimax-m2.7")
+    raise FileNotFoundError(f"no config for fixture {name}")
+
+
+def build_skeleton(name: str, out: Path, layers_per_file: int = 4) -> Path:
+    """Write ``out`` as a model folder with the fixture's config and sparse shards plus an index."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(fixture_config(name), indent=2))
+    groups: dict[int, list] = {}
+    for row in read_inventory(name):
+        m = _LAYER.search(row[0])
+        key = int(m.group(1)) // layers_per_file + 1 if m else 0
+        groups.setdefault(key, []).append(row)
+    n = len(groups)
+    weight_map = {}
+    total = 0
+    for i, key in enumerate(sorted(groups)):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        header, offsets = build_header(groups[key], {"format": "pt"})
+        data = 0
+        for tname, dtype, shape in groups[key]:
+            weight_map[tname] = fname
+        from fuse_tool.safetensors_io import DTYPE_SIZES
+        import math
+        data = sum(math.prod(s) * DTYPE_SIZES[d] for _, d, s in groups[key])
+        total += data
+        with open(out / fname, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + data)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return out

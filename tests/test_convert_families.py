@@ -1,0 +1,174 @@
+"""Every supported family: a tiny transformers-built checkpoint, converted, checked tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+
+from builders import FAMILIES, build_checkpoint, load_all
+from checks import assert_fp8_close, config_block, dequant, index_of
+from fuse_tool.convert import convert_checkpoint
+from fuse_tool.plan import ConvertOptions
+from runtime.layout import PER_EXPERT_NAMES, moe_layer_tensors, scale_name
+
+# (family, build kwargs, E, I, W): W != I covers split slots (V2) and padded slots (MiniMax 48 over 32).
+CASES = {
+    "deepseek_v3": dict(kw=dict(mtp=True), E=8, I=32, W=32),
+    "kimi_k2": dict(kw={}, E=8, I=32, W=32),
+    "deepseek_v2": dict(kw={}, E=8, I=32, W=64),
+    "glm4_moe": dict(kw={}, E=8, I=32, W=32),
+    "glm4_moe_lite": dict(kw={}, E=8, I=32, W=32),
+    "glm_moe_dsa": dict(kw={}, E=8, I=32, W=32),
+    "minimax_m3_text": dict(kw=dict(shared_width=48), E=8, I=32, W=48),
+    "minimax_m3_vl": dict(kw=dict(shared_width=80), E=8, I=32, W=80),
+}
+assert set(CASES) == set(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    return {f: build_checkpoint(f, root / f, **c["kw"]) for f, c in CASES.items()}
+
+
+def shared_source(src: dict, block: str, W: int):
+    """(gate [W,H], up [W,H], down [H,W]) of a source shared MLP, separate or concatenated."""
+    sh = f"{block}.shared_experts"
+    if f"{sh}.gate_up_proj.weight" in src:
+        gu = src[f"{sh}.gate_up_proj.weight"].float()
+        return gu[:W], gu[W:], src[f"{sh}.down_proj.weight"].float()
+    return tuple(src[f"{sh}.{p}.weight"].float() for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+def routed_source(src: dict, block: str, e: int):
+    x = f"{block}.experts"
+    if f"{x}.gate_up_proj" in src:
+        gu = src[f"{x}.gate_up_proj"][e].float()
+        half = gu.shape[0] // 2
+        return gu[:half], gu[half:], src[f"{x}.down_proj"][e].float()
+    names = PER_EXPERT_NAMES["w13" if f"{x}.0.w1.weight" in src else "proj"]
+    return tuple(src[f"{x}.{e}.{p}.weight"].float() for p in names)
+
+
+def converted_expert(out: dict, names, e: int):
+    """(gate, up, down) float32 of converted expert slot ``e`` and their scales (None without FP8)."""
+    if names.storage == "stacked":
+        gu_name, dn_name = names.stacked()
+        gu, dn = out[gu_name][e], out[dn_name][e]
+        half = gu.shape[0] // 2
+        if scale_name(gu_name) not in out:
+            return (gu[:half].float(), gu[half:].float(), dn.float()), None
+        # The gate_up grid is the gate's grid followed by the up's: each half has its own block origin.
+        sg, sd = out[scale_name(gu_name)][e], out[scale_name(dn_name)][e]
+        r = sg.shape[0] // 2
+        scales = (sg[:r], sg[r:], sd)
+        parts = (gu[:half], gu[half:], dn)
+        vals = tuple(dequant({"w": w, scale_name("w"): s}, "w") for w, s in zip(parts, scales))
+        return vals, scales
+    w = names.per_expert(e)
+    vals = tuple(dequant(out, n) for n in w)
+    scales = tuple(out[scale_name(n)] for n in w) if scale_name(w[0]) in out else None
+    return vals, scales
+
+
+@pytest.mark.parametrize("precision", ["source", "fp8"])
+@pytest.mark.parametrize("family", list(CASES))
+def test_family_converts_to_layout(family, precision, sources, tmp_path):
+    case = CASES[family]
+    E, I, W = case["E"], case["I"], case["W"]
+    S = math.ceil(W / I)
+    out_dir = tmp_path / "out"
+    result = convert_checkpoint(sources[family], out_dir, ConvertOptions(precision=precision), progress=False)
+    src, out = load_all(sources[family]), load_all(out_dir)
+
+    # Config block and index.
+    block = config_block(out_dir)
+    assert (block.num_routed_experts, block.num_fused_shared_experts, block.expert_intermediate_size,
+            block.source_shared_intermediate_size) == (E, S, I, W)
+    layers = moe_layer_tensors(out)
+    assert sorted(layers) == list(block.moe_layers) and len(layers) >= 2
+    if case["kw"].get("mtp"):
+        assert 3 in layers, "the MTP layer is fused too"
+    index = index_of(out_dir)
+    assert set(index["weight_map"]) == set(out)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert ("quantization_config" in cfg) == (precision == "fp8")
+    if precision == "fp8":
+        assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    for f in out_dir.glob("*.safetensors"):
+        n = struct.unpack("<Q", f.read_bytes()[:8])[0]
+        assert json.loads(f.read_bytes()[8 : 8 + n])["__metadata__"] == {"format": "pt"}
+
+    for L, names in layers.items():
+        blk = names.block_prefix
+        assert not any(k.startswith(blk + ".shared_experts") for k in out), "no shared-expert tensors remain"
+        assert out[names.router_weight()].dtype == torch.float32
+        assert torch.equal(out[names.router_weight()], src[names.router_weight()].float())
+        alpha, beta, limit = (out[n] for n in names.gemm1_params())
+        assert alpha.shape == beta.shape == limit.shape == (E + S,)
+        if block.activation == "swiglu_oai":
+            assert torch.allclose(alpha, torch.full((E + S,), 1.702)) and torch.all(beta == 1.0) and torch.all(limit == 7.0)
+        else:
+            assert torch.all(alpha == 1.0) and torch.all(beta == 0.0) and torch.all(torch.isinf(limit))
+        if names.storage != "stacked":
+            assert f"{names.experts_prefix}.{E + S}.{PER_EXPERT_NAMES[names.storage][0]}.weight" not in out
+        else:
+            assert out[names.stacked()[0]].shape[0] == E + S
+
+        sg, su, sd = shared_source(src, blk, W)
+        wants = [routed_source(src, blk, e) for e in range(E)]
+        for j in range(S):
+            a, b = j * I, min((j + 1) * I, W)
+            pad = lambda t, dim: torch.nn.functional.pad(t, (0, 0, 0, I - t.shape[0])) if dim == 0 else torch.nn.functional.pad(t, (0, I - t.shape[1]))
+            wants.append((pad(sg[a:b], 0), pad(su[a:b], 0), pad(sd[:, a:b], 1)))
+        for e, want in enumerate(wants):
+            got, scales = converted_expert(out, names, e)
+            for p, g, w in zip("gud", got, want):
+                label = f"layer {L} slot {e} {p}"
+                if precision == "source":
+                    assert torch.equal(g, w), label  # fusion alone is exact: bit for bit
+                else:
+                    assert_fp8_close(g, w, scales["gud".index(p)], label)
+    assert result.plan.total_size == index["metadata"]["total_size"]
+
+
+def test_vision_tower_copied_unchanged(sources, tmp_path):
+    out_dir = tmp_path / "out"
+    convert_checkpoint(sources["minimax_m3_vl"], out_dir, progress=False)
+    src, out = load_all(sources["minimax_m3_vl"]), load_all(out_dir)
+    vision = [k for k in src if not k.startswith("language_model.model.layers.")]
+    assert any(k.startswith("vision_tower") for k in vision) and any(k.startswith("multi_modal_projector") for k in vision)
+    for k in vision:
+        assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k]), k
+    qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    assert "language_model.lm_head" in qc["modules_to_not_convert"]
+    assert "fused_shared_experts" in json.loads((out_dir / "config.json").read_text())["text_config"]
+
+
+def test_other_linear_keep_lists_modules(sources, tmp_path):
+    out_dir = tmp_path / "out"
+    convert_checkpoint(sources["glm4_moe"], out_dir, ConvertOptions(other_linear="keep"), progress=False)
+    src, out = load_all(sources["glm4_moe"]), load_all(out_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert out[q].dtype == torch.bfloat16 and torch.equal(out[q], src[q])
+    qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    assert "model.layers.0.mlp.gate_proj" in qc["modules_to_not_convert"]
+
+
+def test_other_linear_fp8_quantizes_attention_not_router(sources, tmp_path):
+    out_dir = tmp_path / "out"
+    convert_checkpoint(sources["deepseek_v3"], out_dir, progress=False)
+    src, out = load_all(sources["deepseek_v3"]), load_all(out_dir)
+    for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.3.eh_proj.weight"):
+        if name.endswith("eh_proj.weight"):
+            assert out[name].dtype == torch.bfloat16, "MTP glue stays unquantized"
+        else:
+            assert out[name].dtype == torch.float8_e4m3fn
+            assert_fp8_close(dequant(out, name), src[name].float(), out[scale_name(name)], name)
+    assert out["model.embed_tokens.weight"].dtype == torch.bfloat16 and torch.equal(out["lm_head.weight"], src["lm_head.weight"])
