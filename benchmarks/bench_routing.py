@@ -1,0 +1,117 @@
+"""Routing benchmark: the fused Triton router against eager PyTorch routing as transformers computes it.
+
+    python3 benchmarks/bench_routing.py [--out results.json]
+
+Times per call: in a CUDA graph of REPS calls (device time) and eagerly (what a Python loop sees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from runtime import RoutingConfig, route  # noqa: E402
+
+MODELS = {
+    "DeepSeek-V3": RoutingConfig(256, 8, 1, "sigmoid", 8, 4, True, 2.5),
+    "GLM-4.5": RoutingConfig(160, 8, 1, "sigmoid", 1, 1, True, 2.5),
+    "MiniMax-M3": RoutingConfig(128, 4, 1, "sigmoid", 1, 1, True, 1.0),
+}
+TOKENS = [1, 8, 64, 512, 4096]
+REPS = 200
+
+
+def transformers_route(router_logits, bias, cfg):
+    """transformers' DeepseekV3TopkRouter.forward after the router GEMM (transformers 5.x), verbatim in substance."""
+    E, G = cfg.num_experts, cfg.n_group
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + bias
+    group_scores = scores_for_choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if cfg.renormalize:
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+    topk_weights = topk_weights * cfg.routed_scaling_factor
+    return topk_weights, topk_indices
+
+
+def time_graph(fn, reps=REPS, trials=5):
+    """Median per-call device time (us) of ``reps`` calls captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / reps)
+    return sorted(res)[len(res) // 2]
+
+
+def time_eager(fn, reps=REPS, trials=5):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / reps)
+    return sorted(res)[len(res) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'model':12} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5} | {'triton eager':>12} {'torch eager':>11} {'x':>5}")
+    for name, cfg in MODELS.items():
+        for T in TOKENS:
+            logits = torch.randn(T, cfg.num_experts, device="cuda")
+            bias = torch.randn(cfg.num_experts, device="cuda") * 0.05
+            ids = torch.empty(T, cfg.num_slots, dtype=torch.int32, device="cuda")
+            w = torch.empty(T, cfg.num_slots, dtype=torch.float32, device="cuda")
+            f_tr = lambda: route(logits, bias, cfg, out=(ids, w))  # noqa: E731
+            f_pt = lambda: transformers_route(logits, bias, cfg)  # noqa: E731
+            r = dict(model=name, T=T, triton_graph_us=time_graph(f_tr), torch_graph_us=time_graph(f_pt),
+                     triton_eager_us=time_eager(f_tr), torch_eager_us=time_eager(f_pt))
+            rows.append(r)
+            print(f"{name:12} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
+                  f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f} | {r['triton_eager_us']:12.2f} "
+                  f"{r['torch_eager_us']:11.2f} {r['torch_eager_us'] / r['triton_eager_us']:5.1f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
