@@ -1,0 +1,97 @@
+"""Released checkpoints' exact headers (sparse skeletons): inspect and --dry-run plan every one right."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from fuse_tool.cli import main
+from fuse_tool.convert import plan_conversion
+from fuse_tool.plan import ConvertOptions
+from skeletons import FIXTURES, build_skeleton, read_inventory
+
+if not FIXTURES.is_dir():  # pragma: no cover
+    pytest.skip(f"fixtures not found at {FIXTURES}", allow_module_level=True)
+
+# name: (E, S, I, decoder MoE layers, MTP layers, source tensors, source format)
+EXPECTED = {
+    "deepseek-v3": (256, 1, 2048, range(3, 61), [61], 91_991, "fp8-block"),
+    "deepseek-r1": (256, 1, 2048, range(3, 61), [61], 91_991, "fp8-block"),
+    "deepseek-v3.1": (256, 1, 2048, range(3, 61), [61], 91_991, "fp8-block"),
+    "kimi-k2-instruct": (384, 1, 2048, range(1, 61), [], 139_644, "fp8-block"),
+    "deepseek-v2-lite-chat": (64, 2, 1408, range(1, 27), [], 5_291, "BF16"),
+    "glm-4.5-fp8": (160, 1, 1536, range(3, 92), [92], 88_543, "fp8-channel"),
+    "glm-4.7-flash": (64, 1, 1536, range(1, 47), [47], 9_703, "BF16"),
+    "glm-5.1": (256, 1, 2048, range(3, 78), [78], 59_870, "BF16"),
+    "glm-5.1-fp8": (256, 1, 2048, range(3, 78), [78], 119_028, "fp8-block"),
+    "minimax-m3": (128, 1, 3072, range(3, 60), [], 23_416, "BF16"),
+}
+REFUSED = {
+    "minimax-m2.5": "has no shared expert",
+    "minimax-m2.7": "has no shared expert",
+    "qwen3-next-80b-a3b-instruct": "per-token sigmoid gate",
+}
+
+
+@pytest.fixture(scope="module")
+def skeleton_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("skeletons")
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_plan_of_real_layout(name, skeleton_root):
+    E, S, I, decoder, mtp, n_src, fmt = EXPECTED[name]
+    path = build_skeleton(name, skeleton_root / name)
+    plan = plan_conversion(path)
+    out_tensors = {t.name: t for s in plan.shards for t in s.tensors}
+    fp8 = [n for n, t in out_tensors.items() if t.dtype == "F8_E4M3"]
+    assert all(n + "_scale_inv" in out_tensors for n in fp8), "every FP8 weight has its block scale"
+    assert sum(n.endswith("_scale_inv") for n in out_tensors) == len(fp8)
+    if fmt == "BF16":  # counting without FP8 scales: the fusion alone
+        plan = plan_conversion(path, ConvertOptions(precision="source"))
+    assert len(plan.source.tensors) == n_src
+    assert [lp.layer for lp in plan.layers if not lp.is_mtp] == list(decoder)
+    assert [lp.layer for lp in plan.layers if lp.is_mtp] == mtp
+    assert (plan.block.num_routed_experts, plan.block.num_fused_shared_experts, plan.block.expert_intermediate_size) == (E, S, I)
+    assert {lp.source_format for lp in plan.layers} == {fmt}
+
+    # Count the output independently from the inventory: shared tensors (and scales) become S slots
+    # of as many tensors each, three SwiGLU parameter tensors per layer are added, and the
+    # compressed-tensors per-channel scales stay one per weight.
+    inventory = [n for n, _, _ in read_inventory(name)]
+    shared = [n for n in inventory if ".shared_experts." in n]
+    n_layers = len(plan.layers)
+    expected_out = n_src - len(shared) + S * len(shared) + 3 * n_layers
+    # (compressed-tensors weight_scale [out, 1] becomes one weight_scale_inv grid: one for one)
+    assert plan.num_tensors == expected_out
+    out_names = {t.name for s in plan.shards for t in s.tensors}
+    L = plan.layers[0]
+    assert any(n.startswith(f"{L.block_prefix}.experts.{E + S - 1}.") for n in out_names)
+    assert not any(n.startswith(f"{L.block_prefix}.experts.{E + S}.") for n in out_names)
+    assert not any(".shared_experts." in n for n in out_names)
+    if fmt == "fp8-block":
+        assert set(plan.bytes_by_kind()) <= {"copy", "cast", "constant"}, "FP8 releases are copied, not requantized"
+        assert {m for lp in plan.layers for m in lp.shared_modes} == {"copy"}
+    assert all(s.nbytes <= 5 * 10**9 or len(s.tensors) <= 2 for s in plan.shards)
+
+
+def test_deepseek_v3_inspect_and_dry_run_cli(skeleton_root, tmp_path):
+    path = build_skeleton("deepseek-v3", skeleton_root / "deepseek-v3-cli")
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "E=256 routed + S=1" in r.output and "58 decoder (3-60) + 1 MTP (61)" in r.output
+    assert "91,991 tensors" in r.output
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(path), str(out), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "nothing written" in r.output and not out.exists()
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_real_layouts(name, skeleton_root, tmp_path):
+    path = build_skeleton(name, skeleton_root / name)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(path), str(out)])
+    assert r.exit_code == 1
+    assert REFUSED[name] in r.output and "Traceback" not in r.output
+    assert not out.exists()
