@@ -1,0 +1,140 @@
+"""Bad input: one clear line naming the file and tensor, exit 1, and nothing in OUT_DIR."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from builders import build_checkpoint, load_all, rewrite, to_fp8_block
+from fuse_tool.cli import main
+
+
+@pytest.fixture()
+def src(tmp_path):
+    return build_checkpoint("deepseek_v3", tmp_path / "src")
+
+
+def run_convert(model, out, *extra):
+    r = CliRunner().invoke(main, ["convert", str(model), str(out), "--quiet", *extra])
+    return r.exit_code, r.output
+
+
+def assert_refused(code, output, out_dir, *fragments):
+    assert code == 1, output
+    assert output.startswith("error: ") and "Traceback" not in output
+    for f in fragments:
+        assert f in output, f"{f!r} not in {output!r}"
+    assert not out_dir.exists() or not any(p for p in out_dir.iterdir() if not p.name.startswith(".")), "nothing final-named in OUT_DIR"
+
+
+def mutate(src, fn):
+    t = load_all(src)
+    fn(t)
+    rewrite(src, t)
+
+
+def test_not_a_model_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_refused(*run_convert(tmp_path / "empty", tmp_path / "out"), tmp_path / "out", "no config.json")
+
+
+def test_corrupt_header(src, tmp_path):
+    f = next(src.glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[8:20] = b"{not json!!!"
+    f.write_bytes(bytes(data))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", f.name, "header is not valid JSON")
+
+
+def test_missing_tensor(src, tmp_path):
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    mutate(src, lambda t: t.pop(name))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name, "missing", "expected shape [32, 64]")
+
+
+def test_wrong_shape(src, tmp_path):
+    name = "model.layers.2.mlp.shared_experts.down_proj.weight"
+    mutate(src, lambda t: t.__setitem__(name, torch.zeros(64, 16, dtype=torch.bfloat16)))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name, "has shape [64, 16], expected [64, 32]")
+
+
+def test_wrong_dtype(src, tmp_path):
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    mutate(src, lambda t: t.__setitem__(name, torch.zeros(32, 64, dtype=torch.int32)))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name, "dtype I32")
+
+
+def test_fp8_weight_without_scale(src, tmp_path):
+    to_fp8_block(src)
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    mutate(src, lambda t: t.pop(name + "_scale_inv"))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name, "FP8 weight without its scale")
+
+
+def test_shared_and_routed_formats_differ(src, tmp_path):
+    to_fp8_block(src)
+    sh = "model.layers.1.mlp.shared_experts"
+
+    def dequant_shared(t):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            n = f"{sh}.{p}.weight"
+            t[n] = torch.zeros(t[n].shape, dtype=torch.bfloat16)
+            t.pop(n + "_scale_inv")
+
+    mutate(src, dequant_shared)
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", f"{sh}.gate_proj.weight", "shared and routed experts must share one format")
+
+
+def test_out_dir_not_empty(src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, output = run_convert(src, out)
+    assert code == 1 and "not empty" in output and "--overwrite" in output
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_out_dir_inside_model_dir(src):
+    out = src / "converted"
+    code, output = run_convert(src, out)
+    assert code == 1 and "inside it" in output and not out.exists()
+
+
+def test_config_contradicts_tensors(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["first_k_dense_replace"] = 2  # layer 1 has experts but would be dense
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "layer 1 dense", "but it has expert tensors")
+
+
+def test_more_experts_than_config(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["n_routed_experts"] = 6
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, output = run_convert(src, tmp_path / "out")
+    assert_refused(code, output, tmp_path / "out", "model.layers.1.mlp.gate.weight", "expected [6, H]")
+
+
+@pytest.mark.parametrize("model_type,reason", [
+    ("minimax_m2", "has no shared expert"),
+    ("qwen2_moe", "per-token sigmoid gate"),
+    ("qwen3_next", "per-token sigmoid gate"),
+    ("llama4", "scales the expert input"),
+    ("mixtral", "not supported; supported: deepseek_v2, deepseek_v3"),
+])
+def test_refused_model_types(src, tmp_path, model_type, reason):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = model_type
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", reason)
+
+
+def test_minimax_m3_without_shared_width_is_refused(tmp_path):
+    src = build_checkpoint("minimax_m3_text", tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["shared_intermediate_size"] = 0
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "no shared expert")
