@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -42,9 +43,16 @@ def _hub_id_from(value: Any) -> str | None:
 
 
 def base_model_from_manifest(manifest: dict[str, Any] | None) -> str | None:
+    """The Hub repo the checkpoint was converted from, if the manifest says (a local source gives None)."""
     if not manifest:
         return None
-    return _hub_id_from(manifest.get("source"))
+    for key in ("base_model", "source_repo_id"):
+        if isinstance(manifest.get(key), str) and _hub_id_from(manifest[key]):
+            return _hub_id_from(manifest[key])
+    source = manifest.get("source")
+    if isinstance(source, str) and not _CACHE_SNAPSHOT.search(source) and os.path.exists(os.path.expanduser(source.split("@", 1)[0])):
+        return None  # an existing local folder that merely looks like owner/name
+    return _hub_id_from(source)
 
 
 def _yaml_str(s: str) -> str:

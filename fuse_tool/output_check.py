@@ -113,10 +113,17 @@ def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
     return files
 
 
+# The converter writes ``.<name>.partial`` then renames (fuse_tool.writer.partial_name) and holds
+# ``.fuse-shared.lock`` while it runs; this tool and others use ``.<name>.tmp...``.
+CONVERTER_LOCK = ".fuse-shared.lock"
+
+
 def is_temporary_name(name: str) -> bool:
-    """Names the converter (and this tool) give files before an atomic rename: ``.<name>.tmp...``."""
+    """A file left by an unfinished write: ``.<name>.tmp...``, ``.<name>.partial``, the converter's lock, ``*.incomplete``."""
     base = name.rsplit("/", 1)[-1]
-    return base.startswith(".") and ".tmp" in base
+    if base == CONVERTER_LOCK or base.endswith(".incomplete"):
+        return True
+    return base.startswith(".") and (".tmp" in base or base.endswith(".partial"))
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -238,7 +245,8 @@ def check_converted_checkpoint(out_dir: str | os.PathLike, *, verify_checksums: 
 
     for name in files:
         if is_temporary_name(name):
-            raise _fail(f"{root / name}: leftover temporary file (the conversion did not finish, or is still running)")
+            what = "converter lock" if name.rsplit("/", 1)[-1] == CONVERTER_LOCK else "leftover temporary file"
+            raise _fail(f"{root / name}: {what} (the conversion did not finish, or is still running)")
 
     config = _load_json(root / CONFIG_FILE, CONFIG_FILE)
     if not isinstance(config, dict):

@@ -149,9 +149,17 @@ def test_total_size_mismatch(converted):
     _expect(converted, INDEX, "total_size")
 
 
-def test_leftover_temporary_file(converted):
-    (converted / ".model-00002-of-00002.safetensors.tmp.1234").write_bytes(b"partial")
-    _expect(converted, ".model-00002-of-00002.safetensors.tmp.1234", "temporary")
+@pytest.mark.parametrize(
+    "name", [".model-00002-of-00002.safetensors.tmp.1234", ".model-00002-of-00002.safetensors.partial", ".config.json.partial"]
+)
+def test_leftover_temporary_file(converted, name):
+    (converted / name).write_bytes(b"partial")
+    _expect(converted, name, "temporary")
+
+
+def test_conversion_still_running(converted):
+    (converted / ".fuse-shared.lock").write_bytes(b"")
+    _expect(converted, ".fuse-shared.lock", "still running")
 
 
 def test_moe_layer_missing(converted):
