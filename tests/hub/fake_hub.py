@@ -148,7 +148,7 @@ class FakeHub:
         self.blobs: dict[str, bytes] = {}
         self.requests: list[Request] = []
         self.lfs_put_log: list[tuple[str, int]] = []  # (oid, status) per LFS PUT, in arrival order
-        self.download_log: list[tuple[str, str]] = []  # (repo_id, path) per GET of a file body
+        self.download_log: list[tuple[str, str]] = []  # (repo_id, path) per GET of a file body (hub or CDN)
         self.validated_yaml: list[str] = []
         self.fail_lfs_puts_from: int | None = None
         self.stall_lfs_put: int | None = None
@@ -769,7 +769,8 @@ class _HubHandler(_Base):
             oid = entry.lfs_sha256
             headers.update(
                 {
-                    "Location": f"{hub.cdn_url}/download/{oid}?sig={hub._sign('dl/' + oid)}",
+                    "Location": f"{hub.cdn_url}/download/{oid}?repo={quote(repo_id, safe='')}&path={quote(path, safe='')}"
+                    f"&sig={hub._sign('dl/' + oid)}",
                     "X-Linked-Etag": f'"{oid}"',
                     "X-Linked-Size": str(entry.size),
                 }
@@ -792,6 +793,8 @@ class _CdnHandler(_Base):
             hub._check_sig("dl/" + oid, self._query)
             with hub.lock:
                 data = hub.lfs_objects.get(oid)
+                if data is not None and m == "GET":
+                    hub.download_log.append((self._query.get("repo", [""])[0], self._query.get("path", [oid])[0]))
             if data is None:
                 raise HttpError(404, "NoSuchKey")
             return self._serve_bytes(data, {"ETag": f'"{oid}"'})
