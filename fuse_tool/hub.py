@@ -43,6 +43,9 @@ SOURCE_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.
 # Never part of an upload (huggingface_hub adds .git/ and .cache/huggingface/ itself).
 UPLOAD_IGNORE_PATTERNS = [".cache/*", "*/.cache/*", ".git/*", "*/.git/*"]
 
+# Uploaded in a last commit, after every weight file is on the Hub.
+LAST_FILES = ("config.json", "model.safetensors.index.json", MANIFEST_FILE, "README.md")
+
 NO_TOKEN_MESSAGE = "no Hugging Face token: set HF_TOKEN or run `hf auth login`"
 
 _REF_SHAPE = re.compile(r"^(?P<repo>\w[\w.\-]*/\w[\w.\-]*)(?:@(?P<rev>[^@\s]+))?$")
@@ -440,20 +443,29 @@ def push_checkpoint(
         + "; files the Hub already has are skipped"
     )
     message = commit_message or f"Upload fused-shared checkpoint ({len(checked.shards)} shards, {_human(checked.total_size)})"
-    try:
-        with _progress_bars(progress):
-            api.upload_folder(
-                repo_id=repo_id,
-                folder_path=root,
-                repo_type="model",
-                revision=revision,
-                commit_message=message,
-                commit_description="Converted with fuse-shared (shared experts fused into trailing routed-expert slots).",
-                ignore_patterns=list(UPLOAD_IGNORE_PATTERNS),
-            )
-    except Exception as e:
-        err = fail(e, f"upload to {where}")
-        raise HubError(f"{err}; the upload is resumable: rerun the same push to send only what is missing") from None
+    # Weights first, then the files that make the repo look loadable (config, index, manifest, card): a
+    # push interrupted midway never leaves a config.json on the Hub that points at missing shards.
+    last = [p for p in LAST_FILES if p in files]
+    phases = [
+        (f"{message} (weights)", None, list(UPLOAD_IGNORE_PATTERNS) + last),
+        (message, last, list(UPLOAD_IGNORE_PATTERNS)),
+    ]
+    for msg, allow, ignore in phases:
+        try:
+            with _progress_bars(progress):
+                api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=root,
+                    repo_type="model",
+                    revision=revision,
+                    commit_message=msg,
+                    commit_description="Converted with fuse-shared (shared experts fused into trailing routed-expert slots).",
+                    allow_patterns=allow,
+                    ignore_patterns=ignore,
+                )
+        except Exception as e:
+            err = fail(e, f"upload to {where}")
+            raise HubError(f"{err}; the upload is resumable: rerun the same push to send only what is missing") from None
 
     if verify:
         say(f"verifying {len(files)} files on {ep}/{repo_id}")

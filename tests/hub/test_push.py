@@ -45,7 +45,7 @@ def _assert_remote_equals_local(hub, repo: str, out: Path, rev: str = "main") ->
         assert hub.file_bytes(repo, rel, rev) == (out / rel).read_bytes(), rel
 
 
-def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys):
+def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys, caplog):
     url = push_checkpoint(converted, REPO)
     assert url == f"{hub.url}/{REPO}"
 
@@ -77,9 +77,15 @@ def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys
 
     head = hub.head(REPO)
     assert head.title.startswith("Upload fused-shared checkpoint")
+    # weights were committed before config/index/manifest/card: a half-done push never looks loadable
+    weights = hub.repos[REPO].commits[head.parent]
+    assert weights.title.endswith("(weights)")
+    assert set(SHARDS) <= set(weights.files) and "config.json" not in weights.files
+    assert "model.safetensors.index.json" not in weights.files
     err = capsys.readouterr().err
     assert "verified: 9 files match" in err
-    assert WRITE_TOKEN not in err
+    assert "uploading 9 files" in err
+    assert WRITE_TOKEN not in err and WRITE_TOKEN not in caplog.text
 
 
 def test_push_downloads_back_identically(hub, converted, tmp_path):

@@ -1,0 +1,68 @@
+"""render_model_card: front matter and body from the checked checkpoint and its manifest."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from checkpoints import write_converted_checkpoint
+from fuse_tool.model_card import base_model_from_manifest, render_model_card
+from fuse_tool.output_check import check_converted_checkpoint
+
+
+def _meta(card: str) -> dict:
+    m = re.match(r"^---\n(.*?)\n---\n", card, re.S)
+    assert m
+    return yaml.safe_load(m.group(1))
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3"),
+        ("moonshotai/Kimi-K2-Instruct@main", "moonshotai/Kimi-K2-Instruct"),
+        ("/data/hf/hub/models--zai-org--GLM-4.6/snapshots/" + "a" * 40, "zai-org/GLM-4.6"),
+        ({"repo_id": "MiniMaxAI/MiniMax-M3", "revision": "main"}, "MiniMaxAI/MiniMax-M3"),
+        ("/models/local-dsv3", None),
+        ("./dsv3", None),
+        (None, None),
+    ],
+)
+def test_base_model_from_manifest(source, expected):
+    assert base_model_from_manifest({"source": source}) == expected
+
+
+def test_existing_local_folder_is_not_a_base_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "dsv3").mkdir(parents=True)
+    assert base_model_from_manifest({"source": "models/dsv3"}) is None
+
+
+def test_card_fields(converted):
+    checked = check_converted_checkpoint(converted)
+    card = render_model_card(checked, repo_id="alice/tiny-fused")
+    meta = _meta(card)
+    assert meta["base_model"] == ["deepseek-ai/Tiny-MoE"]
+    assert meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "transformers"
+    assert meta["tags"] == ["fp8", "moe", "fused-shared-experts", "deepseek_v3"]
+    block = json.loads(re.search(r"```json\n(.*?)\n```", card, re.S).group(1))
+    assert block == checked.config["fused_shared_experts"]
+    assert "4 routed + 1 fused shared = 5" in card
+    assert 'snapshot_download("alice/tiny-fused")' in card
+    assert "from_fused_pretrained(path)" in card and "from runtime import FusedSharedMoE" in card
+    assert "cannot load this checkpoint" in card
+    for k, v in checked.manifest["options"].items():
+        assert f"| {k} | {v} |" in card
+
+
+def test_card_local_source_and_explicit_base_model(tmp_path):
+    out = write_converted_checkpoint(tmp_path / "o", source="/models/my-dsv3")
+    checked = check_converted_checkpoint(out)
+    meta = _meta(render_model_card(checked, repo_id="a/b"))
+    assert "base_model" not in meta and meta["base_model_relation"] == "quantized"
+    meta = _meta(render_model_card(checked, repo_id="a/b", base_model="deepseek-ai/DeepSeek-V3"))
+    assert meta["base_model"] == ["deepseek-ai/DeepSeek-V3"]
