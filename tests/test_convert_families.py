@@ -172,3 +172,20 @@ def test_other_linear_fp8_quantizes_attention_not_router(sources, tmp_path):
             assert out[name].dtype == torch.float8_e4m3fn
             assert_fp8_close(dequant(out, name), src[name].float(), out[scale_name(name)], name)
     assert out["model.embed_tokens.weight"].dtype == torch.bfloat16 and torch.equal(out["lm_head.weight"], src["lm_head.weight"])
+
+
+def test_non_weight_files_copied_and_config_last(sources, tmp_path):
+    src = sources["glm4_moe"]
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "README.md").write_text("the source model's card")
+    out_dir = tmp_path / "out"
+    result = convert_checkpoint(src, out_dir, progress=False)
+    assert (out_dir / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (out_dir / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert (out_dir / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+    assert not (out_dir / "README.md").exists(), "the source's card describes the source, not the conversion"
+    assert result.files[-1] == "config.json", "config.json is written last"
+    assert not [p for p in out_dir.iterdir() if p.name.startswith(".")], "no temporary files left"
+    for f in ("tokenizer.json", "chat_template.jinja", "README.md"):
+        (src / f).unlink()
