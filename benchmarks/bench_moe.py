@@ -54,12 +54,44 @@ def graph_time_us(fn, reps, trials=7):
 
 
 def copy_bandwidth():
+    """Device-to-device copy of 2 GiB, bytes read + written, best of several graph replays (after a warm-up)."""
     n = 2 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    t = graph_time_us(lambda: dst.copy_(src), 1)
-    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):  # bring the clocks up
+        a @ a
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t = min(graph_time_us(lambda: [dst.copy_(src) for _ in range(10)], 10) for _ in range(3))
+    del src, dst, a
     return 2 * n / (t * 1e-6)
+
+
+SWEEP = {
+    "decode": [{}, dict(BN1=32), dict(BN1=32, stages1=5, stages2=5), dict(BN2=64), dict(BN1=128, stages1=3),
+               dict(stages1=3, stages2=3), dict(BN1=32, BN2=64), dict(warps2=8, BN2=256, stages2=3)],
+    "mid": [{}, dict(BM=64, BN1=128, warps1=8, GROUP_M=8), dict(BM=16, prequant=False, stages1=4, stages2=4),
+            dict(BM=32, GROUP_M=1), dict(BM=64, BN1=64, warps1=4), dict(BM=32, BN1=128, warps1=8)],
+}
+
+
+def sweep(name, tokens):
+    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+    cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
+    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
+    for T in tokens:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        sets = [route(torch.randn(T, E, device="cuda"), None, cfg) for _ in range(ROT)]
+        out = torch.empty_like(x)
+        for ov in SWEEP["decode" if T <= 64 else "mid"]:
+            try:
+                t = graph_time_us(lambda: [fused_moe(x, ew, i, w, config=ov, out=out) for i, w in sets], ROT)
+                print(f"sweep {name} T={T} {json.dumps(ov)}: {t:.1f} us", flush=True)
+            except Exception as e:  # a config that does not compile or fit
+                print(f"sweep {name} T={T} {json.dumps(ov)}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+    del ew
+    torch.cuda.empty_cache()
 
 
 def main():
@@ -67,9 +99,14 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--sweep", action="store_true", help="time a few tile configs (fused only) and exit")
     ap.add_argument("--config", default=None, help="JSON tile override, e.g. '{\"BN1\": 32}'")
     args = ap.parse_args()
     override = json.loads(args.config) if args.config else None
+    if args.sweep:
+        for name in args.models.split(","):
+            sweep(name, [int(t) for t in args.tokens.split(",")])
+        return
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'model':12} {'T':>5} | {'fused us':>9} {'unfused us':>10} {'x':>5} | {'MB':>8} {'TB/s':>5} {'%copy':>5} | {'TFLOP/s':>7}")

@@ -18,6 +18,20 @@ from ._backend import next_pow2
 
 
 @triton.jit
+def _pack(v, idx):
+    b = v.to(tl.int32, bitcast=True)
+    mono = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | (1023 - idx).to(tl.int64)
+
+
+@triton.jit
+def _unpack_value(p):
+    mono = (p >> 32).to(tl.int32)
+    b = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr, nvalid_ptr,
     stride_lt, stride_le, rsf,
@@ -36,56 +50,57 @@ def _route_kernel(
             tl.store(out_ids, tl.full([KSP], -1, tl.int32), mask=kmask)
             tl.store(out_w, tl.zeros([KSP], tl.float32), mask=kmask)
             return
-    BIG: tl.constexpr = 1 << 30
+    # Selection on packed int64 keys: (order-preserving int32 of the float) << 32 | (1023 - index),
+    # so one max reduction yields the largest value and, among equal values, the lowest index.
+    NEG: tl.constexpr = -9223372036854775807 - 1
     offs_g = tl.arange(0, GP)
     offs_j = tl.arange(0, GSP)
     valid = (offs_g[:, None] < G) & (offs_j[None, :] < GS)
     e_idx = offs_g[:, None] * GS + offs_j[None, :]
-    z = tl.load(logits_ptr + row * stride_lt + e_idx * stride_le, mask=valid, other=0.0).to(tl.float32)
+    row_ptr = logits_ptr + row * stride_lt
+    z = tl.load(row_ptr + e_idx * stride_le, mask=valid, other=0.0).to(tl.float32)
     if SOFTMAX:
         zm = tl.where(valid, z, float("-inf"))
-        m = tl.max(tl.max(zm, axis=1), axis=0)
-        p = tl.where(valid, tl.exp(zm - m), 0.0)
-        s = p / tl.sum(tl.sum(p, axis=1), axis=0)
+        zmax = tl.max(tl.max(zm, axis=1), axis=0)
+        p = tl.where(valid, tl.exp(zm - zmax), 0.0)
+        denom = tl.sum(tl.sum(p, axis=1), axis=0)
+        s = p / denom
     else:
         s = 1.0 / (1.0 + tl.exp(-z))
     if HAS_BIAS:
         c = s + tl.load(bias_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
     else:
         c = s
-    c = tl.where(valid, c, float("-inf"))
-    e_key = tl.where(valid, e_idx, BIG)  # BIG marks padding and already-taken experts
+    packed = tl.where(valid, _pack(c, e_idx), NEG)
     if G > 1:
+        p1 = tl.max(packed, axis=1)
         if HAS_BIAS and GS > 1:
-            top1 = tl.max(c, axis=1)
-            arg1 = tl.min(tl.where(c == top1[:, None], offs_j[None, :], GSP), axis=1)
-            top2 = tl.max(tl.where(offs_j[None, :] == arg1[:, None], float("-inf"), c), axis=1)
-            gscore = top1 + top2
+            p2 = tl.max(tl.where(packed == p1[:, None], NEG, packed), axis=1)
+            gscore = _unpack_value(p1) + _unpack_value(p2)
         else:
-            gscore = tl.max(c, axis=1)
+            gscore = _unpack_value(p1)
         gvalid = offs_g < G
-        gscore = tl.where(gvalid, gscore, float("-inf"))
-        gkey = tl.where(gvalid, offs_g, GP)
+        gpacked = tl.where(gvalid, _pack(gscore, offs_g), NEG)
         keep = offs_g < 0
         for _i in tl.static_range(TOPK_GROUP):
-            gm = tl.max(gscore, axis=0)
-            gi = tl.min(tl.where((gscore == gm) & (gkey < GP), gkey, GP), axis=0)
-            hit = offs_g == gi
+            gm = tl.max(gpacked, axis=0)
+            hit = gpacked == gm
             keep = keep | hit
-            gscore = tl.where(hit, float("-inf"), gscore)
-            gkey = tl.where(hit, GP, gkey)
-        c = tl.where(keep[:, None], c, float("-inf"))
+            gpacked = tl.where(hit, NEG, gpacked)
+        minf = tl.full([GP, GSP], float("-inf"), tl.float32)
+        packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
     ids = tl.zeros([KSP], tl.int32)
-    w = tl.zeros([KSP], tl.float32)
     for k in tl.static_range(K):
-        m = tl.max(tl.max(tl.where(e_key < BIG, c, float("-inf")), axis=1), axis=0)
-        sel = tl.min(tl.min(tl.where((c == m) & (e_key < BIG), e_key, BIG), axis=1), axis=0)
-        hit = e_key == sel
-        sv = tl.max(tl.max(tl.where(hit, s, float("-inf")), axis=1), axis=0)
-        c = tl.where(hit, float("-inf"), c)
-        e_key = tl.where(hit, BIG, e_key)
-        ids = tl.where(offs_k == k, sel, ids)
-        w = tl.where(offs_k == k, sv, w)
+        pk = tl.max(tl.max(packed, axis=1), axis=0)
+        packed = tl.where(packed == pk, NEG, packed)
+        ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+    # Weights from the unbiased scores of the chosen experts, recomputed with the same operations.
+    zk = tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        w = tl.exp(zk - zmax) / denom
+    else:
+        w = 1.0 / (1.0 + tl.exp(-zk))
+    w = tl.where(offs_k < K, w, 0.0)
     if RENORM:
         total = tl.sum(w, axis=0)
         w = w / (total + 1e-20)
