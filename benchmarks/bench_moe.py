@@ -70,7 +70,8 @@ def copy_bandwidth():
 
 SWEEP = {
     "decode": [{}, dict(BN1=32), dict(BN1=32, stages1=5, stages2=5), dict(BN2=64), dict(BN1=128, stages1=3),
-               dict(stages1=3, stages2=3), dict(BN1=32, BN2=64), dict(warps2=8, BN2=256, stages2=3)],
+               dict(stages1=3, stages2=3), dict(BN1=32, BN2=64), dict(warps2=8, BN2=256, stages2=3),
+               dict(BN1=32, stages1=3, stages2=3), dict(BN1=32, stages1=3, BN2=64, stages2=3)],
     "mid": [{}, dict(BM=64, BN1=128, warps1=8, GROUP_M=8), dict(BM=16, prequant=False, stages1=4, stages2=4),
             dict(BM=32, GROUP_M=1), dict(BM=64, BN1=64, warps1=4), dict(BM=32, BN1=128, warps1=8)],
 }
