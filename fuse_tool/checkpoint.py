@@ -35,7 +35,7 @@ class SourceCheckpoint:
             raise ConversionError("no config.json: not a Hugging Face model folder", file=root)
         try:
             config = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ConversionError(f"cannot parse ({e})", file=config_path) from None
         if not isinstance(config, dict):
             raise ConversionError("is not a JSON object", file=config_path)
@@ -74,10 +74,16 @@ def _read_indexed(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
         raise ConversionError(f"not a valid safetensors index ({e!r})", file=index_path) from None
+    if not weight_map:
+        raise ConversionError("weight_map is empty", file=index_path)
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname:
+            raise ConversionError(f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name)
+        if fname.startswith("/") or ".." in Path(fname).parts:
+            raise ConversionError(f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=name)
         by_file.setdefault(fname, []).append(name)
     tensors: dict[str, TensorInfo] = {}
     shard_files = []

@@ -87,11 +87,13 @@ def inspect(model, precision, other_linear, scale_fmt, max_shard_size):
 @_with_convert_options
 @click.option("--device", default="cpu", show_default=True, help="Where the FP8 math runs: cpu or cuda.")
 @click.option("--overwrite", is_flag=True, help="Replace a previous conversion in OUT_DIR.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted or failed conversion into OUT_DIR (same model and options); "
+              "completed shards are kept, the rest redone. With nothing to resume, an ordinary run.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--allow-non-finite", is_flag=True, help="Convert weights that hold NaN or Inf instead of refusing them.")
 @click.option("--push-to", metavar="REPO_ID", default=None, help="Push the result to this Hub repo when done.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, device, overwrite, dry_run, allow_non_finite, push_to, quiet):
+def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, device, overwrite, resume, dry_run, allow_non_finite, push_to, quiet):
     """Convert MODEL (a folder or Hub repo id[@revision]) into OUT_DIR in the fused-shared layout."""
     from .convert import convert_checkpoint, plan_conversion
 
@@ -102,11 +104,13 @@ def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, 
             click.echo(describe_plan(plan_conversion(path, options)))
             click.echo("dry run: nothing written")
             return
-        result = convert_checkpoint(path, out_dir, options, overwrite=overwrite, device=device, progress=not quiet,
+        result = convert_checkpoint(path, out_dir, options, overwrite=overwrite, resume=resume, device=device, progress=not quiet,
                                     allow_non_finite=allow_non_finite, source_id=source_id)
     except Exception as e:  # noqa: BLE001
         _fail(e)
     click.echo(describe_plan(result.plan))
+    if resume:
+        click.echo(f"resumed        {result.resumed_shards} of {len(result.plan.shards)} shards were complete and kept")
     rate = result.plan.total_size / result.seconds / 1e9 if result.seconds else 0.0
     click.echo(f"wrote          {len(result.files)} files to {result.out_dir} in {result.seconds:.1f} s ({rate:.2f} GB/s)")
     if push_to:
@@ -133,6 +137,27 @@ def _push(out_dir, repo_id, *, private, revision, commit_message, quiet) -> None
 def push(out_dir, repo_id, private, revision, commit_message, quiet):
     """Publish a converted checkpoint in OUT_DIR to the Hub repo REPO_ID, with a model card."""
     _push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, quiet=quiet)
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
+@click.option("--against", metavar="MODEL_DIR", default=None, help="Compare the tensors numerically with the source checkpoint.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def verify(out_dir, checksums, against, quiet):
+    """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest."""
+    from .verify_checksums import verify_output
+
+    if against is not None:
+        click.echo("error: verify --against is not implemented yet", err=True)
+        sys.exit(2)
+    try:
+        r = verify_output(out_dir, checksums=checksums, progress=not quiet)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    what = f"sha256 of {r.shards} shards ({r.total_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
+        "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
+    click.echo(f"ok: {out_dir}: {r.tensors} tensors in {r.shards} shards; {what}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -78,9 +78,13 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     except OSError as e:
         raise ConversionError(f"cannot read: {e.strerror or e}", file=path) from None
     try:
-        header = json.loads(raw)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise ConversionError("the header names this tensor twice", file=path, tensor=str(e.args[0])) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConversionError(f"header is not valid JSON ({e})", file=path) from None
+    except RecursionError:
+        raise ConversionError("header is not valid JSON (nested too deeply)", file=path) from None
     if not isinstance(header, dict):
         raise ConversionError("header is not a JSON object", file=path)
     metadata = header.pop("__metadata__", None) or {}
@@ -115,13 +119,29 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return tensors, metadata
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> bytearray:
     """``length`` bytes of a tensor's data from byte ``start`` of that tensor."""
     if length is None:
         length = info.nbytes - start
     buf = bytearray(length)
-    with open(info.file, "rb", buffering=0) as f:
-        got = os.preadv(f.fileno(), [buf], info.offset + start)
+    try:
+        with open(info.file, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], info.offset + start) if length else 0
+    except OSError as e:
+        raise ConversionError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
     if got != length:
         raise ConversionError(f"short read: wanted {length} bytes at {info.offset + start}, got {got} (file truncated?)", file=info.file, tensor=info.name)
     return buf

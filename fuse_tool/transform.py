@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from runtime.fp8 import FLOAT32_TINY, FP8_MAX, dequantize_block_fp8_rows, quantize_block_fp8, ue8m0_round_up
@@ -38,6 +39,7 @@ class CopyRange:
     file: Path
     file_offset: int
     length: int
+    source: TensorInfo | None = None  # the source tensor the bytes belong to (dtype, name for messages)
 
 
 Piece = Write | CopyRange
@@ -46,7 +48,7 @@ Piece = Write | CopyRange
 def run_task(task: Task, device: str = "cpu", allow_non_finite: bool = False) -> Iterator[Piece]:
     """The pieces that make up a task's output tensors."""
     if isinstance(task, CopyTask):
-        yield CopyRange(task.target.tensor, task.target.offset, task.source.file, task.source.offset, task.source.nbytes)
+        yield CopyRange(task.target.tensor, task.target.offset, task.source.file, task.source.offset, task.source.nbytes, task.source)
     elif isinstance(task, ProjectionTask):
         yield from _projection(task, device, allow_non_finite)
     elif isinstance(task, CastTask):
@@ -73,10 +75,65 @@ def _read_matrix_f32(m: Matrix) -> torch.Tensor:
     return _read_rows(m, 0, m.rows).to(torch.float32)
 
 
+def _non_finite_error(info: TensorInfo, bad: int) -> ConversionError:
+    return ConversionError(f"has {bad} non-finite values (NaN or Inf); pass --allow-non-finite to convert anyway", file=info.file, tensor=info.name)
+
+
 def _check_finite(t: torch.Tensor, info: TensorInfo, allow: bool) -> None:
     if not allow and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise ConversionError(f"has {bad} non-finite values (NaN or Inf); pass --allow-non-finite to convert anyway", file=info.file, tensor=info.name)
+        raise _non_finite_error(info, int((~torch.isfinite(t)).sum()))
+
+
+# Non-finite values by their bits: a value is NaN or Inf when its magnitude bits (sign cleared)
+# are at least these (exponent all ones; for E4M3, which has no Inf, only S.1111.111 is NaN;
+# E8M0 scales have only 0xFF). As signed integers, positive values compare directly; negative
+# values have the sign bit set, so as unsigned integers they are at least sign | limit. Two max
+# reductions over integer views find them at memory speed, without converting to float.
+_NON_FINITE_BITS = {
+    "F64": (np.int64, np.uint64, 0x7FF0000000000000),
+    "F32": (np.int32, np.uint32, 0x7F800000),
+    "F16": (np.int16, np.uint16, 0x7C00),
+    "BF16": (np.int16, np.uint16, 0x7F80),
+    "F8_E4M3": (np.int8, np.uint8, 0x7F),
+    "F8_E5M2": (np.int8, np.uint8, 0x7C),
+}
+_FLOAT_VIEWS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def checks_finite(dtype: str) -> bool:
+    return dtype in _NON_FINITE_BITS or dtype == "F8_E8M0"
+
+
+def count_non_finite(raw, dtype: str) -> int:
+    """NaN/Inf count in the raw little-endian bytes (a buffer or a uint8 tensor) of ``dtype``; 0 for integer dtypes."""
+    if not checks_finite(dtype):
+        return 0
+    if isinstance(raw, torch.Tensor):
+        raw = raw.contiguous().view(torch.uint8).reshape(-1).numpy()
+    u8 = np.frombuffer(raw, dtype=np.uint8)
+    if u8.size == 0:
+        return 0
+    if dtype == "F8_E8M0":
+        return int(np.count_nonzero(u8 == 0xFF)) if int(u8.max()) == 0xFF else 0
+    signed, unsigned, limit = _NON_FINITE_BITS[dtype]
+    s, u = u8.view(signed), u8.view(unsigned)
+    sign = 1 << (8 * s.itemsize - 1)
+    if int(s.max()) < limit and int(u.max()) < sign | limit:
+        return 0
+    return int(np.count_nonzero((u & (sign - 1)) >= limit))
+
+
+def finite_checker(info: TensorInfo | None):
+    """A check for bytes of ``info`` copied unchanged (see ShardWriter.copy), or None when there is nothing to check."""
+    if info is None or not checks_finite(info.dtype):
+        return None
+
+    def check(raw, _offset: int) -> None:
+        bad = count_non_finite(raw, info.dtype)
+        if bad:
+            raise _non_finite_error(info, bad)
+
+    return check
 
 
 def _dequantized_rows(sw: SourceWeight, r0: int, r1: int, scales: torch.Tensor | None) -> torch.Tensor:
@@ -104,18 +161,18 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
     sw, cut = task.source, task.cut
     w = sw.weight
     if task.mode == "copy":
-        yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes)
+        yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes, w.info)
         if task.scale is not None:
             s = sw.scale
-            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes)
+            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes, s.info)
         return
     if task.mode == "region":
-        yield from _region(task)
+        yield from _region(task, allow_non_finite)
         return
     yield from _quantize(task, device, allow_non_finite)
 
 
-def _region(task: ProjectionTask) -> Iterator[Piece]:
+def _region(task: ProjectionTask, allow_non_finite: bool = False) -> Iterator[Piece]:
     """Whole source blocks (or plain elements) copied into a zero-padded output; scales likewise."""
     sw, cut = task.source, task.cut
     w = sw.weight
@@ -128,10 +185,13 @@ def _region(task: ProjectionTask) -> Iterator[Piece]:
         s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
         if s1 > s0:
             raw = _read_rows(w, s0, s1).view(torch.uint8).reshape(s1 - s0, w.row_bytes)
+            if not allow_non_finite and (bad := count_non_finite(raw[:, cut.c0 * item : cut.c1 * item], w.dtype)):
+                raise _non_finite_error(w.info, bad)
             out[: s1 - s0, : (cut.c1 - cut.c0) * item] = raw[:, cut.c0 * item : cut.c1 * item]
         yield Write(task.weight.tensor, task.weight.offset + t0 * out_row_bytes, out)
     if task.scale is not None:
         grid = _read_matrix_f32(sw.scale)
+        _check_finite(grid, sw.scale.info, allow_non_finite)
         B = WEIGHT_BLOCK
         rb, cb = cut.r0 // B, cut.c0 // B
         nr, nc = math.ceil((cut.r1 - cut.r0) / B), math.ceil((cut.c1 - cut.c0) / B)

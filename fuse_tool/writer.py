@@ -1,7 +1,8 @@
 """Writing output shards: header first, then positional writes, under a temporary name until complete.
 
-Every output file is written as ``.NAME.partial`` and renamed only once whole, so
-no final-named file is ever half-written.
+Every output file is written as ``.NAME.partial`` and renamed only once whole and
+fsynced, so no final-named file is ever half-written. Disk errors (a full disk
+included) become one-line ConversionErrors that name the file.
 """
 
 from __future__ import annotations
@@ -13,15 +14,26 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
-from .plan import OutputTensor
+from .plan import OutputTensor, PlannedShard
 from .safetensors_io import build_header
 
 COPY_CHUNK = 256 << 20
+CHECKED_COPY_CHUNK = 64 << 20  # copies that are checked for NaN/Inf pass through a buffer of this size
+SHARD_METADATA = {"format": "pt"}
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
 
 def partial_name(final: str) -> str:
     return f".{final}.partial"
+
+
+def planned_header(shard: PlannedShard) -> bytes:
+    """The exact header bytes (length prefix included) of a planned output shard."""
+    return build_header([(t.name, t.dtype, t.shape) for t in shard.tensors], SHARD_METADATA)[0]
+
+
+def planned_file_size(shard: PlannedShard, header: bytes | None = None) -> int:
+    return len(header if header is not None else planned_header(shard)) + shard.nbytes
 
 
 class ShardWriter:
@@ -35,7 +47,12 @@ class ShardWriter:
         self.sizes = {t.name: t.nbytes for t in tensors}
         self.written = dict.fromkeys(self.sizes, 0)
         self.size = self.data_start + sum(self.sizes.values())
-        self.fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        self.header = header
+        self.fd = -1
+        try:
+            self.fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        except OSError as e:
+            raise disk_error(e, path) from None
         try:
             _reserve(self.fd, self.size, path)
             self._pwrite(header, 0)
@@ -55,7 +72,7 @@ class ShardWriter:
             try:
                 n = os.pwrite(self.fd, view, pos)
             except OSError as e:
-                raise _disk_error(e, self.path) from None
+                raise disk_error(e, self.path) from None
             view, pos = view[n:], pos + n
 
     def write(self, tensor: str, offset: int, data: torch.Tensor) -> int:
@@ -64,8 +81,13 @@ class ShardWriter:
         self._pwrite(raw, self._place(tensor, offset, len(raw)))
         return len(raw)
 
-    def copy(self, tensor: str, offset: int, src_fd: int, src_offset: int, length: int, src_path: Path) -> int:
+    def copy(self, tensor: str, offset: int, src_fd: int, src_offset: int, length: int, src_path: Path, check=None) -> int:
+        """Copy ``length`` source bytes into a tensor. With ``check`` (a callable taking the bytes
+        and their offset in the copy), the bytes pass through a buffer and are checked first;
+        otherwise they never enter Python (``copy_file_range``)."""
         pos = self._place(tensor, offset, length)
+        if check is not None:
+            return self._checked_copy(pos, src_fd, src_offset, length, src_path, check)
         done = 0
         use_cfr = hasattr(os, "copy_file_range")
         while done < length:
@@ -79,10 +101,27 @@ class ShardWriter:
                 if use_cfr and e.errno in _NO_COPY_FILE_RANGE:
                     use_cfr = False
                     continue
-                raise _disk_error(e, self.path) from None
+                raise disk_error(e, self.path) from None
             if got == 0:
                 raise ConversionError(f"source ended early: {length - done} bytes short at {src_offset + done} (file truncated?)", file=src_path)
             done += got
+        return length
+
+    def _checked_copy(self, pos: int, src_fd: int, src_offset: int, length: int, src_path: Path, check) -> int:
+        buf = bytearray(min(CHECKED_COPY_CHUNK, length))
+        done = 0
+        while done < length:
+            n = min(len(buf), length - done)
+            view = memoryview(buf)[:n]
+            try:
+                got = os.preadv(src_fd, [view], src_offset + done)
+            except OSError as e:
+                raise ConversionError(f"read failed: {e.strerror or e}", file=src_path) from None
+            if got != n:
+                raise ConversionError(f"source ended early: {length - done - got} bytes short at {src_offset + done + got} (file truncated?)", file=src_path)
+            check(view, done)
+            self._pwrite(view, pos + done)
+            done += n
         return length
 
     def finish(self) -> None:
@@ -93,7 +132,7 @@ class ShardWriter:
         try:
             os.fsync(self.fd)
         except OSError as e:
-            raise _disk_error(e, self.path) from None
+            raise disk_error(e, self.path) from None
         finally:
             os.close(self.fd)
             self.fd = -1
@@ -111,29 +150,80 @@ def _reserve(fd: int, size: int, path: Path) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            os.ftruncate(fd, size)
+            try:
+                os.ftruncate(fd, size)  # a sparse file: a full disk then shows up as ENOSPC on write
+            except OSError as e2:
+                raise disk_error(e2, path) from None
         else:
-            raise _disk_error(e, path) from None
+            raise disk_error(e, path) from None
 
 
-def _disk_error(e: OSError, path: Path) -> ConversionError:
-    if e.errno == errno.ENOSPC:
-        return ConversionError("no space left on the device; free some space and rerun with --resume", file=path)
+def disk_error(e: OSError, path: Path) -> ConversionError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on the device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        return ConversionError(f"{what}; free some space and rerun with --resume (completed shards are kept)", file=path)
+    if e.errno == errno.EROFS:
+        return ConversionError("the output folder is on a read-only file system", file=path)
     return ConversionError(f"write failed: {e.strerror or e}", file=path)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file under a temporary name, fsync it, then rename it into place."""
+def stage_bytes(path: Path, data: bytes) -> Path:
+    """Write a small file as ``.NAME.partial`` and fsync it; the caller renames it into place."""
     tmp = path.with_name(partial_name(path.name))
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(e, path) from None
+    return tmp
+
+
+def stage_copy(src: Path, path: Path) -> Path:
+    """Copy ``src`` (following symlinks, e.g. into a Hub cache's blobs) to ``.NAME.partial`` and fsync it."""
+    tmp = path.with_name(partial_name(path.name))
+    try:
+        fin = open(src, "rb")
+    except OSError as e:
+        raise ConversionError(f"cannot read: {e.strerror or e}", file=src) from None
+    with fin:
+        try:
+            fout = open(tmp, "wb")
+        except OSError as e:
+            raise disk_error(e, path) from None
+        with fout:
+            while True:
+                try:
+                    chunk = fin.read(16 << 20)
+                except OSError as e:
+                    tmp.unlink(missing_ok=True)
+                    raise ConversionError(f"read failed: {e.strerror or e}", file=src) from None
+                if not chunk:
+                    break
+                try:
+                    fout.write(chunk)
+                except OSError as e:
+                    tmp.unlink(missing_ok=True)
+                    raise disk_error(e, path) from None
+            try:
+                fout.flush()
+                os.fsync(fout.fileno())
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise disk_error(e, path) from None
+    return tmp
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a small file under a temporary name, fsync it, then rename it into place."""
+    tmp = stage_bytes(path, data)
+    try:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise _disk_error(e, path) from None
+        raise disk_error(e, path) from None
 
 
 def fsync_dir(path: Path) -> None:
