@@ -160,5 +160,25 @@ def verify(out_dir, checksums, against, quiet):
     click.echo(f"ok: {out_dir}: {r.tensors} tensors in {r.shards} shards; {what}")
 
 
+@main.command()
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--against", metavar="MODEL_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Run OUT_DIR and its source MODEL_DIR on the same tokens, one layer at a time; compare MoE outputs and logits.")
+@click.option("--tokens", default="4x32", show_default=True, help="BATCHxSEQ deterministic token ids for --against.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the --against token ids.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Compute dtype of both models.")
+@click.option("--device", default="cpu", show_default=True, help="Where both models run (cpu or cuda).")
+@click.option("--max-moe-err", type=float, default=None, help="Override the per-MoE-layer relative error bound.")
+@click.option("--max-logits-err", type=float, default=None, help="Override the final-logits relative error bound.")
+@click.option("--min-top1", type=float, default=None, help="Override the top-1 agreement bound.")
+def verify(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1):
+    """Check a converted checkpoint in OUT_DIR; exits 1 when a check fails."""
+    if against is None:
+        _fail(ConversionError("nothing to check: give --against MODEL_DIR"))
+    from .verify import run_verify_cli
+
+    sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

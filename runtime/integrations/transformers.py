@@ -1,0 +1,541 @@
+"""Run fused-shared checkpoints in Hugging Face transformers.
+
+    from runtime.integrations.transformers import from_fused_pretrained
+    model = from_fused_pretrained("out/DeepSeek-V3-fused", dtype=torch.bfloat16)
+    model.generate(input_ids, max_new_tokens=16)
+
+The model is the source architecture's own transformers class (DeepSeek-V2/V3, Kimi-K2 as
+DeepSeek-V3, GLM-4.5 ``glm4_moe``, GLM-4.7-Flash ``glm4_moe_lite``, GLM-5 ``glm_moe_dsa``,
+MiniMax-M3 text and VL), built on the meta device from the converted config.json, with every
+MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read from the converted
+expert tensors. Every other weight is read from the shards under the source's on-disk names
+through an explicit per-family rename table (:data:`FAMILIES`); FP8 weights (``X.weight`` e4m3
+with ``X.weight_scale_inv`` 128x128 block scales, or compressed-tensors ``X.weight_scale``) are
+dequantized into the model dtype at load. Loading streams tensor by tensor and layer by layer,
+so peak host memory is the model plus about one layer.
+
+:class:`StreamedModel` is the same machinery without materializing everything: a meta skeleton
+whose decoder layers are loaded and released one at a time (``fuse-shared verify`` uses it to
+compare models larger than memory). It reads source checkpoints too (``kind="source"``), doing
+transformers' own expert merging (per-expert ``experts.N.*`` into stacked ``gate_up_proj`` /
+``down_proj``, ``gate_proj`` + ``up_proj`` into ``gate_up_proj``) itself.
+
+transformers is imported lazily (it is a test extra, not a runtime dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..fp8 import FP8_DTYPE, dequantize_block_fp8
+from ..layout import SCALE_SUFFIX, LayoutError, find_config_block, moe_layer_tensors, read_config_block
+from ..moe import FusedSharedMoE
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# ----------------------------------------------------------------------------- families
+
+_MINIMAX_MOE_RENAMES = (
+    # Release (legacy) MoE names -> transformers 5 module names (transformers' conversion_mapping, minimax_m3_vl).
+    (r"\.block_sparse_moe\.(experts|gate|shared_experts)\.", r".mlp.\1."),
+    (r"\.block_sparse_moe\.e_score_correction_bias$", r".mlp.gate.e_score_correction_bias"),
+    (r"\.self_attn\.index_(q|k)_(proj|norm)\.", r".self_attn.indexer.\1_\2."),
+)
+_MINIMAX_VL_RENAMES = (
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^language_model\.model\.", "model.language_model."),
+    (r"^vision_tower\.vision_model\.embeddings\.patch_embedding\.", "model.vision_tower.embeddings.proj."),
+    (r"^vision_tower\.vision_model\.encoder\.layers\.", "model.vision_tower.layers."),
+    (r"^vision_tower\.vision_model\.pre_layrnorm\.", "model.vision_tower.pre_layrnorm."),
+    (r"^multi_modal_projector\.linear_(\d)\.", r"model.multi_modal_projector.linear_\1."),
+    (r"^patch_merge_mlp\.linear_(\d)\.", r"model.multi_modal_projector.merge_linear_\1."),
+) + _MINIMAX_MOE_RENAMES
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one source architecture maps onto its transformers classes.
+
+    ``renames``: ``(pattern, replacement)`` regexes applied in order to every on-disk tensor
+    name to get the transformers module name (per-expert and split gate/up tensors are then
+    merged by :func:`plan_tensors`). ``layers_path``: the decoder-layer ``ModuleList``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    config_class: str
+    model_class: str
+    layers_path: str = "model.layers"
+    renames: tuple[tuple[str, str], ...] = ()
+    text_config_key: str | None = None
+
+    def rename(self, name: str) -> str:
+        for pattern, repl in self.renames:
+            name = re.sub(pattern, repl, name)
+        return name
+
+    def classes(self):
+        import transformers
+
+        return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    Family("deepseek_v2", ("deepseek_v2",), "DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    Family("glm4_moe", ("glm4_moe",), "Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    Family("glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+    Family("glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    Family("minimax_m3_text", ("minimax_m3_vl_text",), "MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM",
+           renames=_MINIMAX_MOE_RENAMES),
+    Family("minimax_m3_vl", ("minimax_m3_vl",), "MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration",
+           layers_path="model.language_model.layers", renames=_MINIMAX_VL_RENAMES, text_config_key="text_config"),
+)
+
+
+def family_of(config: Mapping[str, Any]) -> Family:
+    """The :class:`Family` of a config.json dict (by ``model_type``)."""
+    mt = config.get("model_type")
+    for fam in FAMILIES:
+        if mt in fam.model_types:
+            return fam
+    known = sorted(t for f in FAMILIES for t in f.model_types)
+    raise LayoutError(f"model_type {mt!r} has no transformers integration (known: {', '.join(known)})")
+
+
+def build_config(config: Mapping[str, Any]):
+    """A transformers config from a (source or converted) config.json dict.
+
+    ``quantization_config`` is dropped (weights are dequantized here, not by transformers'
+    FP8 path) and ``model_type`` is the family's own (Kimi-K2 builds as DeepSeek-V3).
+    """
+    fam = family_of(config)
+    config_cls, _ = fam.classes()
+    d = json.loads(json.dumps(dict(config)))
+    d.pop("quantization_config", None)
+    d.pop("model_type", None)
+    if fam.text_config_key and isinstance(d.get(fam.text_config_key), dict):
+        d[fam.text_config_key].pop("quantization_config", None)
+    return config_cls.from_dict(d)
+
+
+def text_config_of(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+class ShardReader:
+    """Tensor access to a HF folder (``model.safetensors.index.json`` or one ``model.safetensors``)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.path = os.fspath(path)
+        with open(os.path.join(self.path, "config.json")) as f:
+            self.config: dict[str, Any] = json.load(f)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+            if not files:
+                raise LayoutError(f"{self.path}: no model.safetensors.index.json or *.safetensors")
+            self.weight_map = {}
+            for fn in files:
+                with safe_open(os.path.join(self.path, fn), "pt") as h:
+                    self.weight_map.update(dict.fromkeys(h.keys(), fn))
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise LayoutError(f"{self.path}: tensor {name!r} not found")
+        fn = self.weight_map[name]
+        h = self._handles.get(fn)
+        if h is None:
+            h = self._handles[fn] = self._safe_open(os.path.join(self.path, fn), "pt")
+        return h.get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales."""
+        t = self.get(name)
+        if t.dtype in FP8_DTYPES:
+            t = t.to(device)
+            if name + SCALE_SUFFIX in self:
+                s = self.get(name + SCALE_SUFFIX).to(device)
+                if name.endswith("gate_up_proj") and t.dim() == 3 and s.shape[-2] % 2 == 0:
+                    # Stacked gate_up: the gate's grid then the up's, each half with its own block origin.
+                    half, sh = t.shape[-2] // 2, s.shape[-2] // 2
+                    w = torch.cat([dequantize_block_fp8(t[..., :half, :], s[..., :sh, :]),
+                                   dequantize_block_fp8(t[..., half:, :], s[..., sh:, :])], dim=-2)
+                else:
+                    w = dequantize_block_fp8(t, s)
+            elif name + "_scale" in self:  # compressed-tensors: weight_scale per tensor or per output channel
+                w = t.to(torch.float32) * self.get(name + "_scale").to(device=device, dtype=torch.float32)
+            else:
+                raise LayoutError(f"{self.path}: {name} is FP8 but has no {name + SCALE_SUFFIX} or {name}_scale")
+            return w.to(dtype)
+        return t.to(device=device, dtype=dtype)
+
+
+def _is_scale_companion(name: str, names: set[str]) -> bool:
+    if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in names:
+        return True
+    if name.endswith("_scale") and name[: -len("_scale")] in names:
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------- name plan
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PROJ_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+@dataclass
+class Recipe:
+    """How one module tensor is made from checkpoint tensors.
+
+    ``op``: ``"copy"`` (``sources[0]``), ``"cat0"`` (gate then up, dim 0),
+    ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``.
+    """
+
+    op: str
+    sources: list[str]
+
+
+@dataclass
+class TensorPlan:
+    """Checkpoint -> module mapping of one model, grouped by decoder layer (``None``: everything else)."""
+
+    recipes: dict[str, Recipe]
+    by_layer: dict[int | None, list[str]]
+    fused_moe_layers: dict[int, str]  # layer -> module path of its MoE block (converted checkpoints)
+    extra_moe_layers: list[int]  # fused MoE layers past num_hidden_layers (MTP): not in the model
+    ignored: list[str]  # checkpoint tensors with no module (MTP layers), by design
+
+
+def _module_layer(module_name: str, layers_path: str) -> int | None:
+    p = layers_path + "."
+    if not module_name.startswith(p):
+        return None
+    return int(module_name[len(p):].split(".", 1)[0])
+
+
+def plan_tensors(model, family: Family, checkpoint_names: Iterable[str], num_layers: int,
+                 fused: Mapping[int, Any] | None = None) -> TensorPlan:
+    """Map every checkpoint tensor onto ``model``'s state dict, strictly.
+
+    ``fused``: for a converted checkpoint, ``{layer: ExpertTensorNames}`` of its fused MoE
+    layers; all tensors under those blocks go to :class:`FusedSharedMoE` and the module's own
+    MoE parameters are not expected. Raises :class:`LayoutError` naming any module tensor that
+    nothing fills and any checkpoint tensor that fits nowhere.
+    """
+    names = set(checkpoint_names)
+    expected = set(model.state_dict().keys())
+    fused = dict(fused or {})
+    fused_paths: dict[int, str] = {}
+    extra: list[int] = []
+    consumed_blocks: list[str] = []
+    for layer, tn in sorted(fused.items()):
+        consumed_blocks.append(tn.block_prefix + ".")
+        if layer >= num_layers:
+            extra.append(layer)
+            continue
+        fused_paths[layer] = f"{family.layers_path}.{layer}.mlp"
+    expected = {k for k in expected if not any(k.startswith(p + ".") for p in fused_paths.values())}
+
+    recipes: dict[str, Recipe] = {}
+    ignored: list[str] = []
+    leftovers: list[str] = []
+    experts: dict[str, dict[int, dict[str, str]]] = {}
+    split: dict[str, dict[str, str]] = {}
+    for name in sorted(names):
+        if _is_scale_companion(name, names):
+            continue
+        if any(name.startswith(p) for p in consumed_blocks):
+            continue
+        m_name = family.rename(name)
+        layer = _module_layer(m_name, family.layers_path)
+        if layer is not None and layer >= num_layers:
+            ignored.append(name)  # MTP / next-token-prediction layers: transformers has no module for them
+            continue
+        if m_name in expected:
+            recipes[m_name] = Recipe("copy", [name])
+            continue
+        m = _PER_EXPERT.match(m_name)
+        if m:
+            experts.setdefault(m.group("prefix"), {}).setdefault(int(m.group("e")), {})[_PROJ_ROLE[m.group("proj")]] = name
+            continue
+        for part in ("gate_proj", "up_proj"):
+            suffix = f".{part}.weight"
+            if m_name.endswith(suffix) and m_name[: -len(suffix)] + ".gate_up_proj.weight" in expected:
+                split.setdefault(m_name[: -len(suffix)] + ".gate_up_proj.weight", {})[part] = name
+                break
+        else:
+            leftovers.append(name)
+
+    for prefix, per in experts.items():
+        gu, dn = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+        if gu not in expected or dn not in expected:
+            leftovers.extend(n for d in per.values() for n in d.values())
+            continue
+        n_exp = len(per)
+        if sorted(per) != list(range(n_exp)) or any(set(d) != {"gate", "up", "down"} for d in per.values()):
+            raise LayoutError(f"{prefix}: per-expert tensors are incomplete (experts {sorted(per)})")
+        recipes[gu] = Recipe("stack_gate_up", [per[e][r] for e in range(n_exp) for r in ("gate", "up")])
+        recipes[dn] = Recipe("stack", [per[e]["down"] for e in range(n_exp)])
+    for target, parts in split.items():
+        if set(parts) != {"gate_proj", "up_proj"}:
+            raise LayoutError(f"{target}: needs both gate_proj and up_proj, found {sorted(parts)}")
+        recipes[target] = Recipe("cat0", [parts["gate_proj"], parts["up_proj"]])
+
+    if leftovers:
+        raise LayoutError(f"{len(leftovers)} checkpoint tensor(s) fit no module of {type(model).__name__}: "
+                          + ", ".join(leftovers[:6]) + (" ..." if len(leftovers) > 6 else ""))
+    missing = sorted(expected - set(recipes))
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    cfg = getattr(model, "config", None)
+    tie = cfg is not None and bool(getattr(text_config_of(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
+    if tie and isinstance(tied, Mapping):
+        missing = [k for k in missing if not (k in tied and tied[k] in recipes)]
+    if missing:
+        raise LayoutError(f"{len(missing)} module tensor(s) of {type(model).__name__} have no checkpoint tensor: "
+                          + ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else ""))
+    by_layer: dict[int | None, list[str]] = {}
+    for k in recipes:
+        by_layer.setdefault(_module_layer(k, family.layers_path), []).append(k)
+    return TensorPlan(recipes, by_layer, fused_paths, extra, ignored)
+
+
+# ----------------------------------------------------------------------------- streamed model
+
+
+def _fp32_patterns(model) -> list[str]:
+    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return pats
+
+
+def _set_tensor(model, name: str, value: torch.Tensor) -> None:
+    path, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(path) if path else model
+    if leaf in mod._parameters:
+        mod._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    elif leaf in mod._buffers:
+        mod._buffers[leaf] = value
+    else:
+        raise LayoutError(f"{name}: not a parameter or buffer of {type(mod).__name__}")
+
+
+class StreamedModel:
+    """A transformers model on the meta device whose weights load (and unload) a layer at a time.
+
+    ``kind="fused"``: a converted checkpoint; MoE layers become :class:`FusedSharedMoE`.
+    ``kind="source"``: an original checkpoint, loaded with transformers' own modules.
+    """
+
+    def __init__(self, path: str | os.PathLike, kind: str = "fused", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", backend: str | None = None):
+        if kind not in ("fused", "source"):
+            raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
+        self.path, self.kind, self.backend = os.fspath(path), kind, backend
+        self.device = torch.device(device)
+        self.reader = ShardReader(self.path)
+        self.family = family_of(self.reader.config)
+        self.config = build_config(self.reader.config)
+        self.text_config = text_config_of(self.config)
+        if dtype is None:
+            dtype = getattr(self.text_config, "dtype", None) or getattr(self.config, "dtype", None) or torch.bfloat16
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = dtype
+        _, model_cls = self.family.classes()
+        with torch.device("meta"):
+            self.model = model_cls._from_config(self.config, dtype=dtype)
+        self.model.eval()
+        self.num_layers = int(self.text_config.num_hidden_layers)
+        self.block = None
+        fused = None
+        if kind == "fused":
+            self.block = read_config_block(self.reader.config)
+            fused = moe_layer_tensors(self.reader.names())
+            if sorted(fused) != sorted(self.block.moe_layers):
+                raise LayoutError(f"{self.path}: MoE layers in tensors {sorted(fused)} != config moe_layers {list(self.block.moe_layers)}")
+        self.plan = plan_tensors(self.model, self.family, self.reader.names(), self.num_layers, fused)
+        self._fp32 = _fp32_patterns(self.model)
+        self.layers = self.model.get_submodule(self.family.layers_path)
+        for layer, path_ in self.plan.fused_moe_layers.items():
+            mod = self.model.get_submodule(path_)
+            if not hasattr(mod, "experts"):
+                raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
+
+    # -- loading
+    def _dtype_for(self, name: str, value: torch.Tensor) -> torch.dtype:
+        if not value.is_floating_point() and value.dtype not in FP8_DTYPES:
+            return value.dtype
+        if any(p in name for p in self._fp32):
+            return torch.float32
+        return self.dtype
+
+    def _make(self, name: str, plan: TensorPlan | None = None) -> torch.Tensor:
+        r = (plan or self.plan).recipes[name]
+        rd = self.reader
+        probe = rd.get(r.sources[0])
+        dt = self._dtype_for(name, probe)
+        if not probe.is_floating_point() and probe.dtype not in FP8_DTYPES:
+            return probe.to(self.device)
+        del probe
+        get = lambda n: rd.read_float(n, dt, self.device)  # noqa: E731
+        if r.op == "copy":
+            return get(r.sources[0])
+        if r.op == "cat0":
+            return torch.cat([get(n) for n in r.sources], 0)
+        if r.op == "stack_gate_up":
+            s = r.sources
+            return torch.stack([torch.cat([get(s[i]), get(s[i + 1])], 0) for i in range(0, len(s), 2)])
+        if r.op == "stack":
+            return torch.stack([get(n) for n in r.sources])
+        raise AssertionError(r.op)
+
+    def _load_names(self, names: Iterable[str]) -> None:
+        for name in names:
+            _set_tensor(self.model, name, self._make(name))
+
+    def load_rest(self) -> None:
+        """Everything outside the decoder layers (embeddings, final norm, lm_head, vision tower), rotary buffers included."""
+        from transformers import PreTrainedModel
+
+        for mod in self.model.modules():
+            nonpersistent = getattr(mod, "_non_persistent_buffers_set", ())
+            if any(mod._buffers.get(b) is not None and mod._buffers[b].is_meta for b in nonpersistent):
+                mod.to_empty(device=self.device, recurse=False)
+                PreTrainedModel._init_weights(self.model, mod)  # rotary inv_freq, as from_pretrained computes it
+        self._load_names(self.plan.by_layer.get(None, []))
+        self._tie()
+
+    def _tie(self) -> None:
+        tied = getattr(self.model, "_tied_weights_keys", None) or {}
+        if not isinstance(tied, Mapping):
+            return
+        for target, source in tied.items():
+            if target not in self.plan.recipes and source in self.plan.recipes:
+                _set_tensor(self.model, target, self.model.get_parameter(source))
+
+    def moe_module(self, layer: int) -> FusedSharedMoE:
+        """The converted MoE block of ``layer`` (any fused layer, MTP ones included), in this model's dtype."""
+        moe = FusedSharedMoE.from_checkpoint(self.path, layer, device=self.device, backend=self.backend)
+        ex = moe.experts
+        if not ex.is_fp8 and ex.w13.dtype != self.dtype:
+            moe.experts = replace(ex, w13=ex.w13.to(self.dtype), w2=ex.w2.to(self.dtype))
+        return moe
+
+    def load_layer(self, i: int) -> torch.nn.Module:
+        """Materialize decoder layer ``i`` (its fused MoE block included) and return it."""
+        layer = self.layers[i]
+        self._load_names(self.plan.by_layer.get(i, []))
+        if i in self.plan.fused_moe_layers:
+            path = self.plan.fused_moe_layers[i]
+            parent, _, leaf = path.rpartition(".")
+            setattr(self.model.get_submodule(parent), leaf, self.moe_module(i))
+        return layer
+
+    def release_layer(self, i: int) -> None:
+        """Give layer ``i``'s memory back (its tensors go back to the meta device)."""
+        layer = self.layers[i]
+        if i in self.plan.fused_moe_layers:
+            path = self.plan.fused_moe_layers[i]
+            parent, _, leaf = path.rpartition(".")
+            mod = self.model.get_submodule(parent)
+            if isinstance(getattr(mod, leaf), FusedSharedMoE):
+                getattr(mod, leaf).experts = None
+                setattr(mod, leaf, torch.nn.Identity())
+        layer.to("meta")
+
+    def load_all(self):
+        """Materialize the whole model and return it (the layer-streaming loader, run to the end)."""
+        self.load_rest()
+        for i in range(self.num_layers):
+            self.load_layer(i)
+        self.reader.close()
+        return self.model
+
+    def source_moe_module(self, layer: int, like: torch.nn.Module) -> torch.nn.Module:
+        """The source MoE block of ``layer`` built as ``type(like)`` (for MTP layers, which the model lacks)."""
+        if self.kind != "source":
+            raise ValueError("source_moe_module needs kind='source'")
+        with torch.device("meta"):
+            mod = type(like)(self.text_config)
+        mod.eval()
+        prefix = f"{self.family.layers_path}.{layer}.mlp."
+        names = [n for n in self.reader.names() if self.family.rename(n).startswith(prefix)]
+        if not names:
+            raise LayoutError(f"{self.path}: no MoE tensors for layer {layer}")
+        strip = replace(self.family, layers_path="\0", renames=self.family.renames + ((r"^" + re.escape(prefix), ""),))
+        plan = plan_tensors(mod, strip, names, 0)
+        for name in plan.recipes:
+            _set_tensor(mod, name, self._make(name, plan))
+        return mod
+
+
+def from_fused_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                          backend: str | None = None):
+    """Build the source architecture's transformers model from a converted checkpoint folder.
+
+    Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts
+    are cast to ``dtype``); every other weight is loaded from the shards (FP8 ones dequantized
+    into ``dtype``). ``dtype`` defaults to the config's. Returns an eval-mode model ready for
+    ``generate()``, with the folder's generation_config.json when it has one.
+    """
+    sm = StreamedModel(path, kind="fused", dtype=dtype, device=device, backend=backend)
+    model = sm.load_all()
+    _attach_generation_config(model, path)
+    return model
+
+
+def from_source_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """The original (unconverted) checkpoint through the same streaming loader (FP8 sources dequantized)."""
+    sm = StreamedModel(path, kind="source", dtype=dtype, device=device)
+    model = sm.load_all()
+    _attach_generation_config(model, path)
+    return model
+
+
+def _attach_generation_config(model, path) -> None:
+    if os.path.exists(os.path.join(os.fspath(path), "generation_config.json")):
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(os.fspath(path))
+        except Exception:  # noqa: BLE001 - a bad generation config must not block loading the weights
+            pass
+
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "ShardReader",
+    "StreamedModel",
+    "TensorPlan",
+    "build_config",
+    "family_of",
+    "from_fused_pretrained",
+    "from_source_pretrained",
+    "plan_tensors",
+]
