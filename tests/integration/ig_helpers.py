@@ -1,0 +1,107 @@
+"""Shared helpers of the integration tests: tiny sources, conversions, the transformers reference, damage."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from builders import build_checkpoint, model_class
+from runtime.layout import moe_layer_tensors, read_config_block
+
+# W != I covers split shared slots (DeepSeek-V2: 64 over 32) and zero-padded ones (MiniMax 48 and 80 over 32);
+# DeepSeek-V3 carries an MTP layer (fused too, not a transformers module).
+CASES = {
+    "deepseek_v3": dict(mtp=True),
+    "kimi_k2": {},
+    "deepseek_v2": {},
+    "glm4_moe": {},
+    "glm4_moe_lite": {},
+    "glm_moe_dsa": {},
+    "minimax_m3_text": dict(shared_width=48),
+    "minimax_m3_vl": dict(shared_width=80),
+}
+
+
+def build_source(family: str, path: Path) -> Path:
+    return build_checkpoint(family, path, **CASES[family])
+
+
+def reference_model(family: str, path: Path, dtype=torch.float32):
+    """The original model through transformers' own ``from_pretrained``.
+
+    The config comes from ``runtime.integrations.transformers.build_config``: loading a
+    ``model_type: kimi_k2`` config into DeepseekV3ForCausalLM makes transformers 5 skip its
+    per-expert merge (the conversion mapping is keyed by model_type), leaving the routed experts
+    randomly initialized, so the reference must be built from a deepseek_v3 config.
+    """
+    from runtime.integrations.transformers import build_config
+
+    cfg = build_config(json.loads((Path(path) / "config.json").read_text()))
+    return model_class(family).from_pretrained(path, config=cfg, dtype=dtype).eval()
+
+
+def tokens(batch: int = 4, seq: int = 32, seed: int = 0, vocab: int = 96) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) -> list[str]:
+    """Overwrite shared slot ``E + slot`` of ``layer`` with noise (same dtype, same std), rewriting its shards."""
+    cfg = json.loads((out_dir / "config.json").read_text())
+    E = read_config_block(cfg).num_routed_experts
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    tn = moe_layer_tensors(index)[layer]
+    e = E + slot
+    g = torch.Generator().manual_seed(seed)
+
+    def noise_like(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.float8_e4m3fn:
+            return (torch.randn(t.shape, generator=g) * 64).clamp(-448, 448).to(t.dtype)
+        return (torch.randn(t.shape, generator=g) * t.float().std()).to(t.dtype)
+
+    if tn.storage == "stacked":
+        targets = {n: e for n in tn.stacked()}  # rows e of [E+S, ...] tensors
+    else:
+        targets = {n: None for n in tn.per_expert(e)}
+    changed = []
+    for fname in sorted({index[n] for n in targets}):
+        path = out_dir / fname
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        for n, row in targets.items():
+            if index[n] != fname:
+                continue
+            t = tensors[n].clone()
+            if row is None:
+                t = noise_like(t)
+            else:
+                t[row] = noise_like(t[row])
+            tensors[n] = t
+            changed.append(n)
+        save_file(tensors, str(path), metadata=meta)
+    return changed
+
+
+def moe_blocks(model) -> list[str]:
+    from runtime import FusedSharedMoE
+
+    return [n for n, m in model.named_modules() if isinstance(m, FusedSharedMoE)]
+
+
+def num_main_moe_layers(out_dir: Path) -> int:
+    cfg = json.loads((out_dir / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return sum(1 for L in read_config_block(cfg).moe_layers if L < text["num_hidden_layers"])
+
+
+def slots(W: int, I: int) -> int:
+    return math.ceil(W / I)
