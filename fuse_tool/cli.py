@@ -142,15 +142,20 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
-@click.option("--against", metavar="MODEL_DIR", default=None, help="Compare the tensors numerically with the source checkpoint.")
+@click.option("--against", metavar="MODEL_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Also run OUT_DIR and its source MODEL_DIR on the same tokens, one layer at a time; compare MoE outputs and logits.")
+@click.option("--tokens", default="4x32", show_default=True, help="--against: BATCHxSEQ deterministic token ids.")
+@click.option("--seed", default=0, show_default=True, help="--against: seed of the token ids.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="--against: compute dtype of both models.")
+@click.option("--device", default="cpu", show_default=True, help="--against: where both models run (cpu or cuda).")
+@click.option("--max-moe-err", type=float, default=None, help="--against: override the per-MoE-layer relative error bound.")
+@click.option("--max-logits-err", type=float, default=None, help="--against: override the final-logits relative error bound.")
+@click.option("--min-top1", type=float, default=None, help="--against: override the top-1 agreement bound.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def verify(out_dir, checksums, against, quiet):
-    """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest."""
+def verify(out_dir, checksums, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, quiet):
+    """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest; with --against, numerically against its source."""
     from .verify_checksums import verify_output
 
-    if against is not None:
-        click.echo("error: verify --against is not implemented yet", err=True)
-        sys.exit(2)
     try:
         r = verify_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
@@ -158,26 +163,10 @@ def verify(out_dir, checksums, against, quiet):
     what = f"sha256 of {r.shards} shards ({r.total_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
     click.echo(f"ok: {out_dir}: {r.tensors} tensors in {r.shards} shards; {what}")
+    if against is not None:
+        from .verify import run_verify_cli
 
-
-@main.command()
-@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--against", metavar="MODEL_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Run OUT_DIR and its source MODEL_DIR on the same tokens, one layer at a time; compare MoE outputs and logits.")
-@click.option("--tokens", default="4x32", show_default=True, help="BATCHxSEQ deterministic token ids for --against.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the --against token ids.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Compute dtype of both models.")
-@click.option("--device", default="cpu", show_default=True, help="Where both models run (cpu or cuda).")
-@click.option("--max-moe-err", type=float, default=None, help="Override the per-MoE-layer relative error bound.")
-@click.option("--max-logits-err", type=float, default=None, help="Override the final-logits relative error bound.")
-@click.option("--min-top1", type=float, default=None, help="Override the top-1 agreement bound.")
-def verify(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1):
-    """Check a converted checkpoint in OUT_DIR; exits 1 when a check fails."""
-    if against is None:
-        _fail(ConversionError("nothing to check: give --against MODEL_DIR"))
-    from .verify import run_verify_cli
-
-    sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo))
+        sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo))
 
 
 if __name__ == "__main__":  # pragma: no cover

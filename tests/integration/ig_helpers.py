@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from builders import build_checkpoint, model_class
 from runtime.layout import moe_layer_tensors, read_config_block
@@ -54,7 +54,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) -> list[str]:
-    """Overwrite shared slot ``E + slot`` of ``layer`` with noise (same dtype, same std), rewriting its shards."""
+    """Overwrite shared slot ``E + slot`` of ``layer`` with noise (same dtype, same std), in place.
+
+    The bytes are rewritten where the tensor lies in its shard, so sizes, headers and the
+    manifest's sizes stay as the converter wrote them (only a sha256 would notice): the damage
+    the structural checks cannot see, and ``verify --against`` must.
+    """
     cfg = json.loads((out_dir / "config.json").read_text())
     E = read_config_block(cfg).num_routed_experts
     index = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"]
@@ -67,28 +72,24 @@ def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) 
             return (torch.randn(t.shape, generator=g) * 64).clamp(-448, 448).to(t.dtype)
         return (torch.randn(t.shape, generator=g) * t.float().std()).to(t.dtype)
 
-    if tn.storage == "stacked":
-        targets = {n: e for n in tn.stacked()}  # rows e of [E+S, ...] tensors
-    else:
-        targets = {n: None for n in tn.per_expert(e)}
-    changed = []
-    for fname in sorted({index[n] for n in targets}):
-        path = out_dir / fname
+    targets = {n: e for n in tn.stacked()} if tn.storage == "stacked" else {n: None for n in tn.per_expert(e)}
+    for name, row in targets.items():
+        path = out_dir / index[name]
         with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        for n, row in targets.items():
-            if index[n] != fname:
-                continue
-            t = tensors[n].clone()
-            if row is None:
-                t = noise_like(t)
-            else:
-                t[row] = noise_like(t[row])
-            tensors[n] = t
-            changed.append(n)
-        save_file(tensors, str(path), metadata=meta)
-    return changed
+            t = f.get_tensor(name).clone()
+        if row is None:
+            t = noise_like(t)
+        else:
+            t[row] = noise_like(t[row])
+        raw = path.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+        data = t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert len(data) == end - begin
+        with open(path, "r+b") as fh:
+            fh.seek(8 + n + begin)
+            fh.write(data)
+    return list(targets)
 
 
 def moe_blocks(model) -> list[str]:
