@@ -228,11 +228,15 @@ def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, NE,
 
 @functools.lru_cache(maxsize=None)
 def moe_config(T: int, NE: int, H: int, I: int, KS: int, fp8: bool, device: str) -> dict:
-    """Tile choice, cached by everything that changes it: token bucket, E+S, H, I, K+S, dtype, device."""
+    """Tile choice, cached by everything that changes it: token bucket, E+S, H, I, K+S, dtype, device.
+
+    Picked from a sweep on an H200 (docs/benchmarks.md): at decode 3 stages beat 4 (more CTAs resident
+    per SM), BN1=64 paired gate/up tiles beat 32 and 128.
+    """
     if T <= 64:
-        cfg = dict(BM=16, BN1=64, BN2=128, warps1=4, stages1=4, warps2=4, stages2=4, GROUP_M=1, prequant=False)
+        cfg = dict(BM=16, BN1=64, BN2=128, warps1=4, stages1=3, warps2=4, stages2=3, GROUP_M=1, prequant=False)
     elif T <= 1024:
-        cfg = dict(BM=32, BN1=64, BN2=128, warps1=4, stages1=3, warps2=4, stages2=3, GROUP_M=8, prequant=True)
+        cfg = dict(BM=64, BN1=64, BN2=128, warps1=4, stages1=3, warps2=4, stages2=3, GROUP_M=8, prequant=True)
     else:
         cfg = dict(BM=64, BN1=128, BN2=128, warps1=8, stages1=3, warps2=4, stages2=3, GROUP_M=8, prequant=True)
     if not fp8:
