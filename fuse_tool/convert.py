@@ -287,16 +287,37 @@ def _size(n: int) -> str:
 class _OutputLock:
     """An exclusive lock on OUT_DIR, so two converts cannot write into one folder at once.
 
-    ``flock`` on ``.fuse-shared.lock``: the kernel releases it when the holder dies, so a
-    lock left by a killed run is never stale. After locking, the file is checked to still
-    be the one at the path (a holder that finished may have unlinked it meanwhile).
+    ``flock`` on the folder itself: no lock file, so a run killed at any moment leaves
+    nothing behind, and the kernel releases the lock when the holder dies (kill -9
+    included), so it is never stale. Where a file system cannot flock a directory (NFS
+    emulates flock with POSIX locks, which need a file open for writing), the lock is a
+    ``.fuse-shared.lock`` file in OUT_DIR instead, checked after locking to still be the
+    file at that path.
     """
 
     def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
         self.path = out_dir / LOCK_NAME
         self.fd = -1
+        self.uses_file = False
 
     def __enter__(self):
+        try:
+            fd = os.open(self.out_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise ConversionError(f"cannot open the output folder: {e.strerror or e}", file=self.out_dir) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise _busy(self.out_dir) from None
+            return self._lock_file()  # EBADF / ENOLCK / EINVAL: no flock on directories here
+        self.fd = fd
+        return self
+
+    def _lock_file(self):
+        self.uses_file = True
         for _ in range(100):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -307,7 +328,7 @@ class _OutputLock:
             except OSError as e:
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise ConversionError("another fuse-shared convert is writing into this folder", file=self.path.parent) from None
+                    raise _busy(self.out_dir) from None
                 raise ConversionError(f"cannot lock: {e.strerror or e}", file=self.path) from None
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -321,10 +342,32 @@ class _OutputLock:
 
     def __exit__(self, *exc):
         try:
-            self.path.unlink(missing_ok=True)
+            if self.uses_file:
+                self.path.unlink(missing_ok=True)
         finally:
             os.close(self.fd)
             self.fd = -1
+
+
+def _busy(out_dir: Path) -> ConversionError:
+    return ConversionError("another fuse-shared convert is writing into this folder", file=out_dir)
+
+
+def output_locked(out_dir: Path) -> bool:
+    """True while a convert holds OUT_DIR's lock (for ``verify``)."""
+    for path, flags in ((out_dir, os.O_RDONLY | os.O_DIRECTORY), (out_dir / LOCK_NAME, os.O_RDONLY)):
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+        finally:
+            os.close(fd)
+    return False
 
 
 # ----------------------------------------------------------------------------- writing
@@ -441,7 +484,8 @@ def _with_resume_hint(message: str, journal: Journal, plan: ConversionPlan) -> s
 
 def _finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) -> list[str]:
     """Stage every small file under a temporary name, then rename everything into place, config.json last."""
-    manifest_files = {s.filename: dict(journal.completed[s.filename]) for s in plan.shards}
+    manifest_files = {s.filename: {"size": journal.completed[s.filename]["size"], "sha256": journal.completed[s.filename]["sha256"]}
+                      for s in plan.shards}
     index = {
         "metadata": {"total_size": plan.total_size},
         "weight_map": {t.name: s.filename for s in plan.shards for t in sorted(s.tensors, key=lambda t: t.name)},

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -124,25 +122,14 @@ def verify_output(out_dir: str | Path, *, checksums: bool = False, progress: boo
 
 
 def _check_not_in_progress(root: Path) -> None:
-    lock = root / LOCK_NAME
-    if lock.exists():
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            fd = -1
-        if fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise _err("a fuse-shared convert is writing into this folder right now", root) from None
-            finally:
-                os.close(fd)
+    from .convert import output_locked
+
+    if output_locked(root):
+        raise _err("a fuse-shared convert is writing into this folder right now", root)
     if (root / JOURNAL_NAME).exists():
         raise _err(f"{JOURNAL_NAME} is present: the conversion did not finish; rerun convert with --resume", root)
     for p in sorted(root.iterdir()):
-        if p.name.startswith(".") and p.name.endswith((".partial", ".done")):
+        if p.name.startswith(".") and p.name.endswith((".partial", ".done")) or p.name == LOCK_NAME:
             raise _err("leftover temporary file: the conversion did not finish; rerun convert with --resume", p)
 
 

@@ -1,0 +1,107 @@
+"""Helpers for the reliability tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fuse_tool.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    """Run the CLI in this process: (exit code, stdout, stderr)."""
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r.exit_code, r.stdout, r.stderr
+
+
+def final_named(out: Path) -> list[str]:
+    """Files in OUT_DIR under a final name (everything the converter writes that does not start with a dot)."""
+    if not out.exists():
+        return []
+    return sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+
+
+def tree_bytes(d: Path) -> dict[str, bytes]:
+    """Every file in a folder (hidden ones included) and its bytes."""
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def assert_identical(out: Path, ref: Path) -> None:
+    got, want = tree_bytes(out), tree_bytes(ref)
+    assert sorted(got) == sorted(want), f"files differ: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got))}"
+    for name in want:
+        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+
+
+def assert_clean_refusal(code: int, stderr: str, out: Path, *fragments: str) -> None:
+    assert code == 1, (code, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "Traceback" not in stderr
+    for f in fragments:
+        assert f in stderr, f"{f!r} not in {stderr!r}"
+    assert final_named(out) == [], f"final-named files left in OUT_DIR: {final_named(out)}"
+
+
+def cli_subprocess(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fuse_tool.cli", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of ``size`` at ``path``; the test is skipped where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def readonly_bind(src: Path, path: Path):
+    """``src`` seen read-only at ``path`` (a read-only bind mount: even root cannot write there)."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "--bind", str(src), str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill_disk(path: Path, leave: int = 0) -> Path:
+    """Fill the file system of ``path`` with one file until at most ``leave`` bytes are free."""
+    filler = path / "filler.bin"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+    try:
+        block = b"\0" * (1 << 20)
+        while True:
+            free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
+            if free <= leave:
+                break
+            n = min(len(block), free - leave)
+            try:
+                os.write(fd, block[:n])
+            except OSError:
+                break
+    finally:
+        os.close(fd)
+    return filler
