@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,7 +91,10 @@ def _read_indexed(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
     for fname in sorted(by_file):
         path = root / fname
         if not path.is_file():
-            raise ConversionError(f"the index names {fname!r} (for {len(by_file[fname])} tensors, e.g. {by_file[fname][0]!r}) but the file does not exist", file=index_path)
+            what = "the file does not exist"
+            if path.is_symlink():
+                what = f"it is a symlink to {os.readlink(path)!r}, which does not exist (a Hub cache blob missing? download it again)"
+            raise ConversionError(f"the index names {fname!r} (for {len(by_file[fname])} tensors, e.g. {by_file[fname][0]!r}) but {what}", file=index_path)
         shard_files.append(path)
         found, _ = read_header(path)
         for name in by_file[fname]:

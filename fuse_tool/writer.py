@@ -167,14 +167,22 @@ def disk_error(e: OSError, path: Path) -> ConversionError:
     return ConversionError(f"write failed: {e.strerror or e}", file=path)
 
 
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def stage_bytes(path: Path, data: bytes) -> Path:
     """Write a small file as ``.NAME.partial`` and fsync it; the caller renames it into place."""
     tmp = path.with_name(partial_name(path.name))
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise disk_error(e, path) from None
@@ -185,34 +193,37 @@ def stage_copy(src: Path, path: Path) -> Path:
     """Copy ``src`` (following symlinks, e.g. into a Hub cache's blobs) to ``.NAME.partial`` and fsync it."""
     tmp = path.with_name(partial_name(path.name))
     try:
-        fin = open(src, "rb")
+        sfd = os.open(src, os.O_RDONLY)
     except OSError as e:
         raise ConversionError(f"cannot read: {e.strerror or e}", file=src) from None
-    with fin:
+    try:
         try:
-            fout = open(tmp, "wb")
+            dfd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
         except OSError as e:
             raise disk_error(e, path) from None
-        with fout:
+        try:
             while True:
                 try:
-                    chunk = fin.read(16 << 20)
+                    chunk = os.read(sfd, 16 << 20)
                 except OSError as e:
-                    tmp.unlink(missing_ok=True)
                     raise ConversionError(f"read failed: {e.strerror or e}", file=src) from None
                 if not chunk:
                     break
                 try:
-                    fout.write(chunk)
+                    _write_all(dfd, chunk)
                 except OSError as e:
-                    tmp.unlink(missing_ok=True)
                     raise disk_error(e, path) from None
             try:
-                fout.flush()
-                os.fsync(fout.fileno())
+                os.fsync(dfd)
             except OSError as e:
-                tmp.unlink(missing_ok=True)
                 raise disk_error(e, path) from None
+        except BaseException:
+            os.close(dfd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(dfd)
+    finally:
+        os.close(sfd)
     return tmp
 
 
