@@ -1,7 +1,7 @@
 """Backend selection shared by routing and the fused MoE: Triton on CUDA, PyTorch elsewhere.
 
-Triton is imported lazily, so the runtime imports without it. ``backend`` arguments and
-the ``FUSE_SHARED_BACKEND`` environment variable (``auto``, ``triton``, ``torch``) force a path.
+Triton is imported lazily, so the runtime imports without it. A ``backend`` argument
+(``auto``, ``triton``, ``torch``) forces a path; there is no environment switch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
-ENV_BACKEND = "FUSE_SHARED_BACKEND"
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +31,7 @@ def interpreting() -> bool:
 
 def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     """Pick ``"triton"`` or ``"torch"`` for tensors on one device."""
-    b = backend or os.environ.get(ENV_BACKEND) or "auto"
+    b = backend or "auto"
     if b not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {b!r}")
     if b == "torch":
