@@ -148,11 +148,13 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @click.option("--seed", default=0, show_default=True, help="--against: seed of the token ids.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="--against: compute dtype of both models.")
 @click.option("--device", default="cpu", show_default=True, help="--against: where both models run (cpu or cuda).")
+@click.option("--backend", type=click.Choice(["auto", "torch", "triton"]), default="auto", show_default=True,
+              help="--against: the runtime's MoE path (Triton's float32 dots are TF32: use torch for the exact check on CUDA).")
 @click.option("--max-moe-err", type=float, default=None, help="--against: override the per-MoE-layer relative error bound.")
 @click.option("--max-logits-err", type=float, default=None, help="--against: override the final-logits relative error bound.")
 @click.option("--min-top1", type=float, default=None, help="--against: override the top-1 agreement bound.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def verify(out_dir, checksums, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, quiet):
+def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, max_moe_err, max_logits_err, min_top1, quiet):
     """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest; with --against, numerically against its source."""
     from .verify_checksums import verify_output
 
@@ -166,7 +168,8 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, max_moe_err
     if against is not None:
         from .verify import run_verify_cli
 
-        sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo))
+        sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo,
+                                backend=None if backend == "auto" else backend))
 
 
 if __name__ == "__main__":  # pragma: no cover

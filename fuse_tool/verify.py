@@ -126,11 +126,11 @@ def deterministic_tokens(config: dict, batch: int, seq_len: int, seed: int) -> t
 
 def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, batch: int = 4, seq_len: int = 32,
                    seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   bounds: Bounds | None = None) -> VerifyResult:
+                   bounds: Bounds | None = None, backend: str | None = None) -> VerifyResult:
     """Compare the converted checkpoint in ``out_dir`` with the source in ``model_dir`` (see module doc)."""
     from runtime.integrations.transformers import StreamedModel
 
-    conv = StreamedModel(out_dir, kind="fused", dtype=dtype, device=device)
+    conv = StreamedModel(out_dir, kind="fused", dtype=dtype, device=device, backend=backend)
     orig = StreamedModel(model_dir, kind="source", dtype=dtype, device=device)
     if conv.family.name != orig.family.name or conv.num_layers != orig.num_layers:
         raise ValueError(f"{out_dir} ({conv.family.name}, {conv.num_layers} layers) is not a conversion of "
@@ -266,7 +266,7 @@ def format_result(r: VerifyResult) -> str:
 
 
 def run_verify_cli(out_dir, model_dir, tokens: str, seed: int, dtype: str, device: str,
-                   max_moe_err=None, max_logits_err=None, min_top1=None, echo=None) -> int:
+                   max_moe_err=None, max_logits_err=None, min_top1=None, echo=None, backend: str | None = None) -> int:
     """``fuse-shared verify OUT_DIR --against MODEL_DIR``: print the table, return the exit status.
 
     ``echo(text, err=False)`` prints (click.echo in the CLI).
@@ -280,7 +280,7 @@ def run_verify_cli(out_dir, model_dir, tokens: str, seed: int, dtype: str, devic
         return 2
     try:
         res = verify_against(out_dir, model_dir, batch=int(m.group(1)), seq_len=int(m.group(2)), seed=seed,
-                             dtype=getattr(torch, dtype), device=device)
+                             dtype=getattr(torch, dtype), device=device, backend=backend)
     except Exception as e:  # noqa: BLE001 - a one-line message, like every other command
         echo(f"error: {e}", err=True)
         return 1
