@@ -98,7 +98,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         if not isinstance(entry, dict):
             raise ConversionError("header entry is not an object", file=path, tensor=name)
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise ConversionError(f"unknown dtype {dtype!r}", file=path, tensor=name)
         if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
             raise ConversionError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
