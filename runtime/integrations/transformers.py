@@ -28,13 +28,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..fp8 import FP8_DTYPE, dequantize_block_fp8
-from ..layout import SCALE_SUFFIX, LayoutError, find_config_block, moe_layer_tensors, read_config_block
+from ..fp8 import dequantize_block_fp8
+from ..layout import SCALE_SUFFIX, LayoutError, moe_layer_tensors, read_config_block
 from ..moe import FusedSharedMoE
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -173,6 +173,14 @@ class ShardReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+    def is_float(self, name: str) -> bool:
+        """Whether ``name`` holds floating-point (FP8 included) data, from its header alone."""
+        fn = self.weight_map[name]
+        h = self._handles.get(fn)
+        if h is None:
+            h = self._handles[fn] = self._safe_open(os.path.join(self.path, fn), "pt")
+        return h.get_slice(name).get_dtype().upper().startswith(("F", "BF"))
 
     def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales."""
@@ -387,21 +395,12 @@ class StreamedModel:
                 raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
 
     # -- loading
-    def _dtype_for(self, name: str, value: torch.Tensor) -> torch.dtype:
-        if not value.is_floating_point() and value.dtype not in FP8_DTYPES:
-            return value.dtype
-        if any(p in name for p in self._fp32):
-            return torch.float32
-        return self.dtype
-
     def _make(self, name: str, plan: TensorPlan | None = None) -> torch.Tensor:
         r = (plan or self.plan).recipes[name]
         rd = self.reader
-        probe = rd.get(r.sources[0])
-        dt = self._dtype_for(name, probe)
-        if not probe.is_floating_point() and probe.dtype not in FP8_DTYPES:
-            return probe.to(self.device)
-        del probe
+        if not rd.is_float(r.sources[0]):
+            return rd.get(r.sources[0]).to(self.device)
+        dt = torch.float32 if any(p in name for p in self._fp32) else self.dtype
         get = lambda n: rd.read_float(n, dt, self.device)  # noqa: E731
         if r.op == "copy":
             return get(r.sources[0])

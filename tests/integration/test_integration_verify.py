@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 
@@ -39,7 +38,6 @@ def test_verify_passes(family, precision, sources, converted):
     assert r.exit_code == 0, r.output
     assert r.output.startswith("ok: ") and "PASS" in r.output and "tolerance" in r.output
     rows = moe_rows(r.output)
-    moe_layers = json.loads((out / "config.json").read_text())
     assert len([k for k, v in rows.items() if v[0] == "moe"]) == num_main_moe_layers(out)
     if CASES[family].get("mtp"):
         assert rows[3][0] == "mtp", "the MTP layer's fused block is checked too"
