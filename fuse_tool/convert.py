@@ -210,6 +210,17 @@ def _prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes],
         shard = planned.get(name)
         if shard is not None and _intact(out, shard, headers[name], entry):
             kept[name] = entry
+    if has_journal:
+        # A .done is renamed only once its shard is fsynced and hashed, so it is complete; one the journal
+        # does not list (killed, or the disk was too full to rewrite the journal) is adopted after a check.
+        for name, shard in planned.items():
+            done = out / done_name(name)
+            if name not in kept and done.is_file() and not done.is_symlink():
+                size = len(headers[name]) + shard.nbytes
+                if done.stat().st_size == size:
+                    digest = _sha256(done)
+                    if _intact(out, shard, headers[name], {"size": size}):
+                        kept[name] = {"size": size, "sha256": digest}
     keep_temp = {done_name(n) for n in kept}
     for p in entries:
         if _is_our_temporary(p.name) and p.name != JOURNAL_NAME and p.name not in keep_temp:
@@ -406,15 +417,19 @@ class _ShardPipeline:
             except OSError as e:
                 raise disk_error(e, self.out / done_name(name)) from None
             fsync_dir(self.out)
-            self.journal.complete(name, size, digest)
+            self.journal.completed[name] = {"size": size, "sha256": digest}
+            self.journal.save()
 
     def close(self, salvage: bool) -> None:
-        """Wait for the hashing thread; with ``salvage``, still journal what finished (a failure elsewhere is being raised)."""
+        """Wait for the hashing thread; with ``salvage``, still keep what finished (a failure elsewhere is being raised):
+        each finished shard is renamed to .done even when the journal cannot be written (a full disk), and a
+        later --resume adopts an unjournalled .done after checking it."""
         if salvage:
-            try:
-                self.collect(block=True)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                pass
+            while self.pending:
+                try:
+                    self.collect(block=True)
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
         self.pool.shutdown(wait=True)
 
 
@@ -472,7 +487,8 @@ def _write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: 
 
 
 def _with_resume_hint(message: str, journal: Journal, plan: ConversionPlan) -> str:
-    n = len(journal.completed)
+    out = journal.path.parent
+    n = sum(s.filename in journal.completed or (out / done_name(s.filename)).exists() for s in plan.shards)
     if n == 0:
         if journal.path.exists():
             journal.remove()  # nothing to resume: leave OUT_DIR as it was

@@ -37,9 +37,10 @@ def _start(src, out, *extra):
     return cli_subprocess("convert", src, out, "--max-shard-size", SHARD, "--quiet", *extra)
 
 
-def _wait_for_lock(proc, out, timeout=60.0) -> float:
+def _wait_for_start(proc, out, timeout=60.0) -> float:
+    """Until the convert has planned, locked OUT_DIR and written its journal (the moment before the first shard)."""
     t0 = time.monotonic()
-    while not (out / LOCK_NAME).exists():
+    while not (out / JOURNAL_NAME).exists():
         if proc.poll() is not None or time.monotonic() - t0 > timeout:
             break
         time.sleep(0.0005)
@@ -87,7 +88,7 @@ def _kill_at_progress(src, out, rng, target: int, per_shard: float, *extra) -> d
     """Start a convert; once ``target`` shards are complete wait ``uniform(0, per_shard)`` s and SIGKILL it.
     None if it finished first."""
     proc = _start(src, out, *extra)
-    _wait_for_lock(proc, out)
+    _wait_for_start(proc, out)
     while proc.poll() is None and _complete_shards(out) < target:
         time.sleep(0.0003)
     delay = rng.uniform(0, per_shard)
@@ -95,7 +96,8 @@ def _kill_at_progress(src, out, rng, target: int, per_shard: float, *extra) -> d
     while time.monotonic() < t_end and proc.poll() is None:
         time.sleep(0.0002)
     if proc.poll() is not None:
-        proc.communicate()
+        _, err = proc.communicate()
+        assert proc.returncode == 0, f"the convert failed on its own: {err.decode()[-2000:]}"
         return None
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
@@ -108,10 +110,10 @@ def _kill_at_progress(src, out, rng, target: int, per_shard: float, *extra) -> d
 
 @pytest.fixture(scope="module")
 def reference(big_source, tmp_path_factory):
-    """An uninterrupted run, and how long it writes (lock to exit)."""
+    """An uninterrupted run, and how long it writes (first journal to exit)."""
     ref = tmp_path_factory.mktemp("ref") / "out"
     proc = _start(big_source, ref)
-    locked = _wait_for_lock(proc, ref)
+    locked = _wait_for_start(proc, ref)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     return ref, time.monotonic() - locked
