@@ -44,7 +44,6 @@ MANIFEST_NAME = "fuse_shared_manifest.json"
 LOCK_NAME = ".fuse-shared.lock"
 SKIPPED_FILES = ("README.md", ".gitattributes")  # the source's model card describes the source, not this
 SPACE_MARGIN = 64 << 20
-SMALL_FILES_ALLOWANCE = 16 << 20  # index, manifest, config, journal
 
 
 @dataclass
@@ -275,7 +274,10 @@ def _intact(out: Path, shard: PlannedShard, header: bytes, entry: dict) -> bool:
 def _bytes_still_needed(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal) -> int:
     shards = sum(len(headers[s.filename]) + s.nbytes for s in plan.shards if s.filename not in journal.completed)
     others = sum(p.stat().st_size for p in plan.source.other_files if p.name not in SKIPPED_FILES)
-    return shards + others + SMALL_FILES_ALLOWANCE
+    # index (a line per tensor), manifest and journal (a line per shard and source file), config, staged copies
+    names = sum(len(t.name) + 64 for s in plan.shards for t in s.tensors)
+    small = 2 * (names + 400 * (len(plan.shards) + len(plan.source.shard_files)) + len(json.dumps(plan.config)) + 4096)
+    return shards + others + small
 
 
 def _check_free_space(out_dir: Path, needed: int) -> None:
