@@ -96,9 +96,11 @@ def convert_checkpoint(
             journal, kept = _prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
             _check_free_space(out_dir, _bytes_still_needed(plan, headers, journal))
             files = _execute(plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir))
-    except BaseException:
+    except BaseException as e:
         if created:
             _remove_if_empty(out_dir)
+        if isinstance(e, KeyboardInterrupt):
+            raise ConversionError("interrupted", file=out_dir) from None
         raise
     return ConversionResult(out_dir, plan, time.perf_counter() - started, files, kept)
 

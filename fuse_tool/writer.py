@@ -48,6 +48,7 @@ class ShardWriter:
         self.written = dict.fromkeys(self.sizes, 0)
         self.size = self.data_start + sum(self.sizes.values())
         self.header = header
+        self._buf: bytearray | None = None  # reused by checked copies
         self.fd = -1
         try:
             self.fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
@@ -108,7 +109,10 @@ class ShardWriter:
         return length
 
     def _checked_copy(self, pos: int, src_fd: int, src_offset: int, length: int, src_path: Path, check) -> int:
-        buf = bytearray(min(CHECKED_COPY_CHUNK, length))
+        want = min(CHECKED_COPY_CHUNK, length)
+        if self._buf is None or len(self._buf) < want:
+            self._buf = bytearray(max(want, min(CHECKED_COPY_CHUNK, 1 << 20)))
+        buf = self._buf
         done = 0
         while done < length:
             n = min(len(buf), length - done)
