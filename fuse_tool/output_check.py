@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .journal import JOURNAL_NAME
 from runtime.layout import (
     CONFIG_KEY,
     ExpertTensorNames,
@@ -116,14 +117,16 @@ def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
 # The converter writes ``.<name>.partial`` then renames (fuse_tool.writer.partial_name) and holds
 # ``.fuse-shared.lock`` while it runs; this tool and others use ``.<name>.tmp...``.
 CONVERTER_LOCK = ".fuse-shared.lock"
+CONVERTER_JOURNAL = JOURNAL_NAME
 
 
 def is_temporary_name(name: str) -> bool:
-    """A file left by an unfinished write: ``.<name>.tmp...``, ``.<name>.partial``, the converter's lock, ``*.incomplete``."""
+    """A file left by an unfinished write: ``.<name>.tmp...``, ``.<name>.partial``, ``.<name>.done``,
+    the converter's lock or resume journal, ``*.incomplete``."""
     base = name.rsplit("/", 1)[-1]
-    if base == CONVERTER_LOCK or base.endswith(".incomplete"):
+    if base in (CONVERTER_LOCK, CONVERTER_JOURNAL) or base.endswith(".incomplete"):
         return True
-    return base.startswith(".") and (".tmp" in base or base.endswith(".partial"))
+    return base.startswith(".") and (".tmp" in base or base.endswith((".partial", ".done")))
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:

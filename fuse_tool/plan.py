@@ -400,7 +400,7 @@ class _Planner:
         if info.dtype in FLOAT_DTYPES:
             for cand in (scale_name(name), name + CT_SCALE_SUFFIX):
                 if cand in self.t:
-                    raise self._err(f"is {info.dtype} but has a scale tensor {cand!r}: expected an FP8 weight beside it", cand)
+                    raise self._err(f"is a scale, but the weight it belongs to, {name!r}, is {info.dtype}: expected an F8_E4M3 weight beside a scale", cand)
             return None, None
         if info.dtype != FP8_DTYPE_CODE:
             raise self._err(f"has dtype {info.dtype}, expected BF16/F16/F32 or F8_E4M3", name)

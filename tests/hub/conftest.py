@@ -12,11 +12,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from fake_hub import FakeHub  # noqa: E402
-
-WRITE_TOKEN = "hf_fake_write_alice_0123456789"
-READ_TOKEN = "hf_fake_read_alice_0123456789"
-BOB_TOKEN = "hf_fake_write_bob_0123456789"
+from fake_hub import BOB_TOKEN, READ_TOKEN, WRITE_TOKEN, FakeHub  # noqa: E402,F401
 
 
 @pytest.fixture

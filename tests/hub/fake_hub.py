@@ -61,6 +61,11 @@ DEFAULT_GITATTRIBUTES = """\
 
 _NAME = re.compile(r"^(?![.-])[\w.\-]{1,96}(?<![.-])$")
 
+# Tokens the fake Hub knows: alice may write, her read token may not, bob writes only his own repos.
+WRITE_TOKEN = "hf_fake_write_alice_0123456789"
+READ_TOKEN = "hf_fake_read_alice_0123456789"
+BOB_TOKEN = "hf_fake_write_bob_0123456789"
+
 
 def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

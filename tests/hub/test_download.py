@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BOB_TOKEN, WRITE_TOKEN
+from fake_hub import BOB_TOKEN, WRITE_TOKEN
 from fuse_tool.hub import HubError, is_hub_reference, parse_hub_reference, resolve_model_source
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use .content=:DeprecationWarning")

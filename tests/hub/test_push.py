@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BOB_TOKEN, READ_TOKEN, REPO_ROOT, WRITE_TOKEN
+from fake_hub import BOB_TOKEN, READ_TOKEN, WRITE_TOKEN
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 from fuse_tool.hub import NO_TOKEN_MESSAGE, HubError, push_checkpoint
 from fuse_tool.output_check import check_converted_checkpoint, list_checkpoint_files
 

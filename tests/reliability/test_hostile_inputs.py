@@ -225,7 +225,7 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
                              ("model.layers.0.mlp.extra_proj.weight_scale_inv", "scale with no weight"), ()),
     "scale_beside_float_weight": ("a BF16 weight with a _scale_inv",
                                   lambda s: mutate(s, _set(EXPERT + "_scale_inv", torch.ones(1, 1))),
-                                  (EXPERT + "_scale_inv", "expected an FP8 weight beside it"), ()),
+                                  (EXPERT + "_scale_inv", f"the weight it belongs to, {EXPERT!r}, is BF16"), ()),
     "fp8_weight_without_scale": ("an FP8 weight without its _scale_inv",
                                  _fp8(lambda s: mutate(s, lambda t: t.pop(EXPERT + "_scale_inv"))), (EXPERT, "FP8 weight without its scale"), ()),
     "duplicate_tensor_across_shards": ("one tensor in two shards (with an index)",
