@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import ConversionError
 from .journal import JOURNAL_NAME
+from .safetensors_io import read_header
 from runtime.layout import (
     CONFIG_KEY,
     ExpertTensorNames,
@@ -31,17 +31,6 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MANIFEST_FILE = "fuse_shared_manifest.json"
-
-# A safetensors header above this is not a header (the format caps it at 100 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-# Bytes per element of the safetensors dtypes (sub-byte F4/F6 types are not checked for size).
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
 
 # Folders that are never part of a checkpoint (huggingface_hub keeps upload state in .cache/huggingface).
 _SKIP_DIRS = {".git", ".cache"}
@@ -132,50 +121,21 @@ def is_temporary_name(name: str) -> bool:
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Parse a safetensors header without reading tensor data.
 
-    Returns ``(tensors, metadata)``. Raises IncompleteCheckpointError if the header is
-    unreadable or a tensor's byte range lies beyond the end of the file (a truncated shard).
+    Returns ``(tensors, metadata)``. Raises IncompleteCheckpointError if the shard is
+    missing, its header unreadable, or a tensor's byte range lies beyond the end of the
+    file (a truncated shard). The parsing is the converter's own (``safetensors_io.read_header``).
     """
     path = Path(path)
+    if not path.exists():
+        raise _fail(f"{path}: shard is missing")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _fail(f"{path}: shard header unreadable (file is {size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise _fail(f"{path}: shard header unreadable (header length {n}, file is {size} bytes)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise _fail(f"{path}: shard is missing") from None
-    except OSError as e:
-        raise _fail(f"{path}: shard unreadable ({e.strerror or e})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _fail(f"{path}: shard header unreadable ({e})") from None
-
-    data_len = size - 8 - n
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        try:
-            dtype = str(info["dtype"])
-            shape = tuple(int(x) for x in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise _fail(f"{path}: shard header entry {name!r} is malformed") from None
-        if not 0 <= begin <= end:
-            raise _fail(f"{path}: tensor {name!r} has bad data_offsets [{begin}, {end}]")
-        if end > data_len:
-            raise _fail(f"{path}: shard is truncated (tensor {name!r} ends at byte {end} of {data_len} data bytes)")
-        elt = DTYPE_BYTES.get(dtype)
-        if elt is not None and math.prod(shape) * elt != end - begin:
-            raise _fail(f"{path}: tensor {name!r} {dtype}{list(shape)} should take {math.prod(shape) * elt} bytes, header says {end - begin}")
-        tensors[name] = TensorEntry(dtype, shape, end - begin)
-    return tensors, metadata
+        infos, metadata = read_header(path)
+    except ConversionError as e:
+        detail = e.detail
+        if "past the end" in detail:
+            raise _fail(f"{path}: shard is truncated ({detail})") from None
+        raise _fail(f"{path}: shard header unreadable ({detail})") from None
+    return {name: TensorEntry(i.dtype, i.shape, i.nbytes) for name, i in infos.items()}, metadata
 
 
 def _check_moe_layer(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: Mapping[str, TensorEntry], where: str) -> None:

@@ -158,7 +158,7 @@ def _rows_per_chunk(row_bytes: int, multiple: int) -> int:
 
 
 def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Piece]:
-    sw, cut = task.source, task.cut
+    sw = task.source
     w = sw.weight
     if task.mode == "copy":
         yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes, w.info)

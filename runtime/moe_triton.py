@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting, next_pow2
-from .fp8 import FP8_DTYPE, FP8_MAX, FLOAT32_TINY
+from .fp8 import FP8_DTYPE
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
