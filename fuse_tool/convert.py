@@ -219,7 +219,7 @@ def _prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes],
             if name not in kept and done.is_file() and not done.is_symlink():
                 size = len(headers[name]) + shard.nbytes
                 if done.stat().st_size == size:
-                    digest = _sha256(done)
+                    digest = _sync_and_hash(done)
                     if _intact(out, shard, headers[name], {"size": size}):
                         kept[name] = {"size": size, "sha256": digest}
     keep_temp = {done_name(n) for n in kept}
@@ -388,16 +388,19 @@ def output_locked(out_dir: Path) -> bool:
 # ----------------------------------------------------------------------------- writing
 
 
-def _sha256(path: Path) -> str:
+def _sync_and_hash(path: Path) -> str:
+    """Flush a finished shard to disk and return its sha256; runs on the pipeline's thread."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
+        os.fsync(f.fileno())
         while chunk := f.read(16 << 20):
             h.update(chunk)
     return h.hexdigest()
 
 
 class _ShardPipeline:
-    """Completed shards are hashed in a thread while the next one is written, then renamed to .done and journalled."""
+    """Completed shards are flushed and hashed in a thread while the next one is written, then renamed to
+    .done and journalled: the main thread never waits for the disk, and nothing is .done before it is on disk."""
 
     def __init__(self, out: Path, journal: Journal):
         self.out = out
@@ -406,7 +409,7 @@ class _ShardPipeline:
         self.pending: list[tuple[str, int, Future]] = []
 
     def submit(self, name: str, size: int) -> None:
-        self.pending.append((name, size, self.pool.submit(_sha256, self.out / partial_name(name))))
+        self.pending.append((name, size, self.pool.submit(_sync_and_hash, self.out / partial_name(name))))
         self.collect(block=False)
 
     def collect(self, block: bool) -> None:
@@ -484,7 +487,7 @@ def _write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: 
                 else:
                     n = writer.write(piece.tensor, piece.offset, piece.data)
                 bar.update(n)
-        writer.finish()
+        writer.finish(fsync=False)  # flushed on the pipeline thread before it becomes .done
     except BaseException:
         writer.abort()
         raise

@@ -128,13 +128,15 @@ class ShardWriter:
             done += n
         return length
 
-    def finish(self) -> None:
+    def finish(self, fsync: bool = True) -> None:
+        """Close the complete file; ``fsync=False`` leaves the flush to the caller (done off the main thread)."""
         missing = {t: self.sizes[t] - w for t, w in self.written.items() if w != self.sizes[t]}
         if missing:
             self.abort()
             raise AssertionError(f"{self.path.name}: tensors not fully written: {list(missing)[:5]}")
         try:
-            os.fsync(self.fd)
+            if fsync:
+                os.fsync(self.fd)
         except OSError as e:
             raise disk_error(e, self.path) from None
         finally:

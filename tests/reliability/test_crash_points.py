@@ -26,12 +26,16 @@ OPS = ("replace", "fsync", "unlink")
 
 
 def _count_ops(src, out) -> dict[str, int]:
+    import threading
+
     counts = dict.fromkeys(OPS, 0)
     real = {op: getattr(os, op) for op in OPS}
+    lock = threading.Lock()
 
     def wrap(op):
         def f(*a, **k):
-            counts[op] += 1
+            with lock:
+                counts[op] += 1
             return real[op](*a, **k)
         return f
 
@@ -53,15 +57,20 @@ def _crash_child(src, out, op: str, n: int, when: str) -> int:
             import torch
 
             torch.set_num_threads(1)
+            import threading
+
             real = getattr(os, op)
             seen = [0]
+            lock = threading.Lock()  # shards are fsynced on the converter's pipeline thread too
 
             def f(*a, **k):
-                seen[0] += 1
-                if seen[0] == n and when == "before":
+                with lock:
+                    seen[0] += 1
+                    mine = seen[0]
+                if mine == n and when == "before":
                     os._exit(137)
                 r = real(*a, **k)
-                if seen[0] == n:
+                if mine == n:
                     os._exit(137)
                 return r
 
