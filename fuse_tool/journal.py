@@ -33,6 +33,7 @@ from runtime.layout import LAYOUT_VERSION
 from . import __version__
 from .checkpoint import CONFIG_NAME
 from .errors import ConversionError
+from .writer import fsync_dir
 
 JOURNAL_NAME = ".fuse-shared-journal.json"
 JOURNAL_VERSION = 1
@@ -188,7 +189,7 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -208,17 +209,5 @@ def _write_durably(path: Path, data: bytes) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise disk_error(e, path) from None
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
