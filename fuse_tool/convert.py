@@ -36,7 +36,7 @@ from . import __version__
 from .checkpoint import CONFIG_NAME, INDEX_NAME, SourceCheckpoint
 from .errors import ConversionError
 from .journal import JOURNAL_NAME, Journal, conversion_inputs, describe_difference, done_name, fingerprint
-from .plan import ConversionPlan, ConvertOptions, PlannedShard, build_plan, iter_task_targets
+from .plan import ConversionPlan, ConvertOptions, PlannedShard, build_plan
 from .transform import CopyRange, finite_checker, run_task
 from .writer import ShardWriter, SHARD_METADATA, disk_error, fsync_dir, partial_name, planned_header, stage_bytes, stage_copy
 
@@ -560,4 +560,4 @@ def _json(obj) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode()
 
 
-__all__ = ["ConversionResult", "convert_checkpoint", "plan_conversion", "iter_task_targets", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME"]
+__all__ = ["ConversionResult", "convert_checkpoint", "plan_conversion", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME"]

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .model_card import render_model_card
+from .model_card import human_bytes, render_model_card
 from .output_check import (
     MANIFEST_FILE,
     ConvertedCheckpoint,
@@ -308,14 +308,6 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
 def _expected_sha256(out_dir: Path, rel: str, size: int, manifest: dict | None) -> str:
     """sha256 of a local file: from the converter's manifest when it records this file at this size, else computed."""
     entry = ((manifest or {}).get("files") or {}).get(rel)
@@ -438,11 +430,11 @@ def push_checkpoint(
 
     where = f"{repo_id}@{revision}" if revision else repo_id
     say(
-        f"uploading {len(files)} files ({_human(sum(files.values()))}, {len(checked.shards)} shards) to {ep}/{repo_id}"
+        f"uploading {len(files)} files ({human_bytes(sum(files.values()))}, {len(checked.shards)} shards) to {ep}/{repo_id}"
         + (f" (branch {revision})" if revision else "")
         + "; files the Hub already has are skipped"
     )
-    message = commit_message or f"Upload fused-shared checkpoint ({len(checked.shards)} shards, {_human(checked.total_size)})"
+    message = commit_message or f"Upload fused-shared checkpoint ({len(checked.shards)} shards, {human_bytes(checked.total_size)})"
     # Weights first, then the files that make the repo look loadable (config, index, manifest, card): a
     # push interrupted midway never leaves a config.json on the Hub that points at missing shards.
     last = [p for p in LAST_FILES if p in files]

@@ -59,7 +59,7 @@ def _yaml_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML flow scalar
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -147,7 +147,7 @@ def render_model_card(
         f"| routing | {r.scoring}, top-{r.top_k}, n_group {r.n_group}, topk_group {r.topk_group}, "
         f"renormalize {str(r.renormalize).lower()}, routed_scaling_factor {r.routed_scaling_factor} |",
         f"| weights | {len(checked.shards)} safetensors shard{'s' if len(checked.shards) != 1 else ''}, "
-        f"{_human_bytes(checked.total_size)} of tensors |",
+        f"{human_bytes(checked.total_size)} of tensors |",
     ]
     if is_fp8:
         lines.append(f"| quantization_config | `{json.dumps(qcfg, sort_keys=True)}` |")

@@ -12,7 +12,7 @@ import copy
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+
 
 from runtime.layout import (
     CONFIG_KEY,
@@ -85,9 +85,6 @@ class Matrix:
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
 
-    @property
-    def is_whole_tensor(self) -> bool:
-        return self.offset == 0 and self.nbytes == self.info.nbytes
 
 
 @dataclass(frozen=True)
@@ -774,12 +771,3 @@ def _half(sw: SourceWeight, which: int, width: int) -> SourceWeight:
 def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> ConversionPlan:
     """Plan a conversion from the checkpoint's config and headers; raises ConversionError on bad input."""
     return _Planner(src, options or ConvertOptions()).plan()
-
-
-def iter_task_targets(task: Task) -> Iterable[Target]:
-    if isinstance(task, ProjectionTask):
-        yield task.weight
-        if task.scale is not None:
-            yield task.scale
-    else:
-        yield task.target

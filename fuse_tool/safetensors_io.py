@@ -147,22 +147,11 @@ def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> b
     return buf
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """The whole tensor, in its own dtype, on the CPU."""
-    return bytes_to_tensor(read_bytes(info), info.dtype, info.shape)
-
-
 def bytes_to_tensor(buf: bytearray, dtype: str, shape: Iterable[int]) -> torch.Tensor:
     shape = tuple(shape)
     if len(buf) == 0:
         return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
     return torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]).reshape(shape)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
