@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fuse_tool.safetensors_io import SAFETENSORS_DTYPES, build_header
+from runtime.safetensors_io import SAFETENSORS_DTYPES, build_header
 
 H, I = 7168, 2048
 

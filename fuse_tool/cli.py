@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .errors import ConversionError
+from .errors import ConversionError, FuseSharedError
 from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
 from .report import describe_plan
 
@@ -156,7 +156,7 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, max_moe_err, max_logits_err, min_top1, quiet):
     """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest; with --against, numerically against its source."""
-    from .verify_checksums import verify_output
+    from .verify.checksums import verify_output
 
     try:
         r = verify_output(out_dir, checksums=checksums, progress=not quiet)
@@ -166,7 +166,7 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
     click.echo(f"ok: {out_dir}: {r.tensors} tensors in {r.shards} shards; {what}")
     if against is not None:
-        from .verify import run_verify_cli
+        from .verify.numerics import run_verify_cli
 
         sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo,
                                 backend=None if backend == "auto" else backend))

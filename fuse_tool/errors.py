@@ -1,24 +1,21 @@
-"""Errors the converter reports to users: one line naming the file, the tensor and what was expected."""
+"""The converter's errors: subclasses of the project's one hierarchy (``runtime.errors``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from runtime.errors import CheckpointError, FuseSharedError, LayoutError, ModelError, UnsupportedModelError
 
 
-class ConversionError(Exception):
-    """Bad input or an impossible request. The CLI prints it as one line and exits non-zero."""
-
-    def __init__(self, message: str, *, file: str | Path | None = None, tensor: str | None = None):
-        self.file = str(file) if file is not None else None
-        self.tensor = tensor
-        self.detail = message
-        where = []
-        if self.file:
-            where.append(self.file)
-        if tensor:
-            where.append(f"tensor {tensor!r}")
-        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+class ConversionError(FuseSharedError):
+    """Bad input or an impossible request found while planning or converting."""
 
 
-class UnsupportedModelError(ConversionError):
-    """The model family cannot be fused (no shared expert, or a shared expert that is not weight-1.0)."""
+class VerifyError(FuseSharedError):
+    """A converted folder is incomplete, damaged, or differs from what it records."""
+
+
+class HubError(FuseSharedError):
+    """A Hugging Face Hub operation failed (network, permissions, a missing repository)."""
+
+
+__all__ = ["CheckpointError", "ConversionError", "FuseSharedError", "HubError", "LayoutError", "ModelError",
+           "UnsupportedModelError", "VerifyError"]

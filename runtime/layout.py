@@ -35,8 +35,7 @@ STACKED_GATE_UP = "gate_up_proj"  # [E, 2I, H], gate rows first
 STACKED_DOWN = "down_proj"  # [E, H, I]
 
 
-class LayoutError(ValueError):
-    """A converted checkpoint does not follow the layout."""
+from .errors import LayoutError  # noqa: E402  (re-exported: the layout's own error)
 
 
 def scale_name(weight_name: str) -> str:

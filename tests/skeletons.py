@@ -12,7 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
-from fuse_tool.safetensors_io import build_header
+from runtime.safetensors_io import build_header
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "checkpoints"
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -58,7 +58,7 @@ def build_skeleton(name: str, out: Path, layers_per_file: int = 4) -> Path:
         data = 0
         for tname, dtype, shape in groups[key]:
             weight_map[tname] = fname
-        from fuse_tool.safetensors_io import DTYPE_SIZES
+        from runtime.safetensors_io import DTYPE_SIZES
         import math
         data = sum(math.prod(s) * DTYPE_SIZES[d] for _, d, s in groups[key])
         total += data

@@ -240,7 +240,7 @@ def test_convert_from_repo_id(hub, src_repo, tmp_path):
     """Download a source from the Hub, convert it from the cache in place, check and push the result."""
     convert_checkpoint = _convert_checkpoint()
     from fuse_tool.hub import push_checkpoint
-    from fuse_tool.output_check import check_converted_checkpoint
+    from fuse_tool.verify.integrity import check_converted_checkpoint
 
     path = resolve_model_source(SRC, progress=False)
     out = tmp_path / "out"

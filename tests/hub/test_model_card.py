@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from checkpoints import write_converted_checkpoint
-from fuse_tool.model_card import base_model_from_manifest, render_model_card
-from fuse_tool.output_check import check_converted_checkpoint
+from fuse_tool.hub.model_card import base_model_from_manifest, render_model_card
+from fuse_tool.verify.integrity import check_converted_checkpoint
 
 
 def _meta(card: str) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import E, S, write_converted_checkpoint
-from fuse_tool.output_check import (
+from fuse_tool.verify.integrity import (
     MANIFEST_FILE,
     IncompleteCheckpointError,
     check_converted_checkpoint,

@@ -18,8 +18,8 @@ import yaml
 from fake_hub import BOB_TOKEN, READ_TOKEN, WRITE_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-from fuse_tool.hub import NO_TOKEN_MESSAGE, HubError, push_checkpoint
-from fuse_tool.output_check import check_converted_checkpoint, list_checkpoint_files
+from fuse_tool.hub.transfer import NO_TOKEN_MESSAGE, HubError, push_checkpoint
+from fuse_tool.verify.integrity import check_converted_checkpoint, list_checkpoint_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use .content=:DeprecationWarning")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuse_tool.verify import FP8_ALL, verify_against
+from fuse_tool.verify.numerics import FP8_ALL, verify_against
 from ig_helpers import CASES, reference_model, rel, tokens
 from runtime.integrations.transformers import from_fused_pretrained
 

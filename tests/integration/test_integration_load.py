@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fuse_tool.verify import FP8_ALL, FP8_EXPERTS
+from fuse_tool.verify.numerics import FP8_ALL, FP8_EXPERTS
 from ig_helpers import CASES, moe_blocks, num_main_moe_layers, reference_model, rel, tokens
 from runtime import FusedSharedMoE
 from runtime.integrations.transformers import (

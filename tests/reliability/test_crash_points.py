@@ -14,9 +14,8 @@ import time
 
 import pytest
 
-import fuse_tool.convert as convert_mod
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.journal import JOURNAL_NAME
+from fuse_tool.write.journal import JOURNAL_NAME, Journal
 from fuse_tool.plan import ConvertOptions
 
 from helpers import assert_identical, final_named, tree_bytes
@@ -108,7 +107,7 @@ def test_crash_at_every_durable_step_then_resume(tiny_source, tmp_path):
             # config.json is renamed last: if it is there, everything is, and is final.
             assert tree_bytes(out) == ref_bytes, f"crash {when} {op} #{n}: config.json present but the folder is not the finished output"
         elif final_named(out):
-            journal = convert_mod.Journal.load(out / JOURNAL_NAME) if JOURNAL_NAME in names else None
+            journal = Journal.load(out / JOURNAL_NAME) if JOURNAL_NAME in names else None
             assert journal is None or len(journal.completed) == n_shards, f"crash {when} {op} #{n}: final names before every shard was complete"
         seen_states.add((len([x for x in names if x.endswith(".done")]), len(final_named(out)), JOURNAL_NAME in names))
         convert_checkpoint(tiny_source, out, OPTIONS, resume=True, progress=False)

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-import fuse_tool.convert as convert_mod
+import fuse_tool.write.execute as convert_mod
 
 from helpers import assert_clean_refusal, assert_identical, fill_disk, final_named, run_cli, tmpfs
 
@@ -95,14 +95,14 @@ def test_disk_fills_before_the_final_phase_then_resume(tiny_source, reference, t
     """Every shard done, then no room to stage the index, manifest, config: still no final-named file."""
     with tmpfs(tmp_path / "mnt", "100m") as mnt:
         out = mnt / "out"
-        real = convert_mod._finalize
+        real = convert_mod.finalize
         state = {}
 
         def full_then_finalize(*a, **kw):
             state["filler"] = fill_disk(mnt)
             return real(*a, **kw)
 
-        monkeypatch.setattr(convert_mod, "_finalize", full_then_finalize)
+        monkeypatch.setattr(convert_mod, "finalize", full_then_finalize)
         code, _, err = run_cli("convert", tiny_source, out, "--quiet", "--max-shard-size", SHARD)
         assert_clean_refusal(code, err, out, "no space left on the device")
         n = len(list(reference.glob("*.safetensors")))

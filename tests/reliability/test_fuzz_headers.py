@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.errors import ConversionError
-from fuse_tool.output_check import IncompleteCheckpointError
-from fuse_tool.safetensors_io import DTYPE_SIZES, read_header
-from fuse_tool.verify_checksums import verify_output
+from fuse_tool.errors import FuseSharedError
+from fuse_tool.verify.integrity import IncompleteCheckpointError
+from runtime.safetensors_io import DTYPE_SIZES, read_header
+from fuse_tool.verify.checksums import verify_output
 
 from helpers import final_named
 
@@ -44,7 +44,7 @@ def _check_parsed(path, tensors):
 def _parse(path):
     try:
         tensors, _ = read_header(path)
-    except ConversionError as e:
+    except FuseSharedError as e:
         assert str(path) in str(e) and "\n" not in str(e)
         return None
     _check_parsed(path, tensors)
@@ -93,7 +93,7 @@ def test_deeply_nested_header_is_refused(tmp_path):
     raw = b"[" * 100_000 + b"]" * 100_000
     p = tmp_path / "f.safetensors"
     p.write_bytes(struct.pack("<Q", len(raw)) + raw)
-    with pytest.raises(ConversionError, match="nested too deeply|not valid JSON"):
+    with pytest.raises(FuseSharedError, match="nested too deeply|not valid JSON"):
         read_header(p)
 
 
@@ -125,7 +125,7 @@ def test_damaged_real_header_through_convert(one_shard_source, tmp_path_factory,
     out = work / "out"
     try:
         convert_checkpoint(src, out, progress=False)
-    except ConversionError as e:
+    except FuseSharedError as e:
         assert "\n" not in str(e)
         assert final_named(out) == []
         return
@@ -170,7 +170,7 @@ def test_hostile_fields_in_a_real_header_through_convert(one_shard_source, tmp_p
     out = work / "out"
     try:
         convert_checkpoint(src, out, progress=False)
-    except ConversionError as e:
+    except FuseSharedError as e:
         assert "\n" not in str(e)
         assert final_named(out) == []
         return
@@ -200,7 +200,7 @@ def test_damaged_output_header_through_verify(converted, tmp_path_factory, edits
     shard.write_bytes(bytes(data))
     try:
         verify_output(out, checksums=True)
-    except (ConversionError, IncompleteCheckpointError) as e:
+    except (FuseSharedError, IncompleteCheckpointError) as e:
         assert "\n" not in str(e)
         return
     assert bytes(data) == original

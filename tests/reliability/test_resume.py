@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.journal import JOURNAL_NAME
+from fuse_tool.write.journal import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
 from helpers import assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes
@@ -33,7 +33,7 @@ def reference(src, tmp_path):
 
 def _interrupted(src, out, after: int = 3):
     """A conversion that stopped (cleanly, on Ctrl-C) after ``after`` shards."""
-    import fuse_tool.convert as C
+    import fuse_tool.write.execute as C
 
     real = C.ShardWriter
     n = [0]

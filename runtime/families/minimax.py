@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from runtime.layout import ActivationParams, RoutingSpec
+from ..layout import ActivationParams, RoutingSpec
 
-from ..errors import ConversionError, UnsupportedModelError
+from ..errors import ModelError, UnsupportedModelError
 from .base import Adapter, MoEArchitecture, moe_layers_from_config, register, require
 
 
@@ -35,7 +35,7 @@ class MiniMaxM3(Adapter):
         if not shared_width:
             raise UnsupportedModelError(f"{where}: shared_intermediate_size is 0: this MiniMax model has no shared expert, nothing to fuse")
         if cfg.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ConversionError(f"{where}: scoring_func {cfg.get('scoring_func')!r}: MiniMax-M3 routing is sigmoid")
+            raise ModelError(f"{where}: scoring_func {cfg.get('scoring_func')!r}: MiniMax-M3 routing is sigmoid")
         act = ActivationParams.for_activation(
             "swiglu_oai", alpha=cfg.get("swiglu_alpha"), beta=cfg.get("swiglu_beta"), limit=cfg.get("swiglu_limit")
         )

@@ -18,9 +18,9 @@ import torch
 from runtime.fp8 import FLOAT32_TINY, FP8_MAX, dequantize_block_fp8_rows, quantize_block_fp8, ue8m0_round_up
 from runtime.layout import WEIGHT_BLOCK, scale_grid
 
-from .errors import ConversionError
-from .plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
-from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
+from ..errors import ConversionError
+from ..plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
+from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
 
 CHUNK_BYTES = 64 << 20
 

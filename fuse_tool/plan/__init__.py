@@ -28,11 +28,11 @@ from runtime.layout import (
     scale_name,
 )
 
-from . import __version__
-from .adapters import MoEArchitecture, describe_model
-from .checkpoint import SourceCheckpoint
-from .errors import ConversionError
-from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
+from .. import __version__
+from runtime.families import MoEArchitecture, describe_model
+from ..source.checkpoint import SourceCheckpoint
+from ..errors import ConversionError
+from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
 PRECISIONS = ("fp8", "source")
 OTHER_LINEAR = ("fp8", "keep")

@@ -7,12 +7,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConversionError
-from .safetensors_io import TensorInfo, read_header
+from ..errors import ConversionError
+from ..files import CONFIG_NAME, INDEX_NAME
+from runtime.safetensors_io import TensorInfo, read_header
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Mapping
 
-from runtime.layout import ActivationParams, RoutingSpec
+from ..layout import ActivationParams, RoutingSpec
 
-from ..errors import ConversionError, UnsupportedModelError
+from ..errors import ModelError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,11 @@ def describe_model(config: Mapping) -> MoEArchitecture:
 
 def require(cfg: Mapping, key: str, where: str = "config.json", cast: Callable = int):
     if key not in cfg or cfg[key] is None:
-        raise ConversionError(f"{where} has no {key!r}, which this model family needs")
+        raise ModelError(f"{where} has no {key!r}, which this model family needs")
     try:
         return cast(cfg[key])
     except (TypeError, ValueError):
-        raise ConversionError(f"{where} field {key!r} = {cfg[key]!r} is not a valid {cast.__name__}") from None
+        raise ModelError(f"{where} field {key!r} = {cfg[key]!r} is not a valid {cast.__name__}") from None
 
 
 def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.json") -> tuple[int, ...]:
@@ -97,12 +97,12 @@ def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.j
     types = cfg.get("mlp_layer_types")
     if types is not None:
         if len(types) != num_layers:
-            raise ConversionError(f"{where}: mlp_layer_types has {len(types)} entries for {num_layers} layers")
+            raise ModelError(f"{where}: mlp_layer_types has {len(types)} entries for {num_layers} layers")
         return tuple(i for i, t in enumerate(types) if t == "sparse")
     freq = cfg.get("moe_layer_freq", 1)
     if isinstance(freq, list):
         if len(freq) != num_layers:
-            raise ConversionError(f"{where}: moe_layer_freq has {len(freq)} entries for {num_layers} layers")
+            raise ModelError(f"{where}: moe_layer_freq has {len(freq)} entries for {num_layers} layers")
         return tuple(i for i, f in enumerate(freq) if f)
     first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
     freq = int(freq or 1)

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from .errors import ConversionError
+from .errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000
 
@@ -59,7 +59,7 @@ class TensorInfo:
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header: tensor locations and ``__metadata__``.
 
-    Raises ConversionError naming the file for a truncated file, a header length past
+    Raises CheckpointError naming the file for a truncated file, a header length past
     the end, corrupt JSON, unknown dtypes, sizes that disagree with shapes, and data
     offsets that overlap or leave the file.
     """
@@ -68,54 +68,54 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise ConversionError(f"not a safetensors file: {size} bytes, shorter than the 8-byte header length", file=path)
+                raise CheckpointError(f"not a safetensors file: {size} bytes, shorter than the 8-byte header length", file=path)
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES:
-                raise ConversionError(f"header length {n} is over the safetensors limit of {MAX_HEADER_BYTES} bytes (corrupt file?)", file=path)
+                raise CheckpointError(f"header length {n} is over the safetensors limit of {MAX_HEADER_BYTES} bytes (corrupt file?)", file=path)
             if 8 + n > size:
-                raise ConversionError(f"header length {n} runs past the end of the file ({size} bytes): truncated or corrupt", file=path)
+                raise CheckpointError(f"header length {n} runs past the end of the file ({size} bytes): truncated or corrupt", file=path)
             raw = f.read(n)
     except OSError as e:
-        raise ConversionError(f"cannot read: {e.strerror or e}", file=path) from None
+        raise CheckpointError(f"cannot read: {e.strerror or e}", file=path) from None
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as e:
-        raise ConversionError("the header names this tensor twice", file=path, tensor=str(e.args[0])) from None
+        raise CheckpointError("the header names this tensor twice", file=path, tensor=str(e.args[0])) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"header is not valid JSON ({e})", file=path) from None
+        raise CheckpointError(f"header is not valid JSON ({e})", file=path) from None
     except RecursionError:
-        raise ConversionError("header is not valid JSON (nested too deeply)", file=path) from None
+        raise CheckpointError("header is not valid JSON (nested too deeply)", file=path) from None
     if not isinstance(header, dict):
-        raise ConversionError("header is not a JSON object", file=path)
+        raise CheckpointError("header is not a JSON object", file=path)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
-        raise ConversionError("__metadata__ is not a JSON object", file=path)
+        raise CheckpointError("__metadata__ is not a JSON object", file=path)
     data_start = 8 + n
     data_size = size - data_start
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
         if not isinstance(entry, dict):
-            raise ConversionError("header entry is not an object", file=path, tensor=name)
+            raise CheckpointError("header entry is not an object", file=path, tensor=name)
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise ConversionError(f"unknown dtype {dtype!r}", file=path, tensor=name)
+            raise CheckpointError(f"unknown dtype {dtype!r}", file=path, tensor=name)
         if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise ConversionError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
+            raise CheckpointError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise ConversionError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
+            raise CheckpointError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
         begin, end = offsets
         expected = math.prod(shape) * DTYPE_SIZES[dtype]
         if begin < 0 or end < begin or end - begin != expected:
-            raise ConversionError(f"data_offsets {offsets} hold {end - begin} bytes, expected {expected} for {dtype} {shape}", file=path, tensor=name)
+            raise CheckpointError(f"data_offsets {offsets} hold {end - begin} bytes, expected {expected} for {dtype} {shape}", file=path, tensor=name)
         if end > data_size:
-            raise ConversionError(f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated file", file=path, tensor=name)
+            raise CheckpointError(f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated file", file=path, tensor=name)
         tensors[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, expected)
         spans.append((begin, end, name))
     spans.sort()
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
-            raise ConversionError(f"data of {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap", file=path, tensor=n1)
+            raise CheckpointError(f"data of {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap", file=path, tensor=n1)
     return tensors, metadata
 
 
@@ -141,9 +141,9 @@ def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> b
         with open(info.file, "rb", buffering=0) as f:
             got = os.preadv(f.fileno(), [buf], info.offset + start) if length else 0
     except OSError as e:
-        raise ConversionError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
+        raise CheckpointError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
     if got != length:
-        raise ConversionError(f"short read: wanted {length} bytes at {info.offset + start}, got {got} (file truncated?)", file=info.file, tensor=info.name)
+        raise CheckpointError(f"short read: wanted {length} bytes at {info.offset + start}, got {got} (file truncated?)", file=info.file, tensor=info.name)
     return buf
 
 

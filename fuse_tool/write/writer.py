@@ -8,23 +8,21 @@ included) become one-line ConversionErrors that name the file.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from pathlib import Path
 
 import torch
 
-from .errors import ConversionError
-from .plan import OutputTensor, PlannedShard
-from .safetensors_io import build_header
+from ..errors import ConversionError
+from ..files import partial_name
+from ..plan import OutputTensor, PlannedShard
+from runtime.safetensors_io import build_header
 
 COPY_CHUNK = 256 << 20
 CHECKED_COPY_CHUNK = 64 << 20  # copies that are checked for NaN/Inf pass through a buffer of this size
 SHARD_METADATA = {"format": "pt"}
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
-
-
-def partial_name(final: str) -> str:
-    return f".{final}.partial"
 
 
 def planned_header(shard: PlannedShard) -> bytes:
@@ -254,3 +252,13 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sync_and_hash(path: Path) -> str:
+    """Flush a finished shard to disk and return its sha256; runs on the pipeline's thread."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        os.fsync(f.fileno())
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()

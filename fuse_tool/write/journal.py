@@ -30,18 +30,12 @@ from typing import Any
 
 from runtime.layout import LAYOUT_VERSION
 
-from . import __version__
-from .checkpoint import CONFIG_NAME
-from .errors import ConversionError
+from .. import __version__
+from ..files import CONFIG_NAME, JOURNAL_NAME, done_name, partial_name
+from ..errors import ConversionError
 from .writer import fsync_dir
 
-JOURNAL_NAME = ".fuse-shared-journal.json"
 JOURNAL_VERSION = 1
-
-
-def done_name(final: str) -> str:
-    """The name of a complete output shard before the final rename phase."""
-    return f".{final}.done"
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -193,7 +187,7 @@ class Journal:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    from .writer import disk_error, partial_name  # writer imports plan; keep this module light
+    from .writer import disk_error  # writer imports plan; keep this module light
 
     tmp = path.with_name(partial_name(path.name))
     try:

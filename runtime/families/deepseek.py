@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping
 
-from runtime.layout import ActivationParams, RoutingSpec
+from ..layout import ActivationParams, RoutingSpec
 
 from .base import Adapter, MoEArchitecture, moe_layers_from_config, register, require
 

@@ -26,8 +26,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..errors import HubError
+from ..files import CONFIG_NAME, INDEX_NAME, MODEL_CARD_NAME
 from .model_card import human_bytes, render_model_card
-from .output_check import (
+from ..verify.integrity import (
     MANIFEST_FILE,
     ConvertedCheckpoint,
     IncompleteCheckpointError,
@@ -44,18 +46,15 @@ SOURCE_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.
 UPLOAD_IGNORE_PATTERNS = [".cache/*", "*/.cache/*", ".git/*", "*/.git/*"]
 
 # Uploaded in a last commit, after every weight file is on the Hub.
-LAST_FILES = ("config.json", "model.safetensors.index.json", MANIFEST_FILE, "README.md")
+LAST_FILES = (CONFIG_NAME, INDEX_NAME, MANIFEST_FILE, MODEL_CARD_NAME)
 
 NO_TOKEN_MESSAGE = "no Hugging Face token: set HF_TOKEN or run `hf auth login`"
 
 _REF_SHAPE = re.compile(r"^(?P<repo>\w[\w.\-]*/\w[\w.\-]*)(?:@(?P<rev>[^@\s]+))?$")
 # Anything shaped like owner/name[@rev] that is not a local path is treated as a Hub reference, then validated.
 _LOOSE_REF = re.compile(r"^(?![.~/])[^/\s@]+/[^/\s@]+(?:@\S*)?$")
-_CARD_NAME = "README.md"
 
 
-class HubError(Exception):
-    """A Hub operation failed. ``str(err)`` is a one-line explanation meant for the user."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -286,7 +285,7 @@ def resolve_model_source(
             err = HubError(f"{err}; and there is no local folder named {s}")
         raise err from None
     path = Path(folder)
-    if not (path / "config.json").exists():
+    if not (path / CONFIG_NAME).exists():
         raise HubError(f"{repo_id}: the repo has no config.json at its root (not a transformers model repo?)")
     if not any(p.name.endswith(".safetensors") for p in path.iterdir()):
         raise HubError(f"{repo_id}: the repo has no .safetensors weights at its root (only safetensors checkpoints can be converted)")
@@ -414,8 +413,8 @@ def push_checkpoint(
 
     if write_card:
         card = render_model_card(checked, repo_id=repo_id, base_model=base_model, revision=revision)
-        _write_atomically(root / _CARD_NAME, card)
-        say(f"wrote model card {root / _CARD_NAME}")
+        _write_atomically(root / MODEL_CARD_NAME, card)
+        say(f"wrote model card {root / MODEL_CARD_NAME}")
     files = list_checkpoint_files(root)
 
     try:

@@ -31,13 +31,10 @@ from runtime.layout import (
     scale_name,
 )
 
-from .checkpoint import CONFIG_NAME, INDEX_NAME
-from .errors import ConversionError
-from .journal import JOURNAL_NAME
-from .safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header
+from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
+from ..errors import ConversionError
+from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header
 
-MANIFEST_NAME = "fuse_shared_manifest.json"
-LOCK_NAME = ".fuse-shared.lock"
 
 
 @dataclass
@@ -64,7 +61,7 @@ def verify_output(out_dir: str | Path, *, checksums: bool = False, progress: boo
         raise _err("not a folder", root)
     _check_not_in_progress(root)
 
-    from .output_check import IncompleteCheckpointError, check_converted_checkpoint
+    from .integrity import IncompleteCheckpointError, check_converted_checkpoint
 
     try:
         checked = check_converted_checkpoint(root, verify_checksums=False)
@@ -121,7 +118,7 @@ def verify_output(out_dir: str | Path, *, checksums: bool = False, progress: boo
 
 
 def _check_not_in_progress(root: Path) -> None:
-    from .convert import output_locked
+    from ..convert import output_locked
 
     if output_locked(root):
         raise _err("a fuse-shared convert is writing into this folder right now", root)

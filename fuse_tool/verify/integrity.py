@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConversionError
-from .journal import JOURNAL_NAME
-from .safetensors_io import read_header
+from ..errors import ConversionError, FuseSharedError
+from runtime.safetensors_io import read_header
 from runtime.layout import (
     CONFIG_KEY,
     ExpertTensorNames,
@@ -27,10 +26,7 @@ from runtime.layout import (
     scale_name,
 )
 
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-MANIFEST_FILE = "fuse_shared_manifest.json"
+from ..files import CONFIG_NAME as CONFIG_FILE, INDEX_NAME as INDEX_FILE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME as MANIFEST_FILE, SINGLE_NAME as SINGLE_FILE, PARTIAL_SUFFIX, DONE_SUFFIX
 
 # Folders that are never part of a checkpoint (huggingface_hub keeps upload state in .cache/huggingface).
 _SKIP_DIRS = {".git", ".cache"}
@@ -103,9 +99,8 @@ def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
     return files
 
 
-# The converter writes ``.<name>.partial`` then renames (fuse_tool.writer.partial_name) and holds
-# ``.fuse-shared.lock`` while it runs; this tool and others use ``.<name>.tmp...``.
-CONVERTER_LOCK = ".fuse-shared.lock"
+# The converter's temporaries (fuse_tool.files) and ``.<name>.tmp...`` of other writers.
+CONVERTER_LOCK = LOCK_NAME
 CONVERTER_JOURNAL = JOURNAL_NAME
 
 
@@ -115,7 +110,7 @@ def is_temporary_name(name: str) -> bool:
     base = name.rsplit("/", 1)[-1]
     if base in (CONVERTER_LOCK, CONVERTER_JOURNAL) or base.endswith(".incomplete"):
         return True
-    return base.startswith(".") and (".tmp" in base or base.endswith((".partial", ".done")))
+    return base.startswith(".") and (".tmp" in base or base.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)))
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -130,7 +125,7 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEn
         raise _fail(f"{path}: shard is missing")
     try:
         infos, metadata = read_header(path)
-    except ConversionError as e:
+    except FuseSharedError as e:
         detail = e.detail
         if "past the end" in detail:
             raise _fail(f"{path}: shard is truncated ({detail})") from None

@@ -1,0 +1,1 @@
+"""Reading a source checkpoint: its config, its safetensors headers, and where its files are."""

@@ -1,0 +1,184 @@
+"""Executing a plan: every shard streamed through the writer, flushed and journalled, then the final renames.
+
+Output is deterministic (plan, headers and data), so a resumed run that skips the journalled
+shards and redoes the rest is byte-identical to an uninterrupted one. Final names (shards,
+copied files, index, manifest, config.json) appear only in :func:`finalize`, after every shard
+is complete and every small file is staged: a failure before it (bad data found mid-run, a
+full disk) leaves no final-named file, and keeps the completed shards and the journal so that
+``--resume`` continues. config.json is renamed last, after the journal is removed: a folder
+with config.json is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .. import __version__
+from ..errors import ConversionError, FuseSharedError
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SKIPPED_FILES, done_name, partial_name
+from ..plan import ConversionPlan, PlannedShard
+from .journal import Journal
+from .transform import CopyRange, finite_checker, run_task
+from .writer import SHARD_METADATA, ShardWriter, disk_error, fsync_dir, stage_bytes, stage_copy, sync_and_hash
+
+class ShardPipeline:
+    """Completed shards are flushed and hashed in a thread while the next one is written, then renamed to
+    .done and journalled: the main thread never waits for the disk, and nothing is .done before it is on disk."""
+
+    def __init__(self, out: Path, journal: Journal):
+        self.out = out
+        self.journal = journal
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending: list[tuple[str, int, Future]] = []
+
+    def submit(self, name: str, size: int) -> None:
+        self.pending.append((name, size, self.pool.submit(sync_and_hash, self.out / partial_name(name))))
+        self.collect(block=False)
+
+    def collect(self, block: bool) -> None:
+        while self.pending and (block or self.pending[0][2].done()):
+            name, size, fut = self.pending.pop(0)
+            try:
+                digest = fut.result()
+            except OSError as e:
+                raise ConversionError(f"cannot re-read the shard just written: {e.strerror or e}", file=self.out / partial_name(name)) from None
+            try:
+                os.replace(self.out / partial_name(name), self.out / done_name(name))
+            except OSError as e:
+                raise disk_error(e, self.out / done_name(name)) from None
+            fsync_dir(self.out)
+            self.journal.completed[name] = {"size": size, "sha256": digest}
+            self.journal.save()
+
+    def close(self, salvage: bool) -> None:
+        """Wait for the hashing thread; with ``salvage``, still keep what finished (a failure elsewhere is being raised):
+        each finished shard is renamed to .done even when the journal cannot be written (a full disk), and a
+        later --resume adopts an unjournalled .done after checking it."""
+        if salvage:
+            while self.pending:
+                try:
+                    self.collect(block=True)
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+        self.pool.shutdown(wait=True)
+
+def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, out_dir: Path, device: str, progress: bool,
+             allow_non_finite: bool, source_id: str) -> list[str]:
+    todo = [s for s in plan.shards if s.filename not in journal.completed]
+    source_fds: dict[Path, int] = {}
+    bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", disable=not progress)
+    bar.update(sum(s.nbytes for s in plan.shards if s.filename in journal.completed))
+    journal.save()  # before the first shard: any .done in OUT_DIR belongs to this fingerprint
+    pipeline = ShardPipeline(out_dir, journal)
+    try:
+        for shard in todo:
+            write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite)
+            pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes)
+        pipeline.collect(block=True)
+        pipeline.close(salvage=False)
+        return finalize(plan, journal, out_dir, source_id)
+    except BaseException as e:
+        pipeline.close(salvage=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise ConversionError(with_resume_hint("interrupted", journal, plan), file=out_dir) from None
+        if isinstance(e, FuseSharedError):
+            e.args = (with_resume_hint(str(e), journal, plan),)
+        raise
+    finally:
+        bar.close()
+        for fd in source_fds.values():
+            os.close(fd)
+
+def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool) -> None:
+    writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)
+    try:
+        if writer.header != header:  # pragma: no cover - the writer and the plan disagree
+            raise AssertionError(f"{shard.filename}: header differs from the plan's")
+        for task in shard.tasks:
+            for piece in run_task(task, device, allow_non_finite):
+                if isinstance(piece, CopyRange):
+                    fd = source_fds.get(piece.file)
+                    if fd is None:
+                        try:
+                            fd = source_fds[piece.file] = os.open(piece.file, os.O_RDONLY)
+                        except OSError as e:
+                            raise ConversionError(f"cannot read: {e.strerror or e}", file=piece.file) from None
+                    check = None if allow_non_finite else finite_checker(piece.source)
+                    n = writer.copy(piece.tensor, piece.offset, fd, piece.file_offset, piece.length, piece.file, check)
+                else:
+                    n = writer.write(piece.tensor, piece.offset, piece.data)
+                bar.update(n)
+        writer.finish(fsync=False)  # flushed on the pipeline thread before it becomes .done
+    except BaseException:
+        writer.abort()
+        raise
+
+def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan) -> str:
+    out = journal.path.parent
+    n = sum(s.filename in journal.completed or (out / done_name(s.filename)).exists() for s in plan.shards)
+    if n == 0:
+        if journal.path.exists():
+            journal.remove()  # nothing to resume: leave OUT_DIR as it was
+        return message
+    if "--resume" in message:
+        return f"{message} ({n} of {len(plan.shards)} shards are complete and kept)"
+    return f"{message} ({n} of {len(plan.shards)} shards are complete and kept: rerun with --resume to continue)"
+
+def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) -> list[str]:
+    """Stage every small file under a temporary name, then rename everything into place, config.json last."""
+    manifest_files = {s.filename: {"size": journal.completed[s.filename]["size"], "sha256": journal.completed[s.filename]["sha256"]}
+                      for s in plan.shards}
+    index = {
+        "metadata": {"total_size": plan.total_size},
+        "weight_map": {t.name: s.filename for s in plan.shards for t in sorted(s.tensors, key=lambda t: t.name)},
+    }
+    manifest = {
+        "converter_version": __version__,
+        "source": source_id,
+        "options": {
+            "precision": plan.options.precision,
+            "other_linear": plan.options.other_linear,
+            "scale_fmt": plan.scale_fmt,
+            "max_shard_size": plan.options.max_shard_size,
+        },
+        "inputs_fingerprint": journal.fingerprint,
+        "files": manifest_files,
+    }
+    # 1. Staging needs disk space and may fail: nothing final-named exists yet.
+    staged: list[tuple[Path, Path]] = []
+    others = [p for p in plan.source.other_files if p.name not in SKIPPED_FILES]
+    try:
+        for p in others:
+            staged.append((stage_copy(p, out / p.name), out / p.name))  # follows Hub-cache symlinks into their blobs
+        staged.append((stage_bytes(out / INDEX_NAME, _json(index)), out / INDEX_NAME))
+        staged.append((stage_bytes(out / MANIFEST_NAME, _json(manifest)), out / MANIFEST_NAME))
+        config_tmp = stage_bytes(out / CONFIG_NAME, _json(plan.config))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(out)
+    # 2. Renames only. A kill here leaves final-named shards but no config.json; --resume finishes.
+    try:
+        for s in plan.shards:
+            done = out / done_name(s.filename)
+            if done.exists():
+                os.replace(done, out / s.filename)
+        for tmp, final in staged:
+            os.replace(tmp, final)
+        fsync_dir(out)
+        journal.remove()
+        os.replace(config_tmp, out / CONFIG_NAME)
+    except OSError as e:
+        raise disk_error(e, out) from None
+    fsync_dir(out)
+    return [s.filename for s in plan.shards] + [p.name for p in others] + [INDEX_NAME, MANIFEST_NAME, CONFIG_NAME]
+
+def _json(obj) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
