@@ -1,9 +1,29 @@
-"""Per-architecture knowledge: one small adapter per model family, behind a registry.
+"""Every model family fuse-shared knows, one module each, behind one registry.
 
-Importing this package registers every adapter; ``describe_model(config)`` picks one.
+Adding a family means adding one module here (a :class:`Family` subclass decorated with
+``@register``) and its tests; ``describe_model(config)`` picks the family of a config.json.
 """
 
-from . import deepseek, minimax, refused  # noqa: F401  (registration)
-from .base import REGISTRY, MoEArchitecture, describe_model, supported_model_types
+import importlib
+import pkgutil
 
-__all__ = ["REGISTRY", "MoEArchitecture", "describe_model", "supported_model_types"]
+from .base import (
+    REGISTRY,
+    Family,
+    MoEArchitecture,
+    MoENames,
+    RefusedFamily,
+    TransformersClasses,
+    describe_model,
+    family_for,
+    refused_model_types,
+    supported_model_types,
+)
+
+# Importing a family module registers it: every module in this folder is a family.
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["REGISTRY", "Family", "MoEArchitecture", "MoENames", "RefusedFamily", "TransformersClasses", "describe_model", "family_for",
+           "refused_model_types", "supported_model_types"]

@@ -1,109 +1,328 @@
-"""What an architecture adapter tells the converter, and the registry of adapters."""
+"""What a model family is, the registry of families, and the checks every config field goes through.
+
+A family module (one per architecture, in this folder) subclasses :class:`Family` and says,
+in one place: which ``model_type`` strings it handles, how its config gives the MoE geometry
+(E, S, I, W, MoE and MTP layers), its routing and activation, the names of its routed,
+shared and router tensors (:class:`MoENames`), and how its transformers classes map onto the
+converted tensors (:class:`TransformersClasses`). A family that cannot be fused subclasses
+:class:`RefusedFamily` with the reason. The converter (``fuse_tool``) and the runtime's
+integrations both read families from here; this package needs only the standard library.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping
-
-from ..layout import ActivationParams, RoutingSpec
+from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
+from ..layout import ActivationParams, RoutingSpec
+
+# Sane upper bounds for counts read from a config: far above any released model, far below
+# what would cost memory to iterate over (a config saying 10^9 layers is refused, not looped).
+MAX_LAYERS = 10_000
+MAX_EXPERTS = 65_536
+MAX_WIDTH = 1 << 24
+MAX_SCALING = 1e4
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """Where a family keeps its MoE tensors, relative to a decoder layer ``{layer_prefix}{L}.``.
+
+    ``block_names``: the MoE block's module name inside a layer (the first that holds experts
+    wins); ``router``, ``bias`` and ``shared``: names inside the block. Routed experts are found
+    in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``, ``experts.e.{w1,w3,w2}``
+    or stacked ``experts.gate_up_proj`` / ``experts.down_proj``); the shared MLP as separate
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` or one ``gate_up_proj``.
+    """
+
+    layer_prefix: str = "model.layers."
+    block_names: tuple[str, ...] = ("mlp",)
+    router: str = "gate.weight"
+    bias: tuple[str, ...] = ("gate.e_score_correction_bias", "e_score_correction_bias")
+    shared: str = "shared_experts"
+    # Layer-relative module names that are never FP8-quantized (MTP glue, indexers the release keeps in BF16).
+    mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
+    keep_unquantized: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TransformersClasses:
+    """How a family's transformers classes map onto its on-disk names.
+
+    ``renames``: ``(pattern, replacement)`` regexes applied in order to every on-disk tensor
+    name to get the transformers module name. ``layers_path``: the decoder-layer ``ModuleList``.
+    ``text_config_key``: where a wrapper keeps the text model's config.
+    """
+
+    config_class: str
+    model_class: str
+    layers_path: str = "model.layers"
+    renames: tuple[tuple[str, str], ...] = ()
+    text_config_key: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.model_class
+
+    def rename(self, name: str) -> str:
+        for pattern, repl in self.renames:
+            name = re.sub(pattern, repl, name)
+        return name
+
+    def classes(self):
+        import transformers
+
+        return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
 
 
 @dataclass(frozen=True)
 class MoEArchitecture:
-    """The per-model facts the planner needs, read from config.json by an adapter."""
+    """The per-model facts the planner and the loaders need, read from config.json by a family."""
 
     family: str
     model_type: str
     config_key: str | None  # None: MoE fields at the top level; "text_config" for wrappers
-    layer_prefix: str  # decoder layers are f"{layer_prefix}{L}."
     num_hidden_layers: int
     moe_layers: tuple[int, ...]  # decoder layers with a MoE block, from the config
     mtp_layers: tuple[int, ...]  # MTP layers the config announces (numbered after the decoder)
-    num_routed_experts: int
+    num_routed_experts: int  # E
     expert_width: int  # I
     shared_width: int  # W
     routing: RoutingSpec
     activation: str
     activation_params: ActivationParams
-    block_names: tuple[str, ...] = ("mlp",)  # module name of the MoE block inside a layer
-    mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
-    keep_unquantized: tuple[str, ...] = ()  # extra layer-relative module names never FP8
-    source_shared_name: str = "shared_experts"
-    notes: tuple[str, ...] = ()
+    names: MoENames = MoENames()
+    expects_bias: bool = True  # False: the family has no selection bias, so its absence is no news
+
+    @property
+    def layer_prefix(self) -> str:
+        return self.names.layer_prefix
 
 
-class Adapter:
-    """One model family. Subclasses register the model_type strings they handle."""
+class Family:
+    """One model family. Subclasses set the class attributes and implement :meth:`describe`."""
 
-    family: ClassVar[str]
+    family: ClassVar[str]  # display name, e.g. "DeepSeek-V3 / R1 / V3.1"
     model_types: ClassVar[tuple[str, ...]]
+    names: ClassVar[MoENames] = MoENames()
+    transformers: ClassVar[TransformersClasses | None] = None
 
     @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @classmethod
+    def transformers_classes(cls, config: Mapping) -> TransformersClasses | None:
+        """The transformers mapping for this config (a family may pick among several)."""
+        return cls.transformers
 
-class RefusedAdapter(Adapter):
+
+class RefusedFamily(Family):
     """A family fuse-shared recognises and refuses, with the reason."""
 
     reason: ClassVar[str]
 
     @classmethod
+    def refusal(cls, config: Mapping, model_type: str) -> str:
+        return cls.reason
+
+    @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
-        raise UnsupportedModelError(f"model_type {model_type!r} ({cls.family}) cannot be converted: {cls.reason}")
+        raise UnsupportedModelError(f"model_type {model_type!r} ({cls.family}) cannot be converted: {cls.refusal(config, model_type)}",
+                                    file="config.json")
 
 
-REGISTRY: dict[str, type[Adapter]] = {}
+REGISTRY: dict[str, type[Family]] = {}
 
 
-def register(cls: type[Adapter]) -> type[Adapter]:
+def register(cls: type[Family]) -> type[Family]:
+    """Class decorator: make ``cls`` the family of each of its ``model_types``."""
     for mt in cls.model_types:
         if mt in REGISTRY:
-            raise RuntimeError(f"model_type {mt!r} registered twice")
+            raise RuntimeError(f"model_type {mt!r} registered twice ({REGISTRY[mt].__name__} and {cls.__name__})")
         REGISTRY[mt] = cls
     return cls
 
 
 def supported_model_types() -> list[str]:
-    return sorted(mt for mt, cls in REGISTRY.items() if not issubclass(cls, RefusedAdapter))
+    return sorted(mt for mt, cls in REGISTRY.items() if not issubclass(cls, RefusedFamily))
 
 
-def describe_model(config: Mapping) -> MoEArchitecture:
-    """Pick the adapter for a config.json and let it describe the model (or refuse it)."""
+def refused_model_types() -> list[str]:
+    return sorted(mt for mt, cls in REGISTRY.items() if issubclass(cls, RefusedFamily))
+
+
+def model_type_of(config: Mapping) -> Any:
     model_type = config.get("model_type")
     if model_type is None and isinstance(config.get("text_config"), Mapping):
         model_type = config["text_config"].get("model_type")
-    adapter = REGISTRY.get(model_type)
-    if adapter is None:
+    return model_type
+
+
+def family_for(config: Mapping) -> type[Family]:
+    """The family class of a config.json dict; raises UnsupportedModelError for an unknown model_type."""
+    model_type = model_type_of(config)
+    family = REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}",
+            file="config.json", field="model_type",
         )
-    return adapter.describe(config, model_type)
+    return family
 
 
-def require(cfg: Mapping, key: str, where: str = "config.json", cast: Callable = int):
+def describe_model(config: Mapping) -> MoEArchitecture:
+    """Pick the family for a config.json and let it describe the model (or refuse it)."""
+    return family_for(config).describe(config, model_type_of(config))
+
+
+# ----------------------------------------------------------------------------- config fields
+
+
+def _where(where: str, key: str) -> dict:
+    return {"file": where.split(" ")[0], "field": key if " " not in where else f"{where.split(' ', 1)[1]}.{key}"}
+
+
+def require_int(cfg: Mapping, key: str, where: str = "config.json", *, minimum: int = 1, maximum: int = MAX_WIDTH) -> int:
+    """An integer field that must be present, within ``[minimum, maximum]`` (not a bool, not 8.7)."""
     if key not in cfg or cfg[key] is None:
-        raise ModelError(f"{where} has no {key!r}, which this model family needs")
-    try:
-        return cast(cfg[key])
-    except (TypeError, ValueError):
-        raise ModelError(f"{where} field {key!r} = {cfg[key]!r} is not a valid {cast.__name__}") from None
+        raise ModelError("is missing, and this model family needs it", **_where(where, key))
+    return _checked_int(cfg[key], key, where, minimum, maximum)
+
+
+def optional_int(cfg: Mapping, key: str, default: int, where: str = "config.json", *, minimum: int = 0,
+                 maximum: int = MAX_WIDTH) -> int:
+    """An integer field that may be absent or null (``default``); if present, checked like :func:`require_int`."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    return _checked_int(value, key, where, minimum, maximum)
+
+
+def _checked_int(value: Any, key: str, where: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        raise ModelError(f"is {value!r}, expected an integer", **_where(where, key))
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise ModelError(f"is {value}, expected an integer from {minimum} to {maximum}", **_where(where, key))
+    return value
+
+
+def optional_float(cfg: Mapping, key: str, default: float, where: str = "config.json", *, minimum: float = 0.0,
+                   maximum: float = MAX_SCALING, allow_inf: bool = False, exclusive_minimum: bool = True) -> float:
+    """A finite float field (or +inf where ``allow_inf``), absent or null meaning ``default``."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelError(f"is {value!r}, expected a number", **_where(where, key))
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
+        raise ModelError(f"is {value}, expected a finite number", **_where(where, key))
+    too_small = value <= minimum if exclusive_minimum else value < minimum
+    if too_small or (value > maximum and not math.isinf(value)):
+        bound = f"greater than {minimum}" if exclusive_minimum else f"at least {minimum}"
+        raise ModelError(f"is {value}, expected a number {bound} and at most {maximum:g}", **_where(where, key))
+    return value
+
+
+def optional_bool(cfg: Mapping, key: str, default: bool, where: str = "config.json") -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelError(f"is {value!r}, expected true or false", **_where(where, key))
+    return value
+
+
+def optional_str(cfg: Mapping, key: str, default: str, choices: tuple[str, ...], where: str = "config.json") -> str:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if value not in choices:
+        raise ModelError(f"is {value!r}, expected one of {', '.join(map(repr, choices))}", **_where(where, key))
+    return value
 
 
 def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.json") -> tuple[int, ...]:
     """Which decoder layers are MoE: ``mlp_layer_types`` if present, else first_k_dense_replace/moe_layer_freq."""
     types = cfg.get("mlp_layer_types")
     if types is not None:
-        if len(types) != num_layers:
-            raise ModelError(f"{where}: mlp_layer_types has {len(types)} entries for {num_layers} layers")
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ModelError(f"has {len(types) if isinstance(types, list) else repr(types)} entries, expected a list of {num_layers} "
+                             "('dense' or 'sparse')", **_where(where, "mlp_layer_types"))
         return tuple(i for i, t in enumerate(types) if t == "sparse")
     freq = cfg.get("moe_layer_freq", 1)
     if isinstance(freq, list):
         if len(freq) != num_layers:
-            raise ModelError(f"{where}: moe_layer_freq has {len(freq)} entries for {num_layers} layers")
+            raise ModelError(f"has {len(freq)} entries, expected {num_layers} (one per layer)", **_where(where, "moe_layer_freq"))
         return tuple(i for i, f in enumerate(freq) if f)
-    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
-    freq = int(freq or 1)
+    first_dense = optional_int(cfg, "first_k_dense_replace", 0, where, maximum=num_layers)
+    freq = optional_int(cfg, "moe_layer_freq", 1, where, minimum=1, maximum=max(num_layers, 1))
     return tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
+
+
+def checked_routing(where: str, num_routed_experts: int, **fields) -> RoutingSpec:
+    """A RoutingSpec whose counts are checked against E with messages that name the config field."""
+    top_k, n_group, topk_group = fields["top_k"], fields.get("n_group", 1), fields.get("topk_group", 1)
+    if top_k > num_routed_experts:
+        raise ModelError(f"is {top_k}, more than the {num_routed_experts} routed experts", **_where(where, "num_experts_per_tok"))
+    if n_group > 1:
+        if num_routed_experts % n_group:
+            raise ModelError(f"is {n_group}, which does not divide the {num_routed_experts} routed experts", **_where(where, "n_group"))
+        if not 1 <= topk_group <= n_group:
+            raise ModelError(f"is {topk_group}, expected 1 <= topk_group <= n_group = {n_group}", **_where(where, "topk_group"))
+        if top_k > topk_group * (num_routed_experts // n_group):
+            raise ModelError(f"is {top_k}, more than the {topk_group * (num_routed_experts // n_group)} experts in the "
+                             f"{topk_group} kept groups", **_where(where, "num_experts_per_tok"))
+    return RoutingSpec(**fields)
+
+
+class DeepSeekStyleFamily(Family):
+    """The DeepSeek MoE config: ``n_routed_experts``, ``moe_intermediate_size``, ``n_shared_experts``
+    (W = n_shared_experts * I), sigmoid + bias routing with groups, ``model.layers.L.mlp.{gate,experts.e,shared_experts}``.
+    Shared by DeepSeek-V2/V3, Kimi-K2 and the GLM MoE families, which differ in routing and names only."""
+
+    scoring: ClassVar[str] = "sigmoid"
+    expects_bias: ClassVar[bool] = True
+
+    @classmethod
+    def routing(cls, cfg: Mapping, num_routed_experts: int) -> RoutingSpec:
+        n_group = optional_int(cfg, "n_group", 1, minimum=1, maximum=MAX_EXPERTS)
+        return checked_routing(
+            "config.json", num_routed_experts,
+            scoring=optional_str(cfg, "scoring_func", cls.scoring, ("sigmoid", "softmax")),
+            top_k=require_int(cfg, "num_experts_per_tok", maximum=MAX_EXPERTS),
+            n_group=n_group,
+            topk_group=optional_int(cfg, "topk_group", n_group, minimum=1, maximum=MAX_EXPERTS) if n_group > 1 else 1,
+            renormalize=optional_bool(cfg, "norm_topk_prob", True),
+            routed_scaling_factor=optional_float(cfg, "routed_scaling_factor", 1.0),
+            has_bias=True,
+        )
+
+    @classmethod
+    def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
+        n_layers = require_int(config, "num_hidden_layers", maximum=MAX_LAYERS)
+        expert_width = require_int(config, "moe_intermediate_size")
+        n_shared = optional_int(config, "n_shared_experts", 0, maximum=MAX_EXPERTS)
+        n_mtp = optional_int(config, "num_nextn_predict_layers", 0, maximum=MAX_LAYERS)
+        num_routed = require_int(config, "n_routed_experts", maximum=MAX_EXPERTS)
+        return MoEArchitecture(
+            family=cls.family,
+            model_type=model_type,
+            config_key=None,
+            num_hidden_layers=n_layers,
+            moe_layers=moe_layers_from_config(config, n_layers),
+            mtp_layers=tuple(range(n_layers, n_layers + n_mtp)),
+            num_routed_experts=num_routed,
+            expert_width=expert_width,
+            shared_width=n_shared * expert_width,
+            routing=cls.routing(config, num_routed),
+            activation="swiglu",
+            activation_params=ActivationParams.for_activation("swiglu"),
+            names=cls.names,
+            expects_bias=cls.expects_bias,
+        )

@@ -9,7 +9,7 @@ DeepSeek-V3, GLM-4.5 ``glm4_moe``, GLM-4.7-Flash ``glm4_moe_lite``, GLM-5 ``glm_
 MiniMax-M3 text and VL), built on the meta device from the converted config.json, with every
 MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read from the converted
 expert tensors. Every other weight is read from the shards under the source's on-disk names
-through an explicit per-family rename table (:data:`FAMILIES`); FP8 weights (``X.weight`` e4m3
+through the rename table of its family module (``runtime.families``); FP8 weights (``X.weight`` e4m3
 with ``X.weight_scale_inv`` 128x128 block scales, or compressed-tensors ``X.weight_scale``) are
 dequantized into the model dtype at load. Loading streams tensor by tensor and layer by layer,
 so peak host memory is the model plus about one layer.
@@ -34,6 +34,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..fp8 import dequantize_block_fp8
+from ..errors import UnsupportedModelError
+from ..families import TransformersClasses, family_for
 from ..layout import SCALE_SUFFIX, LayoutError, moe_layer_tensors, read_config_block
 from ..moe import FusedSharedMoE
 
@@ -41,72 +43,16 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # ----------------------------------------------------------------------------- families
 
-_MINIMAX_MOE_RENAMES = (
-    # Release (legacy) MoE names -> transformers 5 module names (transformers' conversion_mapping, minimax_m3_vl).
-    (r"\.block_sparse_moe\.(experts|gate|shared_experts)\.", r".mlp.\1."),
-    (r"\.block_sparse_moe\.e_score_correction_bias$", r".mlp.gate.e_score_correction_bias"),
-    (r"\.self_attn\.index_(q|k)_(proj|norm)\.", r".self_attn.indexer.\1_\2."),
-)
-_MINIMAX_VL_RENAMES = (
-    (r"^language_model\.lm_head\.", "lm_head."),
-    (r"^language_model\.model\.", "model.language_model."),
-    (r"^vision_tower\.vision_model\.embeddings\.patch_embedding\.", "model.vision_tower.embeddings.proj."),
-    (r"^vision_tower\.vision_model\.encoder\.layers\.", "model.vision_tower.layers."),
-    (r"^vision_tower\.vision_model\.pre_layrnorm\.", "model.vision_tower.pre_layrnorm."),
-    (r"^multi_modal_projector\.linear_(\d)\.", r"model.multi_modal_projector.linear_\1."),
-    (r"^patch_merge_mlp\.linear_(\d)\.", r"model.multi_modal_projector.merge_linear_\1."),
-) + _MINIMAX_MOE_RENAMES
 
-
-@dataclass(frozen=True)
-class Family:
-    """How one source architecture maps onto its transformers classes.
-
-    ``renames``: ``(pattern, replacement)`` regexes applied in order to every on-disk tensor
-    name to get the transformers module name (per-expert and split gate/up tensors are then
-    merged by :func:`plan_tensors`). ``layers_path``: the decoder-layer ``ModuleList``.
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    config_class: str
-    model_class: str
-    layers_path: str = "model.layers"
-    renames: tuple[tuple[str, str], ...] = ()
-    text_config_key: str | None = None
-
-    def rename(self, name: str) -> str:
-        for pattern, repl in self.renames:
-            name = re.sub(pattern, repl, name)
-        return name
-
-    def classes(self):
-        import transformers
-
-        return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
-
-
-FAMILIES: tuple[Family, ...] = (
-    Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", "DeepseekV3ForCausalLM"),
-    Family("deepseek_v2", ("deepseek_v2",), "DeepseekV2Config", "DeepseekV2ForCausalLM"),
-    Family("glm4_moe", ("glm4_moe",), "Glm4MoeConfig", "Glm4MoeForCausalLM"),
-    Family("glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
-    Family("glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
-    Family("minimax_m3_text", ("minimax_m3_vl_text",), "MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM",
-           renames=_MINIMAX_MOE_RENAMES),
-    Family("minimax_m3_vl", ("minimax_m3_vl",), "MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration",
-           layers_path="model.language_model.layers", renames=_MINIMAX_VL_RENAMES, text_config_key="text_config"),
-)
-
-
-def family_of(config: Mapping[str, Any]) -> Family:
-    """The :class:`Family` of a config.json dict (by ``model_type``)."""
-    mt = config.get("model_type")
-    for fam in FAMILIES:
-        if mt in fam.model_types:
-            return fam
-    known = sorted(t for f in FAMILIES for t in f.model_types)
-    raise LayoutError(f"model_type {mt!r} has no transformers integration (known: {', '.join(known)})")
+def family_of(config: Mapping[str, Any]) -> TransformersClasses:
+    """How the model of a (source or converted) config.json maps onto its transformers classes (from its family module)."""
+    try:
+        classes = family_for(config).transformers_classes(config)
+    except UnsupportedModelError as e:
+        raise LayoutError(f"model_type {config.get('model_type')!r} has no transformers integration: {e.detail}") from None
+    if classes is None:
+        raise LayoutError(f"model_type {config.get('model_type')!r} has no transformers integration")
+    return classes
 
 
 def build_config(config: Mapping[str, Any]):
@@ -248,7 +194,7 @@ def _module_layer(module_name: str, layers_path: str) -> int | None:
     return int(module_name[len(p):].split(".", 1)[0])
 
 
-def plan_tensors(model, family: Family, checkpoint_names: Iterable[str], num_layers: int,
+def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[str], num_layers: int,
                  fused: Mapping[int, Any] | None = None) -> TensorPlan:
     """Map every checkpoint tensor onto ``model``'s state dict, strictly.
 
@@ -527,8 +473,7 @@ def _attach_generation_config(model, path) -> None:
 
 
 __all__ = [
-    "FAMILIES",
-    "Family",
+    "TransformersClasses",
     "ShardReader",
     "StreamedModel",
     "TensorPlan",

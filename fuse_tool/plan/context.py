@@ -1,0 +1,46 @@
+"""What every planning step reads (:class:`PlanInputs`) and what they add to (:class:`PlanParts`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from runtime.families import MoEArchitecture
+from runtime.safetensors_io import TensorInfo
+
+from ..errors import ConversionError
+from .options import ConvertOptions
+from .tasks import Group
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The facts a plan is made from: the family's description, the source headers, the options."""
+
+    root: Path  # the source folder, named in error messages
+    tensors: Mapping[str, TensorInfo]
+    arch: MoEArchitecture
+    options: ConvertOptions
+    source_quantization: str  # "none", "fp8-block", "fp8-block ue8m0", "compressed-tensors fp8", ...
+    source_scale_fmt: str  # "float" or "ue8m0": how the source's block scales are stored
+    scale_fmt: str  # how the output's block scales are stored
+
+    @property
+    def out_fp8(self) -> bool:
+        return self.options.precision == "fp8"
+
+    def error(self, message: str, tensor: str | None = None) -> ConversionError:
+        """A ConversionError naming the tensor and the shard file that holds it (or the model folder)."""
+        info = self.tensors.get(tensor) if tensor else None
+        return ConversionError(message, file=info.file if info else self.root, tensor=tensor)
+
+
+@dataclass
+class PlanParts:
+    """What the planning steps have decided so far."""
+
+    consumed: set[str] = field(default_factory=set)  # source tensors already placed in the output
+    groups: list[Group] = field(default_factory=list)  # output tensors that share a shard, with their tasks
+    notes: list[str] = field(default_factory=list)
+    not_converted: set[str] = field(default_factory=set)  # linear modules kept in the source dtype

@@ -1,0 +1,74 @@
+"""Every tensor outside the fused MoE blocks: copied, or FP8-quantized when it is a linear weight."""
+
+from __future__ import annotations
+
+import re
+
+from runtime.layout import scale_grid, scale_name
+from runtime.safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
+
+from .context import PlanInputs, PlanParts
+from .moe_layer import LAYER_RE
+from .source_weights import CT_INPUT_SCALE, CT_SCALE_SUFFIX, projection_task, source_weight
+from .tasks import CopyTask, Cut, Group, OutputTensor, SourceWeight, Target
+
+_NORM_RE = re.compile(r"(^|_|\.)(norm|layernorm|layer_norm|ln)(\b|_|\d|$)")
+
+
+def is_linear_weight(info: TensorInfo, rest: str) -> bool:
+    """A 2-D ``.weight`` that is not a norm or an embedding."""
+    return len(info.shape) == 2 and rest.endswith(".weight") and not _NORM_RE.search(rest.rsplit(".", 2)[-2]) and "embed" not in rest
+
+
+def _is_quantizable_linear(inputs: PlanInputs, info: TensorInfo, in_decoder: bool, rest: str) -> bool:
+    if not (inputs.out_fp8 and inputs.options.other_linear == "fp8" and in_decoder):
+        return False
+    if inputs.source_quantization != "none":
+        return False  # the source chose what stays unquantized; keep its choice
+    if info.dtype not in FLOAT_DTYPES or not is_linear_weight(info, rest):
+        return False
+    module = rest[: -len(".weight")]
+    parts = module.split(".")
+    names = inputs.arch.names
+    if parts[-1] == "gate" or any(p in names.mtp_glue for p in parts):
+        return False
+    return not any(module == k or module.startswith(k + ".") for k in names.keep_unquantized)
+
+
+def _plan_linear(inputs: PlanInputs, parts: PlanParts, name: str, sw: SourceWeight, order: tuple[str, int]) -> None:
+    w = sw.weight
+    task = projection_task(inputs, sw, Cut.whole(w.rows, w.cols), True, Target(name), Target(scale_name(name)))
+    tensors = [OutputTensor(name, FP8_DTYPE_CODE, (w.rows, w.cols)), OutputTensor(scale_name(name), "F32", scale_grid(w.rows, w.cols))]
+    parts.groups.append(Group(tensors, [task], order))
+
+
+def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
+    """Place every source tensor no MoE layer consumed; a scale left without its weight is an error."""
+    arch = inputs.arch
+    decoder_layers = set(range(arch.num_hidden_layers)) | set(arch.mtp_layers)
+    scale_suffixes = (scale_name(""), CT_SCALE_SUFFIX, CT_INPUT_SCALE)
+    for name, info in inputs.tensors.items():
+        if name in parts.consumed:
+            continue
+        if name.endswith(scale_suffixes):
+            continue  # claimed by their weight below; leftovers are checked at the end
+        m = LAYER_RE.match(name)
+        in_decoder = bool(m and m.group("prefix") == arch.layer_prefix and int(m.group("layer")) in decoder_layers)
+        rest = m.group("rest") if m else name
+        order = (str(info.file), info.offset)
+        if info.dtype == FP8_DTYPE_CODE or _is_quantizable_linear(inputs, info, in_decoder, rest):
+            sw = source_weight(inputs, parts, name)[0] if len(info.shape) == 2 else None
+            if sw is None:
+                raise inputs.error(f"FP8 tensor of shape {list(info.shape)}: only 2-D FP8 weights are supported outside the experts", name)
+            _plan_linear(inputs, parts, name, sw, order)
+            continue
+        parts.consumed.add(name)
+        parts.groups.append(Group([OutputTensor(name, info.dtype, info.shape)], [CopyTask(info, Target(name))], order))
+        if is_linear_weight(info, rest):
+            parts.not_converted.add(name[: -len(".weight")])
+    for name in inputs.tensors:
+        if name not in parts.consumed:
+            if name.endswith(CT_INPUT_SCALE):
+                parts.consumed.add(name)
+                continue
+            raise inputs.error("is a scale with no weight beside it (expected the weight it scales)", name)

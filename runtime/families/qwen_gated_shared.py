@@ -1,0 +1,15 @@
+"""Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE: the shared expert's output is scaled by a per-token sigmoid gate."""
+
+from __future__ import annotations
+
+from .base import RefusedFamily, register
+
+
+@register
+class QwenGatedShared(RefusedFamily):
+    family = "Qwen2-MoE / Qwen3-Next"
+    model_types = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
+    reason = (
+        "its shared expert output is multiplied by a per-token sigmoid gate (shared_expert_gate), "
+        "which no constant slot weight of 1.0 can reproduce"
+    )
