@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from ._backend import resolve_backend
+from .checkpoint import ModelFolder
 from .fp8 import FP8_DTYPE
 from .layout import WEIGHT_BLOCK, LayoutError, moe_layer_tensors, read_config_block, scale_name
 from .routing import RoutingConfig, route
@@ -124,35 +125,17 @@ class ExpertWeights:
         return _Checkpoint(path).experts(layer, device)
 
 
-class _Checkpoint:
-    """Lazy tensor access to a converted HF folder (index or single model.safetensors)."""
+class _Checkpoint(ModelFolder):
+    """A converted folder's MoE layers (the fused_shared_experts block and each layer's tensor names)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        with open(os.path.join(self.path, "config.json")) as f:
-            self.config: Mapping[str, Any] = json.load(f)
+        super().__init__(path)
         self.block = read_config_block(self.config)
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
-        else:
-            single = os.path.join(self.path, "model.safetensors")
-            if not os.path.exists(single):
-                raise LayoutError(f"{self.path}: no model.safetensors.index.json or model.safetensors")
-            from safetensors import safe_open
+        self.layers = moe_layer_tensors(self.tensors)
 
-            with safe_open(single, "pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
-        self.layers = moe_layer_tensors(self.weight_map)
-
-    def get(self, name: str, device="cpu") -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name not in self.weight_map:
-            raise LayoutError(f"{self.path}: tensor {name!r} not found")
-        with safe_open(os.path.join(self.path, self.weight_map[name]), "pt", device=str(device)) as f:
-            return f.get_tensor(name)
+    @property
+    def weight_map(self):
+        return self.tensors
 
     def names(self, layer: int):
         if layer not in self.layers:

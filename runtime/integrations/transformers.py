@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..fp8 import dequantize_block_fp8
+from ..checkpoint import ModelFolder
 from ..errors import UnsupportedModelError
 from ..families import TransformersClasses, family_for
 from ..layout import SCALE_SUFFIX, LayoutError, moe_layer_tensors, read_config_block
@@ -78,55 +79,19 @@ def text_config_of(config):
 # ----------------------------------------------------------------------------- shards
 
 
-class ShardReader:
-    """Tensor access to a HF folder (``model.safetensors.index.json`` or one ``model.safetensors``)."""
+class ShardReader(ModelFolder):
+    """A model folder with the loaders' extras: FP8 weights dequantized at load."""
 
-    def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
-        self.path = os.fspath(path)
-        with open(os.path.join(self.path, "config.json")) as f:
-            self.config: dict[str, Any] = json.load(f)
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
-        else:
-            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
-            if not files:
-                raise LayoutError(f"{self.path}: no model.safetensors.index.json or *.safetensors")
-            self.weight_map = {}
-            for fn in files:
-                with safe_open(os.path.join(self.path, fn), "pt") as h:
-                    self.weight_map.update(dict.fromkeys(h.keys(), fn))
-        self._handles: dict[str, Any] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def names(self) -> list[str]:
-        return list(self.weight_map)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise LayoutError(f"{self.path}: tensor {name!r} not found")
-        fn = self.weight_map[name]
-        h = self._handles.get(fn)
-        if h is None:
-            h = self._handles[fn] = self._safe_open(os.path.join(self.path, fn), "pt")
-        return h.get_tensor(name)
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {name: info.file.name for name, info in self.tensors.items()}
 
     def close(self) -> None:
-        self._handles.clear()
+        """Nothing is held open between reads (kept for callers that release readers explicitly)."""
 
     def is_float(self, name: str) -> bool:
         """Whether ``name`` holds floating-point (FP8 included) data, from its header alone."""
-        fn = self.weight_map[name]
-        h = self._handles.get(fn)
-        if h is None:
-            h = self._handles[fn] = self._safe_open(os.path.join(self.path, fn), "pt")
-        return h.get_slice(name).get_dtype().upper().startswith(("F", "BF"))
+        return self.dtype(name).startswith(("F", "BF"))
 
     def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales."""
