@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
 

@@ -1,18 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from fake_hub import BOB_TOKEN, READ_TOKEN, WRITE_TOKEN, FakeHub  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from fake_hub import BOB_TOKEN, READ_TOKEN, WRITE_TOKEN, FakeHub  # noqa: E402,F401
 
 
 @pytest.fixture

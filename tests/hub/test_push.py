@@ -171,14 +171,13 @@ def test_push_killed_mid_transfer_resumes(hub, converted):
     hub.stall_lfs_put = 2
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.path.insert(0, {str(REPO_ROOT)!r})
         from fuse_tool.hub import push_checkpoint
         push_checkpoint({str(converted)!r}, {REPO!r}, progress=False)
         """
     )
     env = {
         **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),  # this checkout's fuse_tool, whatever is installed
         "HF_ENDPOINT": hub.url,
         "HF_TOKEN": WRITE_TOKEN,
         "HF_HUB_DISABLE_XET": "1",
