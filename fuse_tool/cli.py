@@ -24,7 +24,14 @@ def parse_size(text: str) -> int:
 
 
 def _fail(e: Exception) -> None:
-    click.echo(f"error: {e}", err=True)
+    """Print one line for the user and exit 1: the tool's own errors as they are, others named for what they are."""
+    if isinstance(e, FuseSharedError):
+        message = str(e)
+    elif isinstance(e, OSError):
+        message = f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}"
+    else:  # a bug: say so, in one line, rather than show Python's message as if it were ours
+        message = f"internal error ({type(e).__name__}: {e}); this is a bug in fuse-shared, please report it with the command you ran"
+    click.echo(f"error: {' '.join(message.split())}", err=True)
     sys.exit(1)
 
 

@@ -41,16 +41,16 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
     config_path = src.root / CONFIG_NAME
     try:
         arch = describe_model(src.config)
-    except ModelError as e:  # the family names the field; name the file it is in
+        quant = source_quantization(src.config, src.tensors, config_path)
+        src_fmt = source_scale_fmt(src.config)
+    except ModelError as e:  # config checks name the field; name the file it is in
         raise type(e)(e.detail, file=config_path if e.file in (None, CONFIG_NAME) else e.file, tensor=e.tensor, field=e.field) from None
-    quant = source_quantization(src.config, src.tensors, config_path)
     if options.precision == "source" and quant != "none":
         raise ConversionError(
             f"--precision source keeps the source's precision and writes no FP8, but this source is already "
             f"quantized ({quant}); use --precision fp8 (its FP8 blocks are copied unchanged)",
             file=config_path,
         )
-    src_fmt = source_scale_fmt(src.config)
     return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, options.scale_fmt or src_fmt)
 
 

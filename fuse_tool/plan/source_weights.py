@@ -8,7 +8,7 @@ from typing import Mapping
 from runtime.layout import WEIGHT_BLOCK, scale_grid, scale_name
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
-from ..errors import ConversionError
+from ..errors import ConversionError, ModelError
 from .context import PlanInputs, PlanParts
 from .tasks import Cut, Matrix, ProjectionTask, SourceWeight, Target
 
@@ -17,16 +17,24 @@ CT_INPUT_SCALE = "input_scale"
 
 
 def quantization_config(config: Mapping) -> dict:
-    qc = config.get("quantization_config")
+    """The source's quantization_config (top level, else a wrapper's text_config), ``{}`` when it has none."""
+    qc, field = config.get("quantization_config"), "quantization_config"
     if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
-    return qc if isinstance(qc, dict) else {}
+        qc, field = config["text_config"].get("quantization_config"), "text_config.quantization_config"
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelError(f"is {qc!r}, expected an object", file="config.json", field=field)
+    return qc or {}
 
 
 def source_scale_fmt(config: Mapping) -> str:
     """``"ue8m0"`` when the source declares power-of-two block scales (DeepSeek-V3.1), else ``"float"``."""
-    fmt = quantization_config(config).get("scale_fmt") or config.get("scale_fmt")
-    return "ue8m0" if fmt == "ue8m0" else "float"
+    for holder, field in ((quantization_config(config), "quantization_config.scale_fmt"), (config, "scale_fmt")):
+        fmt = holder.get("scale_fmt")
+        if fmt not in (None, "float", "ue8m0"):
+            raise ModelError(f"is {fmt!r}, expected 'ue8m0', 'float' or absent", file="config.json", field=field)
+        if fmt == "ue8m0":
+            return "ue8m0"
+    return "float"
 
 
 def source_quantization(config: Mapping, tensors: Mapping[str, TensorInfo], config_path) -> str:
