@@ -19,6 +19,7 @@ import torch
 
 from ._backend import resolve_backend
 from .checkpoint import ModelFolder
+from .families import router_tensor_names
 from .fp8 import FP8_DTYPE
 from .layout import WEIGHT_BLOCK, LayoutError, moe_layer_tensors, read_config_block, scale_name
 from .routing import RoutingConfig, route
@@ -166,13 +167,10 @@ class _Checkpoint(ModelFolder):
         return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        names = self.names(layer)
-        w = self.get(names.router_weight(), device).to(torch.float32)
-        bias = None
-        for cand in names.bias_candidates():
-            if cand in self.weight_map:
-                bias = self.get(cand, device).to(torch.float32)
-                break
+        """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's names."""
+        router, bias_names = router_tensor_names(self.config, self.names(layer).block_prefix)
+        w = self.get(router, device).to(torch.float32)
+        bias = next((self.get(b, device).to(torch.float32) for b in bias_names if b in self), None)
         return w, bias
 
 

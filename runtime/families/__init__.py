@@ -17,6 +17,7 @@ from .base import (
     describe_model,
     family_for,
     refused_model_types,
+    router_tensor_names,
     supported_model_types,
 )
 
@@ -26,4 +27,4 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["REGISTRY", "Family", "MoEArchitecture", "MoENames", "RefusedFamily", "TransformersClasses", "describe_model", "family_for",
-           "refused_model_types", "supported_model_types"]
+           "refused_model_types", "router_tensor_names", "supported_model_types"]

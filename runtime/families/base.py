@@ -115,6 +115,11 @@ class Family:
         raise NotImplementedError
 
     @classmethod
+    def names_for(cls, config: Mapping) -> MoENames:
+        """The name table for this config (a family whose wrapper moves the layers overrides this)."""
+        return cls.names
+
+    @classmethod
     def transformers_classes(cls, config: Mapping) -> TransformersClasses | None:
         """The transformers mapping for this config (a family may pick among several)."""
         return cls.transformers
@@ -172,6 +177,14 @@ def family_for(config: Mapping) -> type[Family]:
             file="config.json", field="model_type",
         )
     return family
+
+
+def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[str, ...]]:
+    """The router weight and the selection-bias candidates of the MoE block at ``block_prefix``, by the model's family
+    (the layout's default names for a model_type no family claims)."""
+    family = REGISTRY.get(model_type_of(config)) if isinstance(model_type_of(config), str) else None
+    names = family.names_for(config) if family else MoENames()
+    return f"{block_prefix}.{names.router}", tuple(f"{block_prefix}.{b}" for b in names.bias)
 
 
 def describe_model(config: Mapping) -> MoEArchitecture:
@@ -323,6 +336,6 @@ class DeepSeekStyleFamily(Family):
             routing=cls.routing(config, num_routed),
             activation="swiglu",
             activation_params=ActivationParams.for_activation("swiglu"),
-            names=cls.names,
+            names=cls.names_for(config),
             expects_bias=cls.expects_bias,
         )

@@ -47,6 +47,10 @@ class MiniMaxM3(Family):
                                      renames=_VL_RENAMES, text_config_key="text_config")
 
     @classmethod
+    def names_for(cls, config: Mapping) -> MoENames:
+        return cls.wrapped_names if isinstance(config.get("text_config"), Mapping) else cls.text_names
+
+    @classmethod
     def transformers_classes(cls, config: Mapping) -> TransformersClasses:
         return cls.vl_classes if config.get("model_type") == "minimax_m3_vl" else cls.text_classes
 
@@ -92,5 +96,5 @@ class MiniMaxM3(Family):
             ),
             activation="swiglu_oai",
             activation_params=act,
-            names=cls.wrapped_names if wrapped else cls.text_names,
+            names=cls.names_for(config),
         )
