@@ -300,4 +300,4 @@ def test_ernie_denominator_form_matters(backend):
     torch.testing.assert_close(got_w, exp_w, rtol=3e-6, atol=0)
     _, w_add = route(logits, bias, RoutingConfig(20, 3, 1, **{**rc, "renormalize_form": "add", "renormalize_eps": 1e-20}),
                      backend=backend)
-    torch.testing.assert_close(w_add[:, :3], torch.full((2, 3), 1 / 3))  # what the default form would give
+    torch.testing.assert_close(w_add[:, :3], torch.full((2, 3), 1 / 3), rtol=1e-2, atol=0)  # the default form: ~1/3 each
