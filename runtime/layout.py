@@ -34,6 +34,8 @@ _V1_SCORING_FUNCS = ("sigmoid", "softmax")
 _V1_ACTIVATIONS = ("swiglu", "swiglu_oai")
 _ROUTING_V1_KEYS = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "has_bias")
 _ROUTING_V2_KEYS = ("group_score", "renormalize_form", "renormalize_eps", "hash_layers")
+_ROUTING_V2_ORDER = ("scoring", "top_k", "n_group", "topk_group", "group_score", "renormalize", "renormalize_form",
+                     "renormalize_eps", "routed_scaling_factor", "has_bias", "hash_layers")
 
 GEMM1_ALPHA = "gemm1_alpha"
 GEMM1_BETA = "gemm1_beta"
@@ -219,16 +221,8 @@ class RoutingSpec:
             if self.v2_features():
                 raise LayoutError(f"routing needs LAYOUT version 2 for {', '.join(self.v2_features())}")
             return d
-        d = {k: d[k] for k in ("scoring", "top_k", "n_group", "topk_group")}
-        d.update(
-            group_score=self.group_score,
-            renormalize=self.renormalize,
-            renormalize_form=self.renormalize_form,
-            renormalize_eps=self.renormalize_eps,
-            routed_scaling_factor=self.routed_scaling_factor,
-            has_bias=self.has_bias,
-            hash_layers=list(self.hash_layers),
-        )
+        d = {k: getattr(self, k) for k in _ROUTING_V2_ORDER}
+        d["hash_layers"] = list(self.hash_layers)
         return d
 
     @classmethod

@@ -136,19 +136,13 @@ class RoutingConfig:
                 raise LayoutError(f"layers {list(r.hash_layers)} are hash-routed: RoutingConfig.from_config needs layer=")
         elif layer not in block.moe_layers:
             raise LayoutError(f"layer {layer} is not a MoE layer of this checkpoint (moe_layers {list(block.moe_layers)})")
+        same = ("top_k", "scoring", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "group_score",
+                "renormalize_form", "renormalize_eps")
         return cls(
             num_experts=block.num_routed_experts,
-            top_k=r.top_k,
             num_fused_shared_experts=block.num_fused_shared_experts,
-            scoring=r.scoring,
-            n_group=r.n_group,
-            topk_group=r.topk_group,
-            renormalize=r.renormalize,
-            routed_scaling_factor=r.routed_scaling_factor,
-            group_score=r.group_score,
-            renormalize_form=r.renormalize_form,
-            renormalize_eps=r.renormalize_eps,
             hash_routed=layer is not None and layer in r.hash_layers,
+            **{f: getattr(r, f) for f in same},
         )
 
 

@@ -75,27 +75,18 @@ def _ernie():
     return r, "moe_statics.e_score_correction_bias", lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
-def _mistral4():
+def _mistral4(large=False):
     from transformers.models.mistral4 import modeling_mistral4 as m
+    from transformers.models.mistral_large4 import modeling_mistral_large4 as ml
 
     # softmax, no bias; group score = sum of the group's top-2 softmax scores; kept groups' experts,
-    # others 0.0 (not -inf: same choice, softmax scores are > 0); renormalized when norm_topk_prob (+1e-20); rsf.
-    cfg = m.Mistral4Config(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2,
-                           routed_scaling_factor=1.7)
-    r = m.Mistral4TopkRouter(cfg)
-    rc = dict(scoring="softmax", n_group=4, topk_group=2, group_score="top2_sum", renormalize=cfg.norm_topk_prob,
-              routed_scaling_factor=cfg.routed_scaling_factor)
-    return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
-
-
-def _mistral_large4():
-    from transformers.models.mistral_large4 import modeling_mistral_large4 as m
-
-    # As mistral4, with float32 logits and always renormalized.
-    cfg = m.MistralLarge4TextConfig(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2,
-                                    routed_scaling_factor=1.25)
-    r = m.MistralLarge4TextTopkRouter(cfg)
-    rc = dict(scoring="softmax", n_group=4, topk_group=2, group_score="top2_sum", renormalize=True,
+    # others 0.0 (not -inf: same choice, softmax scores are > 0); renormalized (+1e-20) when norm_topk_prob; rsf.
+    # mistral_large4 (Mistral Large 3): the same with float32 logits and always renormalized.
+    config_cls, router_cls = (ml.MistralLarge4TextConfig, ml.MistralLarge4TextTopkRouter) if large else (m.Mistral4Config, m.Mistral4TopkRouter)
+    cfg = config_cls(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2,
+                     routed_scaling_factor=1.25 if large else 1.7)
+    r = router_cls(cfg)
+    rc = dict(scoring="softmax", n_group=4, topk_group=2, group_score="top2_sum", renormalize=large or cfg.norm_topk_prob,
               routed_scaling_factor=cfg.routed_scaling_factor)
     return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
 
@@ -197,7 +188,7 @@ FAMILIES = {
     "deepseek_v4_hash": _deepseek_v4_hash,
     "ernie4_5_moe": _ernie,
     "mistral4": _mistral4,
-    "mistral_large4": _mistral_large4,
+    "mistral_large4": lambda: _mistral4(large=True),
     "hunyuan_v1_moe": _hunyuan_v1,
     "hy_v3": _hy_v3,
     "hy_v4": _hy_v4,
