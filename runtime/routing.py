@@ -50,7 +50,8 @@ class RoutingConfig:
         renormalize: divide the K weights by their sum (form below); hash layers always do.
         routed_scaling_factor: rsf, finite > 0, multiplies the K routed weights.
         group_score: ``"top2_sum"`` | ``"max"`` | None. None is the version-1 rule, decided per
-            call: top-2 sum when a bias is passed, max when not. ``from_config`` always sets it.
+            call: top-2 sum when a bias is passed, max when not. ``from_config`` sets it from a
+            version-2 block and leaves None for a version-1 block.
         renormalize_form: ``"add"`` (``w / (sum + eps)``) or ``"max"`` (``w / max(sum, eps)``).
         renormalize_eps: eps of the form, finite >= 0 (default 1e-20).
         hash_routed: this layer takes its K ids from ``tid2eid[token_id]`` (no bias, no groups).
@@ -114,6 +115,9 @@ class RoutingConfig:
     def from_config(cls, block: FusedSharedExperts | Mapping[str, Any], layer: int | None = None) -> "RoutingConfig":
         """From the ``fused_shared_experts`` block (parsed, as a dict, or a whole config.json dict).
 
+        A version-1 block gives ``group_score=None`` (the version-1 rule: top-2 sum when a bias is
+        passed, max when not, exactly as before); a version-2 block gives its explicit rule.
+
         Args:
             block: a :class:`FusedSharedExperts`, its JSON dict, or a config.json dict holding it.
             layer: the MoE layer this config is for. Required when the block has ``hash_layers``
@@ -136,11 +140,13 @@ class RoutingConfig:
                 raise LayoutError(f"layers {list(r.hash_layers)} are hash-routed: RoutingConfig.from_config needs layer=")
         elif layer not in block.moe_layers:
             raise LayoutError(f"layer {layer} is not a MoE layer of this checkpoint (moe_layers {list(block.moe_layers)})")
-        same = ("top_k", "scoring", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "group_score",
+        same = ("top_k", "scoring", "n_group", "topk_group", "renormalize", "routed_scaling_factor",
                 "renormalize_form", "renormalize_eps")
         return cls(
             num_experts=block.num_routed_experts,
             num_fused_shared_experts=block.num_fused_shared_experts,
+            # a version-1 block keeps the version-1 rule (decided by the bias passed, as before); version 2 is explicit
+            group_score=r.group_score if block.version >= 2 else None,
             hash_routed=layer is not None and layer in r.hash_layers,
             **{f: getattr(r, f) for f in same},
         )

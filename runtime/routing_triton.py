@@ -89,9 +89,9 @@ def _route_kernel(
         tok_ok = (tid >= 0) & (tid < vocab)
         rmask = offs_k < K
         eid = tl.load(table_ptr + tl.where(tok_ok, tid, 0) * stride_tv + offs_k * stride_tk, mask=rmask, other=0).to(tl.int64)
-        e_bad = rmask & ((eid < 0) | (eid >= E))
-        row_ok = tok_ok & (tl.sum(tl.where(e_bad, 1, 0), axis=0) == 0)
-        ids = tl.where(rmask & (e_bad == 0), eid, 0).to(tl.int32)
+        e_ok = (eid >= 0) & (eid < E)  # true in the masked-off slots (other=0)
+        row_ok = tok_ok & (tl.sum(tl.where(e_ok, 0, 1), axis=0) == 0)
+        ids = tl.where(e_ok, eid, 0).to(tl.int32)
     else:
         # Selection on packed int64 keys: (order-preserving int32 of the float) << 32 | (1023 - index),
         # so one max reduction yields the largest value and, among equal values, the lowest index.

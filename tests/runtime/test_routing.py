@@ -164,9 +164,11 @@ def test_config_from_block_and_validation():
         RoutingConfig(160, 8, 1, n_group=7)
     with pytest.raises(ValueError):
         RoutingConfig(600, 8)
-    assert RoutingConfig.from_config(block).group_score == "top2_sum"  # the v1 rule with has_bias
-    no_bias = {**block, "routing": {**block["routing"], "has_bias": False}}
-    assert RoutingConfig.from_config(no_bias).group_score == "max"
+    cfg = RoutingConfig.from_config(block)
+    assert cfg.group_score is None and cfg.group_top2(True) and not cfg.group_top2(False)  # the v1 rule, per call
+    v2 = {**block, "version": 2, "routing": {**block["routing"], "has_bias": False, "group_score": "top2_sum"}}
+    cfg = RoutingConfig.from_config(v2)
+    assert cfg.group_score == "top2_sum" and cfg.group_top2(False)
 
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
