@@ -264,7 +264,8 @@ class FusedSharedExperts:
     (1 unless a v2 feature is used, see :meth:`v2_features`); an explicit 1 with a v2 feature,
     or a version other than 1 and 2, is a :class:`LayoutError`. Every field is checked, and
     across fields: ``top_k <= E``, ``n_group`` divides E, the kept groups hold at least
-    ``top_k`` experts, ``hash_layers`` are MoE layers.
+    ``top_k`` experts, ``hash_layers`` are MoE layers. (``dataclasses.replace`` copies the resolved
+    ``version``: pass ``version=None`` with a change that may need version 2.)
     """
 
     num_routed_experts: int
