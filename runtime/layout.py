@@ -1,9 +1,13 @@
-"""The fused-shared checkpoint layout, version 1 (``shared/design/LAYOUT.md``).
+"""The fused-shared checkpoint layout, versions 1 and 2 (``shared/design/LAYOUT.md``).
 
 This module is the single definition of the contract between the converter
 (``fuse_tool``) and the runtime: tensor names, the ``fused_shared_experts``
 config block, routing and activation parameters. Both halves import it; it
 depends on nothing but the standard library.
+
+Versions: a block that uses no version-2 feature (see :meth:`RoutingSpec.v2_features`
+and :meth:`FusedSharedExperts.v2_features`) is written as version 1, byte for byte what a
+version-1 writer wrote; one that uses any is written as version 2. Both are read.
 """
 
 from __future__ import annotations
@@ -13,13 +17,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # the newest version this module reads and writes
+LAYOUT_VERSIONS = (1, 2)
 CONFIG_KEY = "fused_shared_experts"
 WEIGHT_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 
-SCORING_FUNCS = ("sigmoid", "softmax")
-ACTIVATIONS = ("swiglu", "swiglu_oai")
+SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
+GROUP_SCORES = ("top2_sum", "max")  # group score: sum of the group's two best choice scores, or its best
+RENORMALIZE_FORMS = ("add", "max")  # w / (sum + eps), or w / max(sum, eps)
+DEFAULT_RENORMALIZE_EPS = 1e-20
+ACTIVATIONS = ("swiglu", "swiglu_oai", "swiglu_post_clamp")
+
+# What version 1 could express; anything beyond needs version 2.
+_V1_SCORING_FUNCS = ("sigmoid", "softmax")
+_V1_ACTIVATIONS = ("swiglu", "swiglu_oai")
+_ROUTING_V1_KEYS = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "has_bias")
+_ROUTING_V2_KEYS = ("group_score", "renormalize_form", "renormalize_eps", "hash_layers")
+_ROUTING_V2_ORDER = ("scoring", "top_k", "n_group", "topk_group", "group_score", "renormalize", "renormalize_form",
+                     "renormalize_eps", "routed_scaling_factor", "has_bias", "hash_layers")
 
 GEMM1_ALPHA = "gemm1_alpha"
 GEMM1_BETA = "gemm1_beta"
@@ -55,9 +71,92 @@ def scale_grid(rows: int, cols: int, block: int = WEIGHT_BLOCK) -> tuple[int, in
     return (math.ceil(rows / block), math.ceil(cols / block))
 
 
+def implied_group_score(has_bias: bool) -> str:
+    """The group rule a version-1 block implied: the top-2 sum with a selection bias, the max without.
+
+    That is what the version-1 runtime computed (it decided by whether a bias tensor was
+    passed); it agrees with the families version 1 was written for (DeepSeek-V3/R1/V3.1,
+    Kimi-K2 with a bias; DeepSeek-V2 softmax, no bias, group max).
+    """
+    return "top2_sum" if has_bias else "max"
+
+
+# Field checks: each names the field and the value it refuses.
+
+
+def _int(where: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """``v`` as an int (an integral float such as 8.0 is accepted; bools, 2.5 and strings are not)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise LayoutError(f"{where} must be an integer, got {v!r}")
+    v = int(v)
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise LayoutError(f"{where} must be {rng}, got {v}")
+    return v
+
+
+def _float(where: str, v: Any, *, positive: bool = False, nonneg: bool = False) -> float:
+    """``v`` as a finite float; ``positive`` (> 0) or ``nonneg`` (>= 0) where asked."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise LayoutError(f"{where} must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise LayoutError(f"{where} must be finite, got {v}")
+    if positive and v <= 0:
+        raise LayoutError(f"{where} must be > 0, got {v}")
+    if nonneg and v < 0:
+        raise LayoutError(f"{where} must be >= 0, got {v}")
+    return v
+
+
+def _bool(where: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise LayoutError(f"{where} must be true or false, got {v!r}")
+    return v
+
+
+def _choice(where: str, v: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v not in choices:
+        raise LayoutError(f"{where} must be one of {choices}, got {v!r}")
+    return v
+
+
+def _layer_list(where: str, v: Any) -> tuple[int, ...]:
+    """Distinct non-negative layer indices, order kept."""
+    if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Iterable):
+        raise LayoutError(f"{where} must be a list of layer indices, got {v!r}")
+    out = tuple(_int(f"{where}[{i}]", x, lo=0) for i, x in enumerate(v))
+    dup = sorted({x for x in out if out.count(x) > 1})
+    if dup:
+        raise LayoutError(f"{where} lists layers {dup} more than once")
+    return out
+
+
 @dataclass(frozen=True)
 class RoutingSpec:
-    """How the router picks experts and weights them (LAYOUT section 5)."""
+    """How the router picks experts and weights them (LAYOUT section 5), as the ``routing`` JSON object.
+
+    Fields (JSON name = field name; default where the key may be absent):
+
+    - ``scoring``: ``"sigmoid"`` | ``"softmax"`` | ``"sqrtsoftplus"`` (v2) — scores ``s`` from logits.
+    - ``top_k``: K >= 1, routed experts per token (<= E, checked by :class:`FusedSharedExperts`).
+    - ``n_group`` (1), ``topk_group`` (1): group-limited selection, ``1 <= topk_group <= n_group``.
+    - ``renormalize`` (true): ``w_k = s_k / denominator`` over the K chosen, else ``w_k = s_k``.
+      Hash-routed layers always renormalize.
+    - ``routed_scaling_factor`` (1.0): rsf, finite and > 0, multiplies the K routed weights.
+    - ``has_bias`` (true): the score-routed layers carry a selection bias (choice ``c = s + b``),
+      on any scoring (a bias on softmax scores is ERNIE-4.5's form).
+    - ``group_score`` (v2; default: what version 1 implied, ``"top2_sum"`` with a bias and
+      ``"max"`` without — :func:`implied_group_score`): ``"top2_sum"`` | ``"max"``.
+    - ``renormalize_form`` (v2; ``"add"``): ``"add"`` is ``s / (sum + eps)``, ``"max"`` is
+      ``s / max(sum, eps)`` (ERNIE-4.5).
+    - ``renormalize_eps`` (v2; 1e-20): eps above, finite and >= 0.
+    - ``hash_layers`` (v2; empty): layers whose K ids come from ``gate.tid2eid[token_id]``
+      (DeepSeek-V4); bias-free.
+
+    A constructed spec always has ``group_score`` set (None resolves to the implied rule).
+    Raises :class:`LayoutError` naming the field and value for anything out of range.
+    """
 
     scoring: str
     top_k: int
@@ -66,19 +165,49 @@ class RoutingSpec:
     renormalize: bool = True
     routed_scaling_factor: float = 1.0
     has_bias: bool = True
+    group_score: str | None = None
+    renormalize_form: str = "add"
+    renormalize_eps: float = DEFAULT_RENORMALIZE_EPS
+    hash_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.scoring not in SCORING_FUNCS:
-            raise LayoutError(f"routing.scoring must be one of {SCORING_FUNCS}, got {self.scoring!r}")
-        if self.top_k < 1:
-            raise LayoutError(f"routing.top_k must be >= 1, got {self.top_k}")
-        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
-            raise LayoutError(
-                f"routing needs 1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}"
-            )
+        put = object.__setattr__
+        _choice("routing.scoring", self.scoring, SCORING_FUNCS)
+        put(self, "top_k", _int("routing.top_k", self.top_k, lo=1))
+        put(self, "n_group", _int("routing.n_group", self.n_group, lo=1))
+        put(self, "topk_group", _int("routing.topk_group", self.topk_group, lo=1, hi=self.n_group))
+        _bool("routing.renormalize", self.renormalize)
+        put(self, "routed_scaling_factor", _float("routing.routed_scaling_factor", self.routed_scaling_factor, positive=True))
+        _bool("routing.has_bias", self.has_bias)
+        if self.group_score is None:
+            put(self, "group_score", implied_group_score(self.has_bias))
+        _choice("routing.group_score", self.group_score, GROUP_SCORES)
+        _choice("routing.renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
+        put(self, "renormalize_eps", _float("routing.renormalize_eps", self.renormalize_eps, nonneg=True))
+        put(self, "hash_layers", _layer_list("routing.hash_layers", self.hash_layers))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def v2_features(self) -> list[str]:
+        """What in this spec version 1 cannot express (empty: it can be written as version 1)."""
+        out = []
+        if self.scoring not in _V1_SCORING_FUNCS:
+            out.append(f"routing.scoring {self.scoring!r}")
+        if self.group_score != implied_group_score(self.has_bias):
+            out.append(f"routing.group_score {self.group_score!r} with has_bias {str(self.has_bias).lower()}")
+        if self.renormalize_form != "add":
+            out.append(f"routing.renormalize_form {self.renormalize_form!r}")
+        if self.renormalize_eps != DEFAULT_RENORMALIZE_EPS:
+            out.append(f"routing.renormalize_eps {self.renormalize_eps!r}")
+        if self.hash_layers:
+            out.append(f"routing.hash_layers {list(self.hash_layers)}")
+        return out
+
+    def to_dict(self, version: int | None = None) -> dict[str, Any]:
+        """The ``routing`` JSON object. ``version`` None: the lowest that can hold this spec.
+
+        Version 1 gives exactly the seven keys a version-1 writer wrote; version 2 spells every field.
+        """
+        version = (2 if self.v2_features() else 1) if version is None else version
+        d = {
             "scoring": self.scoring,
             "top_k": self.top_k,
             "n_group": self.n_group,
@@ -87,26 +216,56 @@ class RoutingSpec:
             "routed_scaling_factor": self.routed_scaling_factor,
             "has_bias": self.has_bias,
         }
+        if version == 1:
+            if self.v2_features():
+                raise LayoutError(f"routing needs LAYOUT version 2 for {', '.join(self.v2_features())}")
+            return d
+        d = {k: getattr(self, k) for k in _ROUTING_V2_ORDER}
+        d["hash_layers"] = list(self.hash_layers)
+        return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RoutingSpec":
-        try:
-            return cls(
-                scoring=d["scoring"],
-                top_k=int(d["top_k"]),
-                n_group=int(d.get("n_group", 1)),
-                topk_group=int(d.get("topk_group", 1)),
-                renormalize=bool(d.get("renormalize", True)),
-                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                has_bias=bool(d.get("has_bias", True)),
-            )
-        except KeyError as e:
-            raise LayoutError(f"routing block is missing {e.args[0]!r}") from None
+    def from_dict(cls, d: Mapping[str, Any], version: int = LAYOUT_VERSION) -> "RoutingSpec":
+        """Parse a ``routing`` object of a block of the given ``version`` (version-2 keys in a
+        version-1 block, unknown keys and missing required keys are errors)."""
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"routing must be a JSON object, got {d!r}")
+        allowed = _ROUTING_V1_KEYS + (_ROUTING_V2_KEYS if version >= 2 else ())
+        unknown = [k for k in d if k not in allowed]
+        if unknown:
+            v2 = [k for k in unknown if k in _ROUTING_V2_KEYS]
+            if v2:
+                raise LayoutError(f"routing.{v2[0]} is a LAYOUT version 2 field, but the block says version {version}")
+            raise LayoutError(f"routing has unknown field {unknown[0]!r} (known: {', '.join(allowed)})")
+        for key in ("scoring", "top_k"):
+            if key not in d:
+                raise LayoutError(f"routing block is missing {key!r}")
+        return cls(
+            scoring=d["scoring"],
+            top_k=d["top_k"],
+            n_group=d.get("n_group", 1),
+            topk_group=d.get("topk_group", 1),
+            renormalize=d.get("renormalize", True),
+            routed_scaling_factor=d.get("routed_scaling_factor", 1.0),
+            has_bias=d.get("has_bias", True),
+            group_score=d.get("group_score"),
+            renormalize_form=d.get("renormalize_form", "add"),
+            renormalize_eps=d.get("renormalize_eps", DEFAULT_RENORMALIZE_EPS),
+            hash_layers=d.get("hash_layers", ()),
+        )
 
 
 @dataclass(frozen=True)
 class FusedSharedExperts:
-    """The ``fused_shared_experts`` block of a converted config.json (LAYOUT section 6)."""
+    """The ``fused_shared_experts`` block of a converted config.json (LAYOUT section 6).
+
+    ``version`` None (the default) resolves to the lowest version that holds the block
+    (1 unless a v2 feature is used, see :meth:`v2_features`); an explicit 1 with a v2 feature,
+    or a version other than 1 and 2, is a :class:`LayoutError`. Every field is checked, and
+    across fields: ``top_k <= E``, ``n_group`` divides E, the kept groups hold at least
+    ``top_k`` experts, ``hash_layers`` are MoE layers. (``dataclasses.replace`` copies the resolved
+    ``version``: pass ``version=None`` with a change that may need version 2.)
+    """
 
     num_routed_experts: int
     num_fused_shared_experts: int
@@ -117,21 +276,61 @@ class FusedSharedExperts:
     routing: RoutingSpec
     weight_block_size: tuple[int, int] | None = (WEIGHT_BLOCK, WEIGHT_BLOCK)
     source: Mapping[str, Any] = field(default_factory=dict)
-    version: int = LAYOUT_VERSION
+    version: int | None = None
 
     def __post_init__(self) -> None:
-        if self.version != LAYOUT_VERSION:
-            raise LayoutError(f"fused_shared_experts version {self.version} is not supported (this reader knows {LAYOUT_VERSION})")
-        if self.activation not in ACTIVATIONS:
-            raise LayoutError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        put = object.__setattr__
+        if self.version is not None:
+            if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version not in LAYOUT_VERSIONS:
+                raise LayoutError(f"{CONFIG_KEY} version {self.version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})")
+        E = _int("num_routed_experts", self.num_routed_experts, lo=1)
+        put(self, "num_routed_experts", E)
+        put(self, "num_fused_shared_experts", _int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
+        put(self, "expert_intermediate_size", _int("expert_intermediate_size", self.expert_intermediate_size, lo=1))
+        put(self, "source_shared_intermediate_size", _int("source_shared_intermediate_size", self.source_shared_intermediate_size, lo=0))
+        layers = _layer_list("moe_layers", self.moe_layers)
+        if not layers:
+            raise LayoutError("moe_layers is empty: a fused checkpoint has at least one MoE layer")
+        put(self, "moe_layers", layers)
+        _choice("activation", self.activation, ACTIVATIONS)
+        if not isinstance(self.routing, RoutingSpec):
+            raise LayoutError(f"routing must be a RoutingSpec, got {type(self.routing).__name__}")
+        if self.weight_block_size is not None:
+            wbs = self.weight_block_size
+            if isinstance(wbs, (str, bytes)) or not isinstance(wbs, Iterable) or len(tuple(wbs)) != 2:
+                raise LayoutError(f"weight_block_size must be [rows, cols] or null, got {wbs!r}")
+            put(self, "weight_block_size", tuple(_int(f"weight_block_size[{i}]", x, lo=1) for i, x in enumerate(wbs)))
+        if not isinstance(self.source, Mapping):
+            raise LayoutError(f"source must be a JSON object, got {self.source!r}")
         expected = num_shared_slots(self.source_shared_intermediate_size, self.expert_intermediate_size)
         if self.num_fused_shared_experts != expected:
             raise LayoutError(
                 f"num_fused_shared_experts={self.num_fused_shared_experts} but ceil(W/I) = "
                 f"ceil({self.source_shared_intermediate_size}/{self.expert_intermediate_size}) = {expected}"
             )
-        if self.routing.n_group > 1 and self.num_routed_experts % self.routing.n_group:
-            raise LayoutError(f"n_group={self.routing.n_group} does not divide {self.num_routed_experts} routed experts")
+        r = self.routing
+        if r.top_k > E:
+            raise LayoutError(f"routing.top_k={r.top_k} exceeds num_routed_experts={E}")
+        if r.n_group > 1 and E % r.n_group:
+            raise LayoutError(f"n_group={r.n_group} does not divide {E} routed experts")
+        if r.top_k > r.topk_group * (E // r.n_group):
+            raise LayoutError(f"routing.top_k={r.top_k} exceeds the {r.topk_group * (E // r.n_group)} experts of the "
+                              f"topk_group={r.topk_group} kept groups of {E // r.n_group}")
+        stray = [L for L in r.hash_layers if L not in layers]
+        if stray:
+            raise LayoutError(f"routing.hash_layers {stray} are not in moe_layers")
+        needs = self.v2_features()
+        if self.version is None:
+            put(self, "version", 2 if needs else 1)
+        elif self.version == 1 and needs:
+            raise LayoutError(f"{CONFIG_KEY} says version 1 but uses LAYOUT version 2 features: {', '.join(needs)}")
+
+    def v2_features(self) -> list[str]:
+        """What in this block version 1 cannot express."""
+        out = self.routing.v2_features()
+        if self.activation not in _V1_ACTIVATIONS:
+            out.append(f"activation {self.activation!r}")
+        return out
 
     @property
     def num_experts(self) -> int:
@@ -147,26 +346,31 @@ class FusedSharedExperts:
             "source_shared_intermediate_size": self.source_shared_intermediate_size,
             "moe_layers": list(self.moe_layers),
             "activation": self.activation,
-            "routing": self.routing.to_dict(),
+            "routing": self.routing.to_dict(self.version),
             "weight_block_size": list(self.weight_block_size) if self.weight_block_size else None,
             "source": dict(self.source),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FusedSharedExperts":
+        """Parse a block of version 1 (also when ``version`` is absent) or 2."""
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"{CONFIG_KEY} must be a JSON object, got {d!r}")
+        version = d.get("version", 1)
+        if isinstance(version, bool) or not isinstance(version, int) or version not in LAYOUT_VERSIONS:
+            raise LayoutError(f"{CONFIG_KEY} version {version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})")
         try:
-            wbs = d.get("weight_block_size")
             return cls(
-                version=int(d.get("version", LAYOUT_VERSION)),
-                num_routed_experts=int(d["num_routed_experts"]),
-                num_fused_shared_experts=int(d["num_fused_shared_experts"]),
-                expert_intermediate_size=int(d["expert_intermediate_size"]),
-                source_shared_intermediate_size=int(d["source_shared_intermediate_size"]),
-                moe_layers=tuple(int(x) for x in d["moe_layers"]),
+                version=version,
+                num_routed_experts=d["num_routed_experts"],
+                num_fused_shared_experts=d["num_fused_shared_experts"],
+                expert_intermediate_size=d["expert_intermediate_size"],
+                source_shared_intermediate_size=d["source_shared_intermediate_size"],
+                moe_layers=d["moe_layers"],
                 activation=d["activation"],
-                routing=RoutingSpec.from_dict(d["routing"]),
-                weight_block_size=tuple(int(x) for x in wbs) if wbs else None,
-                source=dict(d.get("source", {})),
+                routing=RoutingSpec.from_dict(d["routing"], version),
+                weight_block_size=d.get("weight_block_size"),
+                source=d.get("source", {}),
             )
         except KeyError as e:
             raise LayoutError(f"{CONFIG_KEY} block is missing {e.args[0]!r}") from None
@@ -194,23 +398,46 @@ def read_config_block(config: Mapping[str, Any]) -> FusedSharedExperts:
 
 @dataclass(frozen=True)
 class ActivationParams:
-    """Per-expert SwiGLU parameters (LAYOUT section 3) for one MLP."""
+    """Per-expert SwiGLU parameters (LAYOUT section 3) for one MLP (the routed experts, or the shared MLP).
+
+    ``alpha`` and ``beta`` finite; ``clamp_limit`` > 0 (``inf`` = no clamp). The form that uses them
+    (``"swiglu"``/``"swiglu_oai"``: clamp before the activation; ``"swiglu_post_clamp"``: after) is the
+    block's ``activation``, per checkpoint; these numbers are per slot.
+    """
 
     alpha: float = 1.0
     beta: float = 0.0
     clamp_limit: float = math.inf
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", _float("gemm1_alpha", self.alpha))
+        object.__setattr__(self, "beta", _float("gemm1_beta", self.beta))
+        lim = self.clamp_limit
+        if isinstance(lim, bool) or not isinstance(lim, (int, float)) or math.isnan(lim) or lim <= 0:
+            raise LayoutError(f"gemm1_clamp_limit must be > 0 or inf (no clamp), got {lim!r}"
+                              + (" (a config's 0 meaning 'no clamp' must be given as inf)" if lim == 0 else ""))
+        object.__setattr__(self, "clamp_limit", float(lim))
+
     @classmethod
     def for_activation(cls, activation: str, alpha: float | None = None, beta: float | None = None, limit: float | None = None) -> "ActivationParams":
-        if activation == "swiglu":
-            return cls()
+        """Parameters of one MLP under ``activation``.
+
+        ``"swiglu"``: alpha 1, beta 0, ``limit`` (None: no clamp; DeepSeek-V4 passes ``swiglu_limit``).
+        ``"swiglu_oai"``: alpha 1.702, beta 1.0, limit 7.0 unless given (MiniMax-M3).
+        ``"swiglu_post_clamp"``: alpha 1, beta 0, ``limit`` (None: no clamp) applied after the
+        activation (Step-3.7, whose routed and shared MLPs have different per-layer limits).
+        """
+        if activation in ("swiglu", "swiglu_post_clamp"):
+            if alpha is not None or beta is not None:
+                raise LayoutError(f"activation {activation!r} has alpha 1 and beta 0; got alpha={alpha!r}, beta={beta!r}")
+            return cls(clamp_limit=math.inf if limit is None else limit)
         if activation == "swiglu_oai":
             return cls(
-                alpha=1.702 if alpha is None else float(alpha),
-                beta=1.0 if beta is None else float(beta),
-                clamp_limit=7.0 if limit is None else float(limit),
+                alpha=1.702 if alpha is None else alpha,
+                beta=1.0 if beta is None else beta,
+                clamp_limit=7.0 if limit is None else limit,
             )
-        raise LayoutError(f"unknown activation {activation!r}")
+        raise LayoutError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def gemm1_param_names(experts_prefix: str) -> tuple[str, str, str]:

@@ -18,10 +18,16 @@ def _quant_dequant(a: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * s.repeat_interleave(128, dim=1)[:, : a.shape[1]]
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor, alpha, beta, limit) -> torch.Tensor:
-    """LAYOUT section 3: ``min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + beta)``."""
-    g = torch.minimum(g, limit)
+def swiglu(g: torch.Tensor, u: torch.Tensor, alpha, beta, limit, post_clamp: bool = False) -> torch.Tensor:
+    """LAYOUT section 3, on gate ``g`` and up ``u`` (same shape; ``alpha``, ``beta``, ``limit`` broadcast).
+
+    ``"swiglu"`` / ``"swiglu_oai"`` (``post_clamp`` False): ``min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + beta)``.
+    ``"swiglu_post_clamp"`` (Step-3.7): ``min(g * sigmoid(alpha * g), L) * (clamp(u, -L, L) + beta)``.
+    """
     u = torch.maximum(torch.minimum(u, limit), -limit)
+    if post_clamp:
+        return torch.minimum(g * torch.sigmoid(alpha * g), limit) * (u + beta)
+    g = torch.minimum(g, limit)
     return g * torch.sigmoid(alpha * g) * (u + beta)
 
 

@@ -3,6 +3,10 @@
     cfg = RoutingConfig(num_experts=256, top_k=8, num_fused_shared_experts=1, n_group=8, topk_group=4)
     ids, weights = route(logits, bias, cfg)      # [T, K+S] int32, [T, K+S] float32
 
+    # a hash-routed layer (DeepSeek-V4's first layers): ids from the token table
+    cfg = RoutingConfig.from_config(block, layer=0)   # hash_routed=True where layer 0 is in hash_layers
+    ids, weights = route(logits, None, cfg, token_ids=input_ids.reshape(-1), tid2eid=table)
+
 Triton on CUDA (``routing_triton``), the PyTorch reference elsewhere (``routing_reference``).
 """
 
@@ -14,14 +18,47 @@ from typing import Any, Mapping
 import torch
 
 from ._backend import resolve_backend
-from .layout import SCORING_FUNCS, FusedSharedExperts, LayoutError, find_config_block
+from .layout import (
+    DEFAULT_RENORMALIZE_EPS,
+    GROUP_SCORES,
+    RENORMALIZE_FORMS,
+    SCORING_FUNCS,
+    FusedSharedExperts,
+    LayoutError,
+    _bool,
+    _choice,
+    _float,
+    _int,
+    find_config_block,
+)
 
 MAX_EXPERTS = 512
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How one MoE layer routes: ``E`` routed experts, top ``K`` of them, then ``S`` shared slots."""
+    """How one MoE layer routes: ``E`` routed experts, top ``K`` of them, then ``S`` shared slots.
+
+    Args:
+        num_experts: E, routed experts (router rows), 1..512. Never counts the shared slots.
+        top_k: K, routed experts per token, 1..E.
+        num_fused_shared_experts: S >= 0 shared slots, expert ids E..E+S-1, weight 1.0.
+        scoring: ``"sigmoid"`` | ``"softmax"`` | ``"sqrtsoftplus"`` (``sqrt(softplus(z))``).
+        n_group: groups the E experts are split into (must divide E); 1 = no groups.
+        topk_group: groups kept, 1..n_group; the kept groups must hold at least K experts.
+        renormalize: divide the K weights by their sum (form below); hash layers always do.
+        routed_scaling_factor: rsf, finite > 0, multiplies the K routed weights.
+        group_score: ``"top2_sum"`` | ``"max"`` | None. None is the version-1 rule, decided per
+            call: top-2 sum when a bias is passed, max when not. ``from_config`` sets it from a
+            version-2 block and leaves None for a version-1 block.
+        renormalize_form: ``"add"`` (``w / (sum + eps)``) or ``"max"`` (``w / max(sum, eps)``).
+        renormalize_eps: eps of the form, finite >= 0 (default 1e-20).
+        hash_routed: this layer takes its K ids from ``tid2eid[token_id]`` (no bias, no groups).
+
+    Raises:
+        ValueError (:class:`~runtime.layout.LayoutError`) naming the argument and its value.
+    """
 
     num_experts: int
     top_k: int
@@ -31,23 +68,33 @@ class RoutingConfig:
     topk_group: int = 1
     renormalize: bool = True
     routed_scaling_factor: float = 1.0
+    group_score: str | None = None
+    renormalize_form: str = "add"
+    renormalize_eps: float = DEFAULT_RENORMALIZE_EPS
+    hash_routed: bool = False
 
     def __post_init__(self) -> None:
-        E, K = self.num_experts, self.top_k
-        if not 1 <= E <= MAX_EXPERTS:
-            raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {E}")
-        if not 1 <= K <= E:
-            raise ValueError(f"top_k must be in [1, num_experts], got {K}")
-        if self.num_fused_shared_experts < 0:
-            raise ValueError("num_fused_shared_experts must be >= 0")
-        if self.scoring not in SCORING_FUNCS:
-            raise ValueError(f"scoring must be one of {SCORING_FUNCS}, got {self.scoring!r}")
-        if self.n_group < 1 or E % self.n_group:
-            raise ValueError(f"n_group={self.n_group} must divide num_experts={E}")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group must be in [1, n_group], got {self.topk_group}")
-        if K > self.topk_group * (E // self.n_group):
-            raise ValueError(f"top_k={K} exceeds the {self.topk_group * (E // self.n_group)} experts of the kept groups")
+        put = object.__setattr__
+        E = _int("num_experts", self.num_experts, lo=1, hi=MAX_EXPERTS)
+        put(self, "num_experts", E)
+        K = _int("top_k", self.top_k, lo=1, hi=E)
+        put(self, "top_k", K)
+        put(self, "num_fused_shared_experts", _int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
+        _choice("scoring", self.scoring, SCORING_FUNCS)
+        G = _int("n_group", self.n_group, lo=1, hi=E)
+        put(self, "n_group", G)
+        if E % G:
+            raise LayoutError(f"n_group={G} must divide num_experts={E}")
+        put(self, "topk_group", _int("topk_group", self.topk_group, lo=1, hi=G))
+        if K > self.topk_group * (E // G):
+            raise LayoutError(f"top_k={K} exceeds the {self.topk_group * (E // G)} experts of the kept groups")
+        _bool("renormalize", self.renormalize)
+        put(self, "routed_scaling_factor", _float("routed_scaling_factor", self.routed_scaling_factor, positive=True))
+        if self.group_score is not None:
+            _choice("group_score", self.group_score, GROUP_SCORES)
+        _choice("renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
+        put(self, "renormalize_eps", _float("renormalize_eps", self.renormalize_eps, nonneg=True))
+        _bool("hash_routed", self.hash_routed)
 
     @property
     def num_slots(self) -> int:
@@ -59,9 +106,27 @@ class RoutingConfig:
         """E + S: the expert count every MoE buffer is sized by."""
         return self.num_experts + self.num_fused_shared_experts
 
+    def group_top2(self, has_bias: bool) -> bool:
+        """Whether groups are scored by their top-2 sum (else their max) for a call with/without a bias."""
+        rule = self.group_score if self.group_score is not None else ("top2_sum" if has_bias else "max")
+        return rule == "top2_sum"
+
     @classmethod
-    def from_config(cls, block: FusedSharedExperts | Mapping[str, Any]) -> "RoutingConfig":
-        """From the ``fused_shared_experts`` block (parsed, as a dict, or a whole config.json dict)."""
+    def from_config(cls, block: FusedSharedExperts | Mapping[str, Any], layer: int | None = None) -> "RoutingConfig":
+        """From the ``fused_shared_experts`` block (parsed, as a dict, or a whole config.json dict).
+
+        A version-1 block gives ``group_score=None`` (the version-1 rule: top-2 sum when a bias is
+        passed, max when not, exactly as before); a version-2 block gives its explicit rule.
+
+        Args:
+            block: a :class:`FusedSharedExperts`, its JSON dict, or a config.json dict holding it.
+            layer: the MoE layer this config is for. Required when the block has ``hash_layers``
+                (a hash layer and a score-routed layer route differently); sets ``hash_routed``.
+
+        Raises:
+            LayoutError: a bad block, ``layer`` not in ``moe_layers``, or ``layer`` missing for a
+                block with hash layers.
+        """
         if not isinstance(block, FusedSharedExperts):
             try:
                 sub, _ = find_config_block(block)
@@ -70,16 +135,70 @@ class RoutingConfig:
                 pass
             block = FusedSharedExperts.from_dict(block)
         r = block.routing
+        if layer is None:
+            if r.hash_layers:
+                raise LayoutError(f"layers {list(r.hash_layers)} are hash-routed: RoutingConfig.from_config needs layer=")
+        elif layer not in block.moe_layers:
+            raise LayoutError(f"layer {layer} is not a MoE layer of this checkpoint (moe_layers {list(block.moe_layers)})")
+        same = ("top_k", "scoring", "n_group", "topk_group", "renormalize", "routed_scaling_factor",
+                "renormalize_form", "renormalize_eps")
         return cls(
             num_experts=block.num_routed_experts,
-            top_k=r.top_k,
             num_fused_shared_experts=block.num_fused_shared_experts,
-            scoring=r.scoring,
-            n_group=r.n_group,
-            topk_group=r.topk_group,
-            renormalize=r.renormalize,
-            routed_scaling_factor=r.routed_scaling_factor,
+            # a version-1 block keeps the version-1 rule (decided by the bias passed, as before); version 2 is explicit
+            group_score=r.group_score if block.version >= 2 else None,
+            hash_routed=layer is not None and layer in r.hash_layers,
+            **{f: getattr(r, f) for f in same},
         )
+
+
+def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid) -> None:
+    E = cfg.num_experts
+    if logits.dim() != 2 or logits.shape[1] != E:
+        raise ValueError(f"logits must be [T, {E}], got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"bias must be [{E}], got {tuple(bias.shape)}")
+    if num_valid_tokens is not None and (num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point()):
+        raise ValueError(f"num_valid_tokens must be a one-element integer tensor, got {num_valid_tokens.dtype} {tuple(num_valid_tokens.shape)}")
+    if not cfg.hash_routed:
+        if tid2eid is not None:
+            raise ValueError("tid2eid given for a score-routed layer (cfg.hash_routed is False): "
+                             "build the config with RoutingConfig.from_config(block, layer=...)")
+        return
+    if token_ids is None or tid2eid is None:
+        missing = " and ".join(n for n, v in (("token_ids", token_ids), ("tid2eid", tid2eid)) if v is None)
+        raise ValueError(f"this layer is hash-routed (ids come from tid2eid[token_id]) and needs {missing}; "
+                         "pass the input ids flattened in the row order of the logits")
+    if tid2eid.dim() != 2 or tid2eid.shape[1] != cfg.top_k or tid2eid.shape[0] < 1 or tid2eid.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"tid2eid must be [vocab, {cfg.top_k}] int32/int64, got {tid2eid.dtype} {tuple(tid2eid.shape)}")
+    if token_ids.dtype not in _INDEX_DTYPES or token_ids.numel() != logits.shape[0]:
+        raise ValueError(f"token_ids must hold T = {logits.shape[0]} int32/int64 ids (one per logits row), "
+                         f"got {token_ids.dtype} {tuple(token_ids.shape)}")
+    if token_ids.device != logits.device or tid2eid.device != logits.device:
+        raise ValueError(f"token_ids ({token_ids.device}) and tid2eid ({tid2eid.device}) must be on the logits' device ({logits.device})")
+
+
+def check_hash_table(tid2eid: torch.Tensor, num_experts: int, top_k: int) -> None:
+    """Refuse a token table that would route anywhere but to K routed experts: call once at load.
+
+    Args:
+        tid2eid: ``[vocab, K]`` int32/int64, expert ids of each token.
+        num_experts: E; every entry must lie in ``[0, E)``.
+        top_k: K, the table's width.
+
+    Raises:
+        ValueError naming the first bad entry. (This reads the table on the host: a sync, so it is
+        not done per :func:`route` call; there a bad row comes out as padding.)
+    """
+    if tid2eid.dim() != 2 or tid2eid.shape[1] != top_k or tid2eid.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"tid2eid must be [vocab, {top_k}] int32/int64, got {tid2eid.dtype} {tuple(tid2eid.shape)}")
+    bad = ((tid2eid < 0) | (tid2eid >= num_experts)).nonzero()
+    if len(bad):
+        t, k = bad[0].tolist()
+        raise ValueError(f"tid2eid[{t}, {k}] = {int(tid2eid[t, k])} is not a routed expert id in [0, {num_experts}) "
+                         f"({len(bad)} such entries)")
 
 
 def route(
@@ -89,26 +208,59 @@ def route(
     num_valid_tokens: torch.Tensor | None = None,
     backend: str | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    token_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids ``[T, K+S]`` (int32) and weights ``[T, K+S]`` (float32) from router logits ``[T, E]``.
+    """Expert ids and weights of every token: K routed slots, then S shared slots (LAYOUT section 5).
 
-    ``bias`` ``[E]`` (float32) is the selection bias (``e_score_correction_bias``) or None.
-    ``num_valid_tokens`` (a one-element integer device tensor) marks rows past it as padding:
-    they get id -1 and weight 0 without being routed (CUDA-graph friendly: no host sync).
-    ``backend``: None/"auto" (Triton on CUDA, else PyTorch), "triton" or "torch".
-    ``out``: optional preallocated ``(ids, weights)`` to write into (static buffers for graphs).
+    Score-routed layers: ``s = score(logits)``, choice ``c = s + bias``, group-limited top-K of
+    ``c`` (ties to the lowest index), weights from the unbiased ``s`` (renormalized when
+    ``cfg.renormalize``) times rsf. Hash-routed layers (``cfg.hash_routed``): the K ids are
+    ``tid2eid[token_ids[t]]``; weights are the same unbiased scores of those ids, always
+    renormalized, times rsf. Then ids ``E..E+S-1`` with weight exactly 1.0.
+
+    Args:
+        logits: ``[T, E]`` router logits, any float dtype (computed in float32; LAYOUT asks for
+            float32 logits from the float32 router weight).
+        bias: ``[E]`` selection bias (float32 or cast to it) or None. Ignored by hash layers.
+        cfg: the layer's :class:`RoutingConfig`.
+        num_valid_tokens: one-element integer device tensor or None; rows at or past it are
+            padding: id -1 and weight 0 in every slot, not routed, tokens not read (no host sync:
+            CUDA-graph friendly).
+        backend: None/"auto" (Triton on CUDA, else PyTorch), "triton" or "torch".
+        out: preallocated contiguous ``(ids [T, K+S] int32, weights [T, K+S] float32)`` to write
+            into (static buffers for graphs); returned.
+        token_ids: hash layers only (ignored otherwise): ``T`` int32/int64 token ids, any shape
+            with T elements, flattened in the row order of ``logits`` (e.g. ``input_ids.reshape(-1)``).
+        tid2eid: hash layers only: the layer's ``gate.tid2eid``, ``[vocab, K]`` int32/int64, on the
+            logits' device.
+
+    Returns:
+        ``(ids, weights)``: ``[T, K+S]`` int32 and ``[T, K+S]`` float32.
+
+    Raises:
+        ValueError: wrong shapes or dtypes; a hash layer called without ``token_ids`` or
+            ``tid2eid`` (never a fallback to score routing); ``tid2eid`` passed to a score-routed layer.
+        RuntimeError: ``backend="triton"`` where Triton cannot run.
+
+    Out-of-range token ids: a row whose token id is outside ``[0, vocab)``, or whose table row holds
+    an expert id outside ``[0, E)``, is not an error here (checking would need a host sync): it comes
+    out as a padding row (id -1, weight 0 in all K+S slots), so that token's MoE output is zero and
+    nothing out of bounds is read. Use :func:`check_hash_table` once at load to refuse a bad table.
     """
-    if logits.dim() != 2 or logits.shape[1] != cfg.num_experts:
-        raise ValueError(f"logits must be [T, {cfg.num_experts}], got {tuple(logits.shape)}")
-    if bias is not None and tuple(bias.shape) != (cfg.num_experts,):
-        raise ValueError(f"bias must be [{cfg.num_experts}], got {tuple(bias.shape)}")
+    _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid)
+    if not cfg.hash_routed:
+        token_ids = None
+    elif token_ids.dim() != 1:
+        token_ids = token_ids.reshape(-1)
     if resolve_backend(backend, logits) == "triton":
         from .routing_triton import route_triton
 
-        return route_triton(logits, bias, cfg, num_valid_tokens, out)
+        return route_triton(logits, bias, cfg, num_valid_tokens, out, token_ids, tid2eid)
     from .routing_reference import route_reference
 
-    ids, w = route_reference(logits, bias, cfg, num_valid_tokens)
+    ids, w = route_reference(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid)
     if out is not None:
         out[0].copy_(ids)
         out[1].copy_(w)

@@ -1,5 +1,9 @@
 """Triton routing kernel: scores, bias, group-limited top-k, weights and shared slots in one launch.
 
+Scores are sigmoid, softmax or sqrt(softplus); groups are ranked by their top-2 sum or their max;
+weights are renormalized as ``w / (sum + eps)`` or ``w / max(sum, eps)``. A hash-routed layer
+(``HASH``) reads its K ids from the token table instead of selecting, in the same launch.
+
 One program per token row. The ``E`` experts are laid out as a ``[GP, GSP]`` tile
 (groups x experts per group, both padded to powers of two and masked), so any ``E <= 512``
 and any ``n_group`` dividing it work. Selection is iterative: each of the ``K`` steps takes the
@@ -32,13 +36,30 @@ def _unpack_value(p):
 
 
 @triton.jit
+def _scores(z, SCORING: tl.constexpr):
+    """Elementwise scores: sigmoid (0) or sqrt(softplus) (2); softmax (1) is done by the caller."""
+    if SCORING == 2:
+        # softplus(z) = max(z, 0) + log1p(exp(-|z|)), log1p(x) = log(u) * x / (u - 1) with u = 1 + x
+        # (exact to a few ulps for tiny x, where log(1 + x) would round to 0).
+        x = tl.exp(-tl.abs(z))
+        u = 1.0 + x
+        d = u - 1.0
+        l1p = tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+        return tl.sqrt(tl.maximum(z, 0.0) + l1p)
+    else:
+        return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, w_ptr, nvalid_ptr,
-    stride_lt, stride_le, rsf,
+    logits_ptr, bias_ptr, ids_ptr, w_ptr, nvalid_ptr, tok_ptr, table_ptr,
+    stride_lt, stride_le, stride_tok, stride_tv, stride_tk, vocab, rsf, eps,
     E: tl.constexpr, GS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GSP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, K: tl.constexpr, S: tl.constexpr, KSP: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, HAS_NVALID: tl.constexpr,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM: tl.constexpr,
+    HASH: tl.constexpr, HAS_NVALID: tl.constexpr,
 ):
+    # SCORING: 0 sigmoid, 1 softmax, 2 sqrtsoftplus. RENORM: 0 none, 1 w / (sum + eps), 2 w / max(sum, eps).
     row = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, KSP)
     kmask = offs_k < K + S
@@ -50,83 +71,105 @@ def _route_kernel(
             tl.store(out_ids, tl.full([KSP], -1, tl.int32), mask=kmask)
             tl.store(out_w, tl.zeros([KSP], tl.float32), mask=kmask)
             return
-    # Selection on packed int64 keys: (order-preserving int32 of the float) << 32 | (1023 - index),
-    # so one max reduction yields the largest value and, among equal values, the lowest index.
-    NEG: tl.constexpr = -9223372036854775807 - 1
-    offs_g = tl.arange(0, GP)
-    offs_j = tl.arange(0, GSP)
-    valid = (offs_g[:, None] < G) & (offs_j[None, :] < GS)
-    e_idx = offs_g[:, None] * GS + offs_j[None, :]
     row_ptr = logits_ptr + row * stride_lt
-    z = tl.load(row_ptr + e_idx * stride_le, mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
-        zm = tl.where(valid, z, float("-inf"))
-        zmax = tl.max(tl.max(zm, axis=1), axis=0)
-        p = tl.where(valid, tl.exp(zm - zmax), 0.0)
-        denom = tl.sum(tl.sum(p, axis=1), axis=0)
-        s = p / denom
+    if SCORING == 1 or not HASH:
+        offs_g = tl.arange(0, GP)
+        offs_j = tl.arange(0, GSP)
+        valid = (offs_g[:, None] < G) & (offs_j[None, :] < GS)
+        e_idx = offs_g[:, None] * GS + offs_j[None, :]
+        z = tl.load(row_ptr + e_idx * stride_le, mask=valid, other=0.0).to(tl.float32)
+        if SCORING == 1:
+            zm = tl.where(valid, z, float("-inf"))
+            zmax = tl.max(tl.max(zm, axis=1), axis=0)
+            p = tl.where(valid, tl.exp(zm - zmax), 0.0)
+            denom = tl.sum(tl.sum(p, axis=1), axis=0)
+    if HASH:
+        # ids from the token's row of the table; a bad token id or table entry makes the row padding.
+        tid = tl.load(tok_ptr + row * stride_tok).to(tl.int64)
+        tok_ok = (tid >= 0) & (tid < vocab)
+        rmask = offs_k < K
+        eid = tl.load(table_ptr + tl.where(tok_ok, tid, 0) * stride_tv + offs_k * stride_tk, mask=rmask, other=0).to(tl.int64)
+        e_ok = (eid >= 0) & (eid < E)  # true in the masked-off slots (other=0)
+        row_ok = tok_ok & (tl.sum(tl.where(e_ok, 0, 1), axis=0) == 0)
+        ids = tl.where(e_ok, eid, 0).to(tl.int32)
     else:
-        s = 1.0 / (1.0 + tl.exp(-z))
-    if HAS_BIAS:
-        c = s + tl.load(bias_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
-    else:
-        c = s
-    packed = tl.where(valid, _pack(c, e_idx), NEG)
-    if G > 1:
-        p1 = tl.max(packed, axis=1)
-        if HAS_BIAS and GS > 1:
-            p2 = tl.max(tl.where(packed == p1[:, None], NEG, packed), axis=1)
-            gscore = _unpack_value(p1) + _unpack_value(p2)
+        # Selection on packed int64 keys: (order-preserving int32 of the float) << 32 | (1023 - index),
+        # so one max reduction yields the largest value and, among equal values, the lowest index.
+        NEG: tl.constexpr = -9223372036854775807 - 1
+        if SCORING == 1:
+            s = p / denom
         else:
-            gscore = _unpack_value(p1)
-        gvalid = offs_g < G
-        gpacked = tl.where(gvalid, _pack(gscore, offs_g), NEG)
-        keep = offs_g < 0
-        for _i in tl.static_range(TOPK_GROUP):
-            gm = tl.max(gpacked, axis=0)
-            hit = gpacked == gm
-            keep = keep | hit
-            gpacked = tl.where(hit, NEG, gpacked)
-        minf = tl.full([GP, GSP], float("-inf"), tl.float32)
-        packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
-    ids = tl.zeros([KSP], tl.int32)
-    for k in tl.static_range(K):
-        pk = tl.max(tl.max(packed, axis=1), axis=0)
-        packed = tl.where(packed == pk, NEG, packed)
-        ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+            s = _scores(z, SCORING)
+        if HAS_BIAS:
+            c = s + tl.load(bias_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
+        else:
+            c = s
+        packed = tl.where(valid, _pack(c, e_idx), NEG)
+        if G > 1:
+            p1 = tl.max(packed, axis=1)
+            if GROUP_TOP2 and GS > 1:
+                p2 = tl.max(tl.where(packed == p1[:, None], NEG, packed), axis=1)
+                gscore = _unpack_value(p1) + _unpack_value(p2)
+            else:
+                gscore = _unpack_value(p1)
+            gvalid = offs_g < G
+            gpacked = tl.where(gvalid, _pack(gscore, offs_g), NEG)
+            keep = offs_g < 0
+            for _i in tl.static_range(TOPK_GROUP):
+                gm = tl.max(gpacked, axis=0)
+                hit = gpacked == gm
+                keep = keep | hit
+                gpacked = tl.where(hit, NEG, gpacked)
+            minf = tl.full([GP, GSP], float("-inf"), tl.float32)
+            packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
+        ids = tl.zeros([KSP], tl.int32)
+        for k in tl.static_range(K):
+            pk = tl.max(tl.max(packed, axis=1), axis=0)
+            packed = tl.where(packed == pk, NEG, packed)
+            ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
     # Weights from the unbiased scores of the chosen experts, recomputed with the same operations.
     zk = tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32)
-    if SOFTMAX:
+    if SCORING == 1:
         w = tl.exp(zk - zmax) / denom
     else:
-        w = 1.0 / (1.0 + tl.exp(-zk))
+        w = _scores(zk, SCORING)
     w = tl.where(offs_k < K, w, 0.0)
-    if RENORM:
-        total = tl.sum(w, axis=0)
-        w = w / (total + 1e-20)
+    if RENORM == 1:
+        w = w / (tl.sum(w, axis=0) + eps)
+    elif RENORM == 2:
+        w = w / tl.maximum(tl.sum(w, axis=0), eps)
     w = w * rsf
     if S > 0:
         shared = offs_k >= K
         ids = tl.where(shared, E + offs_k - K, ids)
         w = tl.where(shared, 1.0, w)
+    if HASH:
+        ids = tl.where(row_ok, ids, -1)
+        w = tl.where(row_ok, w, 0.0)
     tl.store(out_ids, ids, mask=kmask)
     tl.store(out_w, w, mask=kmask)
 
 
+_SCORING_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+
+
 @functools.lru_cache(maxsize=None)
-def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scoring: str, has_bias: bool, renorm: bool):
+def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scoring: str, has_bias: bool,
+                   group_top2: bool, renorm: int, hash_routed: bool):
     """Kernel meta-parameters, keyed by everything that changes them (E+S included)."""
+    if hash_routed:  # no selection: bias and groups play no part
+        n_group, topk_group, has_bias, group_top2 = 1, 1, False, False
     GS = E // n_group
     GP, GSP = next_pow2(n_group), next_pow2(GS)
     tile = GP * GSP
     num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
     return dict(E=E, GS=GS, G=n_group, GP=GP, GSP=GSP, TOPK_GROUP=topk_group, K=K, S=S,
-                KSP=next_pow2(K + S), SOFTMAX=scoring == "softmax", HAS_BIAS=has_bias,
-                RENORM=renorm, num_warps=num_warps)
+                KSP=next_pow2(K + S), SCORING=_SCORING_CODES[scoring], HAS_BIAS=has_bias,
+                GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps)
 
 
-def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None):
-    """Triton routing; same contract as :func:`runtime.routing.route`."""
+def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None):
+    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D)."""
     T, E = logits.shape
     KS = cfg.num_slots
     if out is not None:
@@ -138,14 +181,21 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None):
         w = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, w
+    hashed = cfg.hash_routed
+    renorm = 0 if not (cfg.renormalize or hashed) else (2 if cfg.renormalize_form == "max" else 1)
     meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,
-                          cfg.scoring, bias is not None, cfg.renormalize)
+                          cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.to(torch.float32)
     _route_kernel[(T,)](
-        logits, bias if bias is not None else logits, ids, w,
+        logits, bias if bias is not None and not hashed else logits, ids, w,
         num_valid_tokens if num_valid_tokens is not None else ids,
-        logits.stride(0), logits.stride(1), float(cfg.routed_scaling_factor),
+        token_ids if hashed else ids, tid2eid if hashed else ids,
+        logits.stride(0), logits.stride(1),
+        token_ids.stride(0) if hashed else 0,
+        tid2eid.stride(0) if hashed else 0, tid2eid.stride(1) if hashed else 0,
+        tid2eid.shape[0] if hashed else 0,
+        float(cfg.routed_scaling_factor), float(cfg.renormalize_eps),
         HAS_NVALID=num_valid_tokens is not None, **meta,
     )
     return ids, w

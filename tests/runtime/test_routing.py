@@ -1,5 +1,6 @@
 """Routing: the PyTorch reference against a naive per-row computation, and the Triton kernel
-(interpreter on CPU) against the reference: ties, E not a power of two, n_group > 1, S = 0/1/2."""
+(interpreter on CPU) against the reference: ties, E not a power of two, n_group > 1, S = 0/1/2,
+the three scorings, both group rules, both renormalization forms, hash-routed layers."""
 
 import math
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from runtime import RoutingConfig, route
+from runtime.routing import check_hash_table
 from runtime._backend import triton_available
 
 CASES = [
@@ -19,18 +21,32 @@ CASES = [
     (20, 3, 2, "sigmoid", 5, 2, False),
     (512, 8, 1, "sigmoid", 1, 1, True),
     (384, 8, 1, "sigmoid", 8, 4, True),
+    (256, 6, 1, "sqrtsoftplus", 1, 1, True),  # DeepSeek-V4
+    (384, 6, 2, "sqrtsoftplus", 1, 1, True),  # DeepSeek-V4-Pro
+    (24, 3, 1, "sqrtsoftplus", 4, 2, False),
+    (20, 3, 2, "softmax", 1, 1, True),  # ERNIE-4.5: bias on softmax scores
 ]
+
+# Explicit rules on top of CASES: (group_score, renormalize_form, renormalize_eps)
+RULES = [(None, "add", 1e-20), ("top2_sum", "add", 1e-20), ("max", "max", 1e-12), ("top2_sum", "max", 0.5)]
+
+
+def _softplus(v):
+    return v if v > 20 else math.log1p(math.exp(v))
 
 
 def naive_route(logits, bias, cfg):
     """Row by row, float64 Python; ties by lowest index through (-value, index) sort keys."""
     E, K, S, G = cfg.num_experts, cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group
+    top2 = cfg.group_score == "top2_sum" if cfg.group_score else bias is not None
     ids, ws = [], []
-    for z in logits.double().tolist():
+    for row, z in enumerate(logits.double().tolist()):
         if cfg.scoring == "softmax":
             m = max(z)
             p = [math.exp(v - m) for v in z]
             s = [v / sum(p) for v in p]
+        elif cfg.scoring == "sqrtsoftplus":
+            s = [math.sqrt(_softplus(v)) for v in z]
         else:
             s = [1 / (1 + math.exp(-v)) for v in z]
         c = [s[e] + (float(bias[e]) if bias is not None else 0.0) for e in range(E)]
@@ -40,13 +56,14 @@ def naive_route(logits, bias, cfg):
             scores = []
             for g in range(G):
                 vals = sorted(c[g * gs:(g + 1) * gs], reverse=True)
-                scores.append(sum(vals[:2]) if bias is not None else vals[0])
+                scores.append(sum(vals[:2]) if top2 else vals[0])
             keep = sorted(range(G), key=lambda g: (-scores[g], g))[: cfg.topk_group]
             allowed = {e for e in range(E) if e // gs in keep}
         sel = sorted(allowed, key=lambda e: (-c[e], e))[:K]
         w = [s[e] for e in sel]
         if cfg.renormalize:
-            tot = sum(w) + 1e-20
+            tot = sum(w)
+            tot = max(tot, cfg.renormalize_eps) if cfg.renormalize_form == "max" else tot + cfg.renormalize_eps
             w = [v / tot for v in w]
         w = [v * cfg.routed_scaling_factor for v in w]
         ids.append(sel + list(range(E, E + S)))
@@ -73,11 +90,22 @@ def make_inputs(cfg, T, has_bias, ties=False, seed=0):
     return logits, bias
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}K{c[1]}S{c[2]}{c[3]}G{c[4]}")
+CASE_ID = lambda c: f"E{c[0]}K{c[1]}S{c[2]}{c[3]}G{c[4]}{'b' if c[6] else ''}"  # noqa: E731
+RULE_ID = lambda r: f"{r[0] or 'v1'}-{r[1]}{r[2]:g}"  # noqa: E731
+
+
+def _cfg(case, rule, renormalize, rsf):
+    E, K, S, scoring, G, TG, _ = case
+    return RoutingConfig(E, K, S, scoring, G, TG, renormalize=renormalize, routed_scaling_factor=rsf,
+                         group_score=rule[0], renormalize_form=rule[1], renormalize_eps=rule[2])
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_ID)
+@pytest.mark.parametrize("rule", RULES, ids=RULE_ID)
 @pytest.mark.parametrize("ties", [False, True])
-def test_reference_matches_naive(case, ties):
+def test_reference_matches_naive(case, rule, ties):
     E, K, S, scoring, G, TG, has_bias = case
-    cfg = RoutingConfig(E, K, S, scoring, G, TG, renormalize=scoring == "sigmoid", routed_scaling_factor=2.5)
+    cfg = _cfg(case, rule, scoring != "softmax" or has_bias, 2.5)
     logits, bias = make_inputs(cfg, 9, has_bias, ties, seed=E + K)
     ids, w = route(logits, bias, cfg, backend="torch")
     nid, nw = naive_route(logits, bias, cfg)
@@ -92,11 +120,13 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not imp
 
 
 @needs_triton
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}K{c[1]}S{c[2]}{c[3]}G{c[4]}")
-@pytest.mark.parametrize("T,ties", [(1, False), (37, False), (7, True)])
-def test_triton_matches_reference(case, T, ties):
+@pytest.mark.parametrize("case", CASES, ids=CASE_ID)
+@pytest.mark.parametrize("rule,T,ties", [(RULES[0], 1, False), (RULES[0], 37, False), (RULES[0], 7, True),
+                                         (RULES[2], 7, True), (RULES[3], 5, False), (RULES[1], 3, False)],
+                         ids=lambda v: RULE_ID(v) if isinstance(v, tuple) else str(v))
+def test_triton_matches_reference(case, rule, T, ties):
     E, K, S, scoring, G, TG, has_bias = case
-    cfg = RoutingConfig(E, K, S, scoring, G, TG, renormalize=True, routed_scaling_factor=1.5)
+    cfg = _cfg(case, rule, True, 1.5)
     logits, bias = make_inputs(cfg, T, has_bias, ties, seed=T * 1000 + E)
     ref_ids, ref_w = route(logits, bias, cfg, backend="torch")
     ids = torch.full((T, K + S), -7, dtype=torch.int32)
@@ -134,3 +164,163 @@ def test_config_from_block_and_validation():
         RoutingConfig(160, 8, 1, n_group=7)
     with pytest.raises(ValueError):
         RoutingConfig(600, 8)
+    cfg = RoutingConfig.from_config(block)
+    assert cfg.group_score is None and cfg.group_top2(True) and not cfg.group_top2(False)  # the v1 rule, per call
+    v2 = {**block, "version": 2, "routing": {**block["routing"], "has_bias": False, "group_score": "top2_sum"}}
+    cfg = RoutingConfig.from_config(v2)
+    assert cfg.group_score == "top2_sum" and cfg.group_top2(False)
+
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+def _hash_inputs(E, K, T, vocab, seed, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(vocab)]).to(dtype)
+    tok = torch.randint(0, vocab, (T,), generator=g)
+    return torch.randn(T, E, generator=g) * 2, table, tok
+
+
+def naive_hash(logits, table, tok, cfg):
+    """Row by row in float64: ids from the table, scores of those ids renormalized (always), times rsf."""
+    E, K, S = cfg.num_experts, cfg.top_k, cfg.num_fused_shared_experts
+    ids, ws = [], []
+    for z, t in zip(logits.double().tolist(), tok.tolist()):
+        if not 0 <= t < table.shape[0] or not all(0 <= e < E for e in table[t].tolist()):
+            ids.append([-1] * (K + S))
+            ws.append([0.0] * (K + S))
+            continue
+        sel = table[t].tolist()
+        if cfg.scoring == "softmax":
+            m = max(z)
+            tot = sum(math.exp(v - m) for v in z)
+            s = [math.exp(z[e] - m) / tot for e in sel]
+        elif cfg.scoring == "sqrtsoftplus":
+            s = [math.sqrt(_softplus(z[e])) for e in sel]
+        else:
+            s = [1 / (1 + math.exp(-z[e])) for e in sel]
+        tot = sum(s)
+        tot = max(tot, cfg.renormalize_eps) if cfg.renormalize_form == "max" else tot + cfg.renormalize_eps
+        ids.append(sel + list(range(E, E + S)))
+        ws.append([v / tot * cfg.routed_scaling_factor for v in s] + [1.0] * S)
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(ws, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("E,K,S,scoring,T", [(256, 6, 1, "sqrtsoftplus", 37), (20, 3, 0, "sqrtsoftplus", 1),
+                                             (20, 3, 2, "sigmoid", 9), (72, 4, 1, "softmax", 9)])
+@pytest.mark.parametrize("table_dtype", [torch.int64, torch.int32])
+def test_hash_routing_matches_naive(backend, E, K, S, scoring, T, table_dtype):
+    # renormalize=False in the config: hash layers renormalize all the same (LAYOUT section 5).
+    cfg = RoutingConfig(E, K, S, scoring, routed_scaling_factor=1.5, renormalize=False, hash_routed=True)
+    logits, table, tok = _hash_inputs(E, K, T, 50, seed=E + T, dtype=table_dtype)
+    if T > 3:
+        tok[1], tok[3] = -1, 50  # out of range: padding rows
+        table[tok[2]] = table[tok[2]].clone().fill_(E)  # a bad table row: padding too
+        tok_bad_row = tok[2].item()
+    nid, nw = naive_hash(logits, table, tok, cfg)
+    bias = torch.randn(E)  # ignored by hash layers
+    ids, w = route(logits, bias, cfg, backend=backend, token_ids=tok.view(1, T), tid2eid=table)
+    assert torch.equal(ids, nid)
+    torch.testing.assert_close(w.double(), nw, rtol=1e-5, atol=1e-7)
+    if T > 3:
+        assert torch.all(ids[[1, 2, 3]] == -1) and torch.all(w[[1, 2, 3]] == 0)
+        with pytest.raises(ValueError, match=rf"tid2eid\[{tok_bad_row}, 0\] = {E} is not a routed expert id"):
+            check_hash_table(table, E, K)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hash_routing_num_valid_tokens_and_out(backend):
+    cfg = RoutingConfig(256, 6, 1, "sqrtsoftplus", routed_scaling_factor=1.5, hash_routed=True)
+    logits, table, tok = _hash_inputs(256, 6, 12, 40, seed=5)
+    tok[10] = 10 ** 9  # past the valid rows: never read
+    nv = torch.tensor([8])
+    ids = torch.full((12, 7), 99, dtype=torch.int32)
+    w = torch.full((12, 7), float("nan"))
+    got = route(logits, None, cfg, nv, backend=backend, out=(ids, w), token_ids=tok, tid2eid=table)
+    assert got[0] is ids and got[1] is w
+    full_ids, full_w = naive_hash(logits, table, tok, cfg)
+    assert torch.equal(ids[:8], full_ids[:8])
+    torch.testing.assert_close(w[:8].double(), full_w[:8], rtol=1e-5, atol=1e-7)
+    assert torch.all(ids[8:] == -1) and torch.all(w[8:] == 0)
+
+
+def test_hash_layer_errors():
+    cfg = RoutingConfig(20, 3, 1, "sqrtsoftplus", hash_routed=True)
+    logits, table, tok = _hash_inputs(20, 3, 4, 30, seed=1)
+    with pytest.raises(ValueError, match="hash-routed .* needs token_ids"):
+        route(logits, None, cfg, tid2eid=table)
+    with pytest.raises(ValueError, match="needs token_ids and tid2eid"):
+        route(logits, None, cfg)
+    with pytest.raises(ValueError, match=r"tid2eid must be \[vocab, 3\]"):
+        route(logits, None, cfg, token_ids=tok, tid2eid=table[:, :2])
+    with pytest.raises(ValueError, match=r"tid2eid must be \[vocab, 3\]"):
+        route(logits, None, cfg, token_ids=tok, tid2eid=table.float())
+    with pytest.raises(ValueError, match="token_ids must hold T = 4"):
+        route(logits, None, cfg, token_ids=tok[:3], tid2eid=table)
+    with pytest.raises(ValueError, match="token_ids must hold"):
+        route(logits, None, cfg, token_ids=tok.float(), tid2eid=table)
+    score_cfg = RoutingConfig(20, 3, 1, "sqrtsoftplus")
+    with pytest.raises(ValueError, match="tid2eid given for a score-routed layer"):
+        route(logits, None, score_cfg, token_ids=tok, tid2eid=table)
+    route(logits, None, score_cfg, token_ids=tok)  # token ids are ignored by score-routed layers
+
+
+@needs_triton
+def test_sqrtsoftplus_extremes():
+    """Far negative logits (softplus ~ e^z, where log(1 + e^z) would round to 0) and far positive ones."""
+    z = torch.tensor([[-80.0, -40.0, -17.5, -1e-3, 0.0, 3e-8, 19.9, 20.1, 60.0, 80.0]])
+    truth = torch.tensor([[math.sqrt(_softplus(v)) for v in z[0].double().tolist()]], dtype=torch.float64)
+    cfg = RoutingConfig(10, 10, 0, "sqrtsoftplus", renormalize=False)
+    for backend in ("torch", "triton"):
+        ids, w = route(z, None, cfg, backend=backend)
+        got = torch.zeros(1, 10, dtype=torch.float64).scatter(1, ids.long(), w.double())
+        torch.testing.assert_close(got, truth, rtol=2e-6, atol=0)
+
+
+def test_route_argument_errors():
+    cfg = RoutingConfig(20, 3, 1)
+    logits = torch.randn(4, 20)
+    with pytest.raises(ValueError, match=r"logits must be \[T, 20\]"):
+        route(logits[:, :19], None, cfg)
+    with pytest.raises(ValueError, match="logits must be a float tensor"):
+        route(logits.long(), None, cfg)
+    with pytest.raises(ValueError, match=r"bias must be \[20\]"):
+        route(logits, torch.zeros(19), cfg)
+    with pytest.raises(ValueError, match="num_valid_tokens must be a one-element integer tensor"):
+        route(logits, None, cfg, torch.tensor([2.0]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=20, top_k=21), r"top_k must be in \[1, 20\], got 21"),
+    (dict(num_experts=20, top_k=2.5), "top_k must be an integer, got 2.5"),
+    (dict(num_experts=20, top_k=3, scoring="relu"), "scoring must be one of"),
+    (dict(num_experts=20, top_k=3, n_group=3), "n_group=3 must divide num_experts=20"),
+    (dict(num_experts=20, top_k=3, n_group=4, topk_group=5), r"topk_group must be in \[1, 4\], got 5"),
+    (dict(num_experts=20, top_k=6, n_group=4, topk_group=1), "top_k=6 exceeds the 5 experts of the kept groups"),
+    (dict(num_experts=20, top_k=3, routed_scaling_factor=float("nan")), "routed_scaling_factor must be finite"),
+    (dict(num_experts=20, top_k=3, routed_scaling_factor=0), "routed_scaling_factor must be > 0"),
+    (dict(num_experts=20, top_k=3, group_score="sum"), "group_score must be one of"),
+    (dict(num_experts=20, top_k=3, renormalize_form="clamp"), "renormalize_form must be one of"),
+    (dict(num_experts=20, top_k=3, renormalize_eps=-1.0), "renormalize_eps must be >= 0"),
+    (dict(num_experts=20, top_k=3, renormalize="yes"), "renormalize must be true or false"),
+    (dict(num_experts=20, top_k=3, num_fused_shared_experts=-1), "num_fused_shared_experts must be >= 0"),
+])
+def test_config_validation_messages(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RoutingConfig(**kwargs)
+
+
+def test_from_config_hash_layers_need_the_layer():
+    block = {"version": 2, "num_routed_experts": 256, "num_fused_shared_experts": 1, "expert_intermediate_size": 2048,
+             "source_shared_intermediate_size": 2048, "moe_layers": [0, 1, 2, 3, 43], "activation": "swiglu",
+             "routing": {"scoring": "sqrtsoftplus", "top_k": 6, "n_group": 1, "topk_group": 1, "group_score": "top2_sum",
+                         "renormalize": True, "renormalize_form": "add", "renormalize_eps": 1e-20,
+                         "routed_scaling_factor": 1.5, "has_bias": True, "hash_layers": [0, 1, 2]}}
+    with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] are hash-routed: .* needs layer="):
+        RoutingConfig.from_config(block)
+    assert RoutingConfig.from_config(block, layer=1).hash_routed
+    cfg = RoutingConfig.from_config(block, layer=43)
+    assert not cfg.hash_routed and cfg.scoring == "sqrtsoftplus" and cfg.routed_scaling_factor == 1.5
+    with pytest.raises(ValueError, match="layer 7 is not a MoE layer"):
+        RoutingConfig.from_config(block, layer=7)

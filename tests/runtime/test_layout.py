@@ -1,0 +1,233 @@
+"""The config block of LAYOUT versions 1 and 2: what is written for which features, round trips,
+and the field checks (each message names the field and the value)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from runtime.layout import (
+    ActivationParams,
+    FusedSharedExperts,
+    LayoutError,
+    RoutingSpec,
+    read_config_block,
+)
+from runtime.moe_reference import swiglu
+from runtime.routing import RoutingConfig
+
+
+def block(routing: RoutingSpec, activation: str = "swiglu", **kw) -> FusedSharedExperts:
+    args = dict(num_routed_experts=256, num_fused_shared_experts=1, expert_intermediate_size=2048,
+                source_shared_intermediate_size=2048, moe_layers=(3, 4, 61), activation=activation, routing=routing,
+                source={"model_type": "deepseek_v3", "quantization": "fp8", "converter_version": "0.1.0"})
+    args.update(kw)
+    return FusedSharedExperts(**args)
+
+
+# What the version-1 writer (commit 61f3a92) wrote for DeepSeek-V3 and DeepSeek-V2: these bytes must not change.
+V1_DEEPSEEK_V3 = (
+    '{"version": 1, "num_routed_experts": 256, "num_fused_shared_experts": 1, "expert_intermediate_size": 2048, '
+    '"source_shared_intermediate_size": 2048, "moe_layers": [3, 4, 61], "activation": "swiglu", '
+    '"routing": {"scoring": "sigmoid", "top_k": 8, "n_group": 8, "topk_group": 4, "renormalize": true, '
+    '"routed_scaling_factor": 2.5, "has_bias": true}, "weight_block_size": [128, 128], '
+    '"source": {"model_type": "deepseek_v3", "quantization": "fp8", "converter_version": "0.1.0"}}'
+)
+V1_DEEPSEEK_V2_ROUTING = ('{"scoring": "softmax", "top_k": 6, "n_group": 8, "topk_group": 3, "renormalize": false, '
+                          '"routed_scaling_factor": 16.0, "has_bias": false}')
+
+
+def test_v1_families_are_written_as_version_1_byte_for_byte():
+    v3 = block(RoutingSpec(scoring="sigmoid", top_k=8, n_group=8, topk_group=4, renormalize=True,
+                           routed_scaling_factor=2.5, has_bias=True))
+    assert v3.version == 1 and v3.v2_features() == []
+    assert json.dumps(v3.to_dict()) == V1_DEEPSEEK_V3
+    v2 = RoutingSpec(scoring="softmax", top_k=6, n_group=8, topk_group=3, renormalize=False,
+                     routed_scaling_factor=16.0, has_bias=False)
+    assert v2.group_score == "max" and json.dumps(v2.to_dict()) == V1_DEEPSEEK_V2_ROUTING
+    # The rule a v1 block implies, spelled out, is still version 1.
+    assert block(RoutingSpec("sigmoid", 8, 8, 4, group_score="top2_sum")).version == 1
+    assert json.dumps(block(RoutingSpec("sigmoid", 8, 8, 4, True, 2.5, True, "top2_sum")).to_dict()) == V1_DEEPSEEK_V3
+
+
+def test_v1_block_reads_with_the_rule_it_implied():
+    d = json.loads(V1_DEEPSEEK_V3)
+    b = FusedSharedExperts.from_dict(d)
+    assert b.version == 1 and b.routing.group_score == "top2_sum" and b.routing.hash_layers == ()
+    assert b.to_dict() == d
+    d["routing"]["has_bias"] = False
+    assert FusedSharedExperts.from_dict(d).routing.group_score == "max"
+    del d["version"]  # no version: version 1
+    assert FusedSharedExperts.from_dict(d).version == 1
+
+
+V2_SPECS = {
+    "deepseek_v4": (RoutingSpec("sqrtsoftplus", 6, routed_scaling_factor=1.5, hash_layers=(0, 1, 2)), "swiglu"),
+    "mistral4": (RoutingSpec("softmax", 4, 8, 2, has_bias=False, group_score="top2_sum"), "swiglu"),
+    "ernie4_5_moe": (RoutingSpec("softmax", 8, renormalize_form="max", renormalize_eps=1e-12), "swiglu"),
+    "step3p7": (RoutingSpec("sigmoid", 8, renormalize_eps=0.0), "swiglu_post_clamp"),
+    "v1_rule_reversed": (RoutingSpec("sigmoid", 8, 8, 4, group_score="max"), "swiglu"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(V2_SPECS))
+def test_v2_features_write_version_2_and_round_trip(name):
+    spec, act = V2_SPECS[name]
+    b = block(spec, act, moe_layers=(0, 1, 2, 3, 43))
+    assert b.version == 2 and b.v2_features()
+    d = json.loads(json.dumps(b.to_dict()))
+    assert d["version"] == 2
+    assert list(d["routing"]) == ["scoring", "top_k", "n_group", "topk_group", "group_score", "renormalize",
+                                  "renormalize_form", "renormalize_eps", "routed_scaling_factor", "has_bias", "hash_layers"]
+    assert FusedSharedExperts.from_dict(d) == b
+    assert read_config_block({"text_config": {"fused_shared_experts": d}}) == b
+    with pytest.raises(LayoutError, match="says version 1 but uses LAYOUT version 2 features"):
+        block(spec, act, moe_layers=(0, 1, 2, 3, 43), version=1)
+
+
+def test_v2_block_without_v2_features_reads_and_keeps_version_2():
+    b = block(RoutingSpec("sigmoid", 8, 8, 4), version=2)
+    d = b.to_dict()
+    assert d["version"] == 2 and d["routing"]["group_score"] == "top2_sum" and d["routing"]["hash_layers"] == []
+    assert FusedSharedExperts.from_dict(d) == b
+
+
+def test_deepseek_v4_block_as_layout_shows_it():
+    """The example of LAYOUT section 6 for DeepSeek-V4-Flash: hash layers 0-2, MTP layer 43."""
+    b = block(RoutingSpec("sqrtsoftplus", 6, routed_scaling_factor=1.5, hash_layers=[0, 1, 2]),
+              moe_layers=list(range(43)) + [43])
+    r = b.to_dict()["routing"]
+    assert r == {"scoring": "sqrtsoftplus", "top_k": 6, "n_group": 1, "topk_group": 1, "group_score": "top2_sum",
+                 "renormalize": True, "renormalize_form": "add", "renormalize_eps": 1e-20,
+                 "routed_scaling_factor": 1.5, "has_bias": True, "hash_layers": [0, 1, 2]}
+    assert RoutingConfig.from_config(b, layer=0).hash_routed and not RoutingConfig.from_config(b, layer=43).hash_routed
+
+
+@pytest.mark.parametrize("routing,match", [
+    ({"top_k": 8}, "routing block is missing 'scoring'"),
+    ({"scoring": "sigmoid"}, "routing block is missing 'top_k'"),
+    ({"scoring": "tanh", "top_k": 8}, r"routing.scoring must be one of \('sigmoid', 'softmax', 'sqrtsoftplus'\), got 'tanh'"),
+    ({"scoring": "sigmoid", "top_k": 2.5}, "routing.top_k must be an integer, got 2.5"),
+    ({"scoring": "sigmoid", "top_k": "8"}, "routing.top_k must be an integer, got '8'"),
+    ({"scoring": "sigmoid", "top_k": True}, "routing.top_k must be an integer, got True"),
+    ({"scoring": "sigmoid", "top_k": 0}, "routing.top_k must be >= 1, got 0"),
+    ({"scoring": "sigmoid", "top_k": 8, "n_group": 0}, "routing.n_group must be >= 1, got 0"),
+    ({"scoring": "sigmoid", "top_k": 8, "n_group": 8, "topk_group": 9}, r"routing.topk_group must be in \[1, 8\], got 9"),
+    ({"scoring": "sigmoid", "top_k": 8, "topk_group": 0}, r"routing.topk_group must be in \[1, 1\], got 0"),
+    ({"scoring": "sigmoid", "top_k": 8, "renormalize": "true"}, "routing.renormalize must be true or false, got 'true'"),
+    ({"scoring": "sigmoid", "top_k": 8, "has_bias": 1}, "routing.has_bias must be true or false, got 1"),
+    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": float("inf")}, "routing.routed_scaling_factor must be finite, got inf"),
+    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": float("nan")}, "routing.routed_scaling_factor must be finite, got nan"),
+    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": -2.5}, "routing.routed_scaling_factor must be > 0, got -2.5"),
+    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": "2.5"}, "routing.routed_scaling_factor must be a number, got '2.5'"),
+    ({"scoring": "sigmoid", "top_k": 8, "group_score": "sum"}, r"routing.group_score must be one of \('top2_sum', 'max'\), got 'sum'"),
+    ({"scoring": "sigmoid", "top_k": 8, "renormalize_form": "clamp"}, r"routing.renormalize_form must be one of \('add', 'max'\), got 'clamp'"),
+    ({"scoring": "sigmoid", "top_k": 8, "renormalize_eps": -1e-12}, "routing.renormalize_eps must be >= 0, got -1e-12"),
+    ({"scoring": "sigmoid", "top_k": 8, "renormalize_eps": float("inf")}, "routing.renormalize_eps must be finite, got inf"),
+    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [0, -1]}, r"routing.hash_layers\[1\] must be >= 0, got -1"),
+    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [0, 0]}, r"routing.hash_layers lists layers \[0\] more than once"),
+    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": "0"}, "routing.hash_layers must be a list of layer indices, got '0'"),
+    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [9]}, r"routing.hash_layers \[9\] are not in moe_layers"),
+    ({"scoring": "sigmoid", "top_k": 8, "topk": 8}, "routing has unknown field 'topk'"),
+    ({"scoring": "sigmoid", "top_k": 300}, "routing.top_k=300 exceeds num_routed_experts=256"),
+    ({"scoring": "sigmoid", "top_k": 8, "n_group": 7, "topk_group": 1}, "n_group=7 does not divide 256 routed experts"),
+    ({"scoring": "sigmoid", "top_k": 40, "n_group": 8, "topk_group": 1}, "routing.top_k=40 exceeds the 32 experts of the topk_group=1 kept groups"),
+    ("sigmoid", "routing must be a JSON object, got 'sigmoid'"),
+])
+def test_routing_field_checks(routing, match):
+    d = json.loads(V1_DEEPSEEK_V3)
+    d["version"] = 2
+    d["routing"] = routing
+    with pytest.raises(LayoutError, match=match):
+        FusedSharedExperts.from_dict(d)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("version", 3, "version 3 is not supported"),
+    ("version", "1", "version '1' is not supported"),
+    ("num_routed_experts", 0, "num_routed_experts must be >= 1, got 0"),
+    ("num_routed_experts", 256.5, "num_routed_experts must be an integer, got 256.5"),
+    ("num_fused_shared_experts", 2, r"num_fused_shared_experts=2 but ceil\(W/I\)"),
+    ("num_fused_shared_experts", -1, "num_fused_shared_experts must be >= 0, got -1"),
+    ("expert_intermediate_size", 0, "expert_intermediate_size must be >= 1, got 0"),
+    ("source_shared_intermediate_size", None, "source_shared_intermediate_size must be an integer, got None"),
+    ("moe_layers", [], "moe_layers is empty"),
+    ("moe_layers", [3, 3], r"moe_layers lists layers \[3\] more than once"),
+    ("moe_layers", [3, "x"], r"moe_layers\[1\] must be an integer, got 'x'"),
+    ("activation", "gelu", r"activation must be one of \('swiglu', 'swiglu_oai', 'swiglu_post_clamp'\), got 'gelu'"),
+    ("weight_block_size", [128], r"weight_block_size must be \[rows, cols\] or null, got \[128\]"),
+    ("weight_block_size", [128, 0], r"weight_block_size\[1\] must be >= 1, got 0"),
+    ("source", "deepseek", "source must be a JSON object, got 'deepseek'"),
+])
+def test_block_field_checks(field, value, match):
+    d = json.loads(V1_DEEPSEEK_V3)
+    d[field] = value
+    with pytest.raises(LayoutError, match=match):
+        FusedSharedExperts.from_dict(d)
+
+
+def test_missing_field_and_v2_key_in_a_v1_block():
+    d = json.loads(V1_DEEPSEEK_V3)
+    del d["moe_layers"]
+    with pytest.raises(LayoutError, match="block is missing 'moe_layers'"):
+        FusedSharedExperts.from_dict(d)
+    d = json.loads(V1_DEEPSEEK_V3)
+    d["routing"]["hash_layers"] = [0]
+    with pytest.raises(LayoutError, match="routing.hash_layers is a LAYOUT version 2 field, but the block says version 1"):
+        FusedSharedExperts.from_dict(d)
+    d["version"] = 1
+    d["routing"] = {**json.loads(V1_DEEPSEEK_V3)["routing"], "scoring": "sqrtsoftplus"}
+    with pytest.raises(LayoutError, match="says version 1 but uses LAYOUT version 2 features: routing.scoring 'sqrtsoftplus'"):
+        FusedSharedExperts.from_dict(d)
+
+
+def test_spec_to_dict_version_1_refuses_v2_features():
+    with pytest.raises(LayoutError, match="routing needs LAYOUT version 2 for routing.renormalize_form 'max'"):
+        RoutingSpec("softmax", 8, renormalize_form="max").to_dict(1)
+
+
+# Activation parameters and the SwiGLU forms (LAYOUT section 3).
+
+
+def test_activation_params():
+    assert ActivationParams.for_activation("swiglu") == ActivationParams(1.0, 0.0, math.inf)
+    assert ActivationParams.for_activation("swiglu", limit=10.0) == ActivationParams(1.0, 0.0, 10.0)  # DeepSeek-V4
+    assert ActivationParams.for_activation("swiglu_post_clamp", limit=16) == ActivationParams(1.0, 0.0, 16.0)
+    assert ActivationParams.for_activation("swiglu_oai") == ActivationParams(1.702, 1.0, 7.0)
+    with pytest.raises(LayoutError, match="alpha 1 and beta 0"):
+        ActivationParams.for_activation("swiglu_post_clamp", alpha=1.702)
+    with pytest.raises(LayoutError, match="activation must be one of"):
+        ActivationParams.for_activation("geglu")
+    with pytest.raises(LayoutError, match="must be given as inf"):
+        ActivationParams(clamp_limit=0.0)
+    with pytest.raises(LayoutError, match="gemm1_clamp_limit must be > 0 or inf"):
+        ActivationParams(clamp_limit=float("nan"))
+    with pytest.raises(LayoutError, match="gemm1_alpha must be finite"):
+        ActivationParams(alpha=float("inf"))
+
+
+def test_swiglu_forms_match_transformers():
+    """Pre-clamp (DeepSeek-V4 ``_apply_gate``) and post-clamp (Step-3.7 ``_apply_gate``) against transformers."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+    from transformers.models.step3p7 import modeling_step3p7 as st
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(64, 24, generator=g) * 12, torch.randn(64, 24, generator=g) * 12
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    for limit in (10.0, 3.0):
+        cfg = v4.DeepseekV4Config(hidden_size=16, n_routed_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+                                  swiglu_limit=limit, vocab_size=8)
+        ref = v4.DeepseekV4Experts(cfg)._apply_gate(torch.cat([gate, up], -1))
+        torch.testing.assert_close(swiglu(gate, up, one, zero, torch.tensor(limit)), ref, rtol=1e-6, atol=1e-6)
+        scfg = st.Step3p7TextConfig(hidden_size=16, moe_num_experts=4, moe_top_k=2)
+        ref = st.Step3p7Experts(scfg, swiglu_limit=limit)._apply_gate(torch.cat([gate, up], -1))
+        got = swiglu(gate, up, one, zero, torch.tensor(limit), post_clamp=True)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(got, swiglu(gate, up, one, zero, torch.tensor(limit)))  # the clamps bite
+    inf = torch.tensor(math.inf)
+    plain = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(swiglu(gate, up, one, zero, inf, post_clamp=True), plain)
+    torch.testing.assert_close(swiglu(gate, up, one, zero, inf), plain)
