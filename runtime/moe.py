@@ -246,6 +246,6 @@ class FusedSharedMoE(torch.nn.Module):
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu",
                         backend: str | None = None) -> "FusedSharedMoE":
         ck = _Checkpoint(path)
-        cfg = RoutingConfig.from_config(ck.block)
+        cfg = RoutingConfig.from_config(ck.block, layer=layer)
         w, bias = ck.router(layer, device)
         return cls(ck.experts(layer, device), w, bias, cfg, backend)
