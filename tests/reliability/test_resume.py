@@ -92,7 +92,7 @@ def _touch_shard(src):
     f = sorted(src.glob("*.safetensors"))[0]
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    return f"source shard {f.name} changed (data)"
+    return f"source shard {f.name} changed (modification time)"
 
 
 def _rewrite_shard_same_size(src):
