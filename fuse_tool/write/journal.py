@@ -204,7 +204,8 @@ class Journal:
             raw = json.loads(path.read_bytes())
             version = raw.get("journal_version") if isinstance(raw, dict) else None
             if isinstance(version, int) and 0 < version < JOURNAL_VERSION:
-                raise ValueError(f"written by an older fuse-shared: journal version {version}, this one resumes version {JOURNAL_VERSION} only")
+                raise ConversionError(f"cannot resume: the journal was written by an older fuse-shared (journal version {version}, "
+                                      f"this one resumes version {JOURNAL_VERSION} only); rerun with --overwrite to start over", file=path)
             if not isinstance(raw, dict) or raw.get("journal_version") != JOURNAL_VERSION:
                 raise ValueError(f"journal_version {raw.get('journal_version') if isinstance(raw, dict) else None!r}, expected {JOURNAL_VERSION}")
             inputs, completed = raw["inputs"], raw["completed"]
