@@ -151,24 +151,16 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     for key in ("config_sha256", "index_sha256"):
         if old.get(key) != new.get(key):
             return f"{_LABELS[key]} changed"
-    os_, ns = old.get("source_shards") or {}, new.get("source_shards") or {}
-    for name in sorted(set(os_) | set(ns)):
-        a, b = os_.get(name), ns.get(name)
-        if a is None:
-            return f"source shard {name} is new"
-        if b is None:
-            return f"source shard {name} is gone"
-        if (what := _changed(a, b)) is not None:
-            return f"source shard {name} changed ({what})"
-    oo, no = old.get("other_files") or {}, new.get("other_files") or {}
-    for name in sorted(set(oo) | set(no)):
-        a, b = oo.get(name), no.get(name)
-        if a is None:
-            return f"source file {name} is new"
-        if b is None:
-            return f"source file {name} is gone"
-        if (what := _changed(a, b)) is not None:
-            return f"source file {name} changed ({what})"
+    for key, kind in (("source_shards", "source shard"), ("other_files", "source file")):
+        was, now = old.get(key) or {}, new.get(key) or {}
+        for name in sorted(set(was) | set(now)):
+            a, b = was.get(name), now.get(name)
+            if a is None:
+                return f"{kind} {name} is new"
+            if b is None:
+                return f"{kind} {name} is gone"
+            if (what := _changed(a, b)) is not None:
+                return f"{kind} {name} changed ({what})"
     if old.get("plan_sha256") != new.get("plan_sha256"):
         return f"{_LABELS['plan_sha256']} changed"
     return "the inputs differ"

@@ -11,25 +11,16 @@ from __future__ import annotations
 import errno
 import json
 
-import pytest
-
 import fuse_tool.convert as convert_module
 import fuse_tool.write.execute as execute_module
-from fuse_tool.convert import convert_checkpoint
-from fuse_tool.plan import ConvertOptions
-
 from helpers import assert_clean_refusal, assert_identical, final_named, run_cli
 from test_hostile_inputs import ROUTER, edit_header, shard_of
+from test_resume import SHARD, reference  # noqa: F401 - reference is a fixture
 
-SHARD = "20KB"
-OPTS = ConvertOptions(max_shard_size=20_000)
-
-
-@pytest.fixture()
-def reference(src, tmp_path):
-    ref = tmp_path / "ref"
-    convert_checkpoint(src, ref, OPTS, progress=False)
-    return ref
+def _raising(error):
+    def fail(*a, **kw):
+        raise error
+    return fail
 
 
 def _failing_writer(monkeypatch, error, after: int):
@@ -53,6 +44,14 @@ def _failing_writer(monkeypatch, error, after: int):
             return super().copy(*a, **kw)
 
     monkeypatch.setattr(execute_module, "ShardWriter", Failing)
+
+
+def _fault_gone_then_resume(src, out, reference, monkeypatch):
+    """With the fault removed, --resume finishes byte-identical to an uninterrupted run."""
+    monkeypatch.undo()
+    code, _, done = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD, "--resume")
+    assert code == 0, done
+    assert_identical(out, reference)
 
 
 def _one_line(code, err):
@@ -84,10 +83,7 @@ def test_bug_mid_run_keeps_shards_and_says_what_to_do(src, tmp_path, reference, 
     assert_clean_refusal(code, again, out, "interrupted conversion (3 of", "--resume", "--overwrite")
     code, _, again = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD, "--resume")
     assert_clean_refusal(code, again, out, "unexpected failure (KeyError: 'U16')", "3 of")
-    monkeypatch.undo()
-    code, _, done = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD, "--resume")
-    assert code == 0, done
-    assert_identical(out, reference)
+    _fault_gone_then_resume(src, out, reference, monkeypatch)
 
 
 def test_io_error_mid_run_names_the_tensor_and_resumes(src, tmp_path, reference, monkeypatch):
@@ -95,10 +91,7 @@ def test_io_error_mid_run_names_the_tensor_and_resumes(src, tmp_path, reference,
     _failing_writer(monkeypatch, OSError(errno.EIO, "Input/output error"), after=2)
     code, _, err = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD)
     assert_clean_refusal(code, err, out, "I/O error: Input/output error", "tensor '", "2 of", "rerun with --resume to continue")
-    monkeypatch.undo()
-    code, _, done = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD, "--resume")
-    assert code == 0, done
-    assert_identical(out, reference)
+    _fault_gone_then_resume(src, out, reference, monkeypatch)
 
 
 def test_failure_before_any_shard_completes_leaves_out_dir_as_it_was(src, tmp_path, monkeypatch):
@@ -115,28 +108,17 @@ def test_failure_before_any_shard_completes_leaves_out_dir_as_it_was(src, tmp_pa
 
 def test_unexpected_error_in_the_final_phase_keeps_every_shard(src, tmp_path, reference, monkeypatch):
     out = tmp_path / "out"
-
-    def broken(src_path, path):
-        raise ValueError("no such codec")
-
-    monkeypatch.setattr(execute_module, "stage_copy", broken)
+    monkeypatch.setattr(execute_module, "stage_copy", _raising(ValueError("no such codec")))
     code, _, err = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD)
     assert_clean_refusal(code, err, out, f"{out}: unexpected failure (ValueError: no such codec)")
     n = len(list(out.glob(".*.done")))
     assert n > 3 and f"{n} of {n} shards are complete" in err
-    monkeypatch.undo()
-    code, _, done = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD, "--resume")
-    assert code == 0, done
-    assert_identical(out, reference)
+    _fault_gone_then_resume(src, out, reference, monkeypatch)
 
 
 def test_os_error_while_preparing_out_dir_names_it(src, tmp_path, monkeypatch):
     out = tmp_path / "out"
-
-    def broken(*a):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(convert_module, "check_free_space", broken)
+    monkeypatch.setattr(convert_module, "check_free_space", _raising(OSError(errno.EIO, "Input/output error")))
     code, _, err = run_cli("convert", src, out, "--quiet")
     assert_clean_refusal(code, err, out, f"{out}: I/O error: Input/output error")
     assert not out.exists()

@@ -8,32 +8,17 @@ refuses a file it would replace that no earlier conversion wrote.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 
 import pytest
 
-from helpers import assert_clean_refusal, run_cli, tree_bytes
+from helpers import assert_clean_refusal, bind_mount, run_cli, tree_bytes
 
 SHARD = "20KB"
 
 
 def _convert(src, out, *extra):
     return run_cli("convert", src, out, "--quiet", *extra)
-
-
-@contextlib.contextmanager
-def _bind(src, path):
-    """``src`` seen read-write at ``path`` (a bind mount); skipped where mounting is not allowed."""
-    path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "--bind", str(src), str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot bind-mount here (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 # ----------------------------------------------------------------------------- OUT_DIR and MODEL are one folder
@@ -56,14 +41,14 @@ def test_out_dir_naming_the_current_directory_is_refused(src, tmp_path, monkeypa
 
 def test_out_dir_bind_mounted_onto_the_model_is_refused(src, tmp_path):
     before = tree_bytes(src)
-    with _bind(src, tmp_path / "same") as same:
+    with bind_mount(src, tmp_path / "same") as same:
         code, _, err = _convert(src, same, "--overwrite")
     assert code == 1 and "OUT_DIR is the model folder or inside it" in err, err
     assert tree_bytes(src) == before
 
 
 def test_out_dir_inside_a_bind_mount_of_the_models_parent_is_refused(src, tmp_path):
-    with _bind(src.parent, tmp_path.parent / f"{tmp_path.name}-bind") as parent:
+    with bind_mount(src.parent, tmp_path.parent / f"{tmp_path.name}-bind") as parent:
         out = parent / src.name / "out"
         code, _, err = _convert(src, out)
         assert_clean_refusal(code, err, out, "OUT_DIR is the model folder or inside it")
@@ -87,7 +72,7 @@ def test_out_dir_holding_the_model_is_refused(src, tmp_path):
 
 
 def test_out_dir_holding_the_model_through_a_bind_mount_is_refused(src, tmp_path):
-    with _bind(tmp_path, tmp_path.parent / f"{tmp_path.name}-above") as above:
+    with bind_mount(tmp_path, tmp_path.parent / f"{tmp_path.name}-above") as above:
         code, _, err = _convert(src, above, "--overwrite")
     assert code == 1 and "OUT_DIR holds the model folder" in err, err
 

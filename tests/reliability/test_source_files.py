@@ -8,13 +8,13 @@ is refused at plan time, and so is a name too long for OUT_DIR's file system.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 
 import pytest
 
 from helpers import assert_clean_refusal, run_cli
+from test_resume import _as_hub_cache
 
 INDEX = "model.safetensors.index.json"
 
@@ -69,19 +69,8 @@ def test_symlink_inside_the_model_is_followed(src, tmp_path):
     assert "not copied" not in stdout
 
 
-def _hub_cache(src, repo):
-    blobs, snap = repo / "blobs", repo / "snapshots" / ("ab" * 20)
-    blobs.mkdir(parents=True)
-    snap.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        shutil.copyfile(f, blobs / digest)
-        (snap / f.name).symlink_to(os.path.join("..", "..", "blobs", digest))
-    return snap
-
-
 def test_hub_cache_snapshot_links_into_its_own_blobs_are_followed(src, tmp_path):
-    snap = _hub_cache(src, tmp_path / "hub" / "models--o--tiny")
+    snap = _as_hub_cache(src, tmp_path / "hub" / "models--o--tiny")
     out = tmp_path / "out"
     code, stdout, err = _convert(snap, out)
     assert code == 0, err
@@ -89,7 +78,7 @@ def test_hub_cache_snapshot_links_into_its_own_blobs_are_followed(src, tmp_path)
 
 
 def test_hub_cache_link_into_another_repos_blobs_is_not_copied(src, tmp_path):
-    snap = _hub_cache(src, tmp_path / "hub" / "models--o--tiny")
+    snap = _as_hub_cache(src, tmp_path / "hub" / "models--o--tiny")
     other = tmp_path / "hub" / "models--evil--repo" / "blobs"
     other.mkdir(parents=True)
     (other / "f00d").write_text("another repo's file")
