@@ -57,7 +57,6 @@ def _real_chain(path: Path) -> list[Path]:
 def check_paths(model_dir: Path, out_dir: Path) -> None:
     """Refuse an OUT_DIR that is MODEL, lies inside it or holds it. Folders are compared by (device, inode) over OUT_DIR's
     and MODEL's existing ancestors, so a bind mount, a symlinked parent or another spelling of the same folder is seen."""
-    check_out_dir_name(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError("OUT_DIR exists and is not a directory", file=out_dir)
     try:
