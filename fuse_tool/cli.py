@@ -169,7 +169,7 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
         r = verify_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
         _fail(e)
-    what = f"sha256 of {r.shards} shards ({r.total_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
+    what = f"sha256 of {r.files} files ({r.shards} shards, {r.total_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
     click.echo(f"ok: {out_dir}: {r.tensors} tensors in {r.shards} shards; {what}")
     if against is not None:

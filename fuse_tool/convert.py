@@ -12,13 +12,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConversionError
+from .errors import ConversionError, FuseSharedError
 from .files import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
 from .plan import ConversionPlan, ConvertOptions, build_plan
 from .source.checkpoint import SourceCheckpoint
 from .write.execute import execute
 from .write.journal import conversion_inputs
-from .write.out_dir import OutputLock, bytes_still_needed, check_free_space, check_paths, make_out_dir, output_locked, prepare_out_dir, remove_if_empty
+from .write.failures import unexpected_error
+from .write.out_dir import (OutputLock, bytes_still_needed, check_free_space, check_name_lengths, check_out_dir_name, check_paths, make_out_dir,
+                            output_locked, prepare_out_dir, remove_if_empty)
 from .write.writer import planned_header
 
 @dataclass
@@ -55,16 +57,19 @@ def convert_checkpoint(
     """
     started = time.perf_counter()
     options = options or ConvertOptions()
+    check_out_dir_name(out_dir)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if resume and overwrite:
         raise ConversionError("--resume continues a conversion and --overwrite starts it over: pass one of them")
     plan = plan_conversion(model_dir, options)
     _check_device(device)
     check_paths(model_dir, out_dir)
-    headers = {s.filename: planned_header(s) for s in plan.shards}
-    inputs = conversion_inputs(plan, headers, device)
-    created = make_out_dir(out_dir)
+    check_name_lengths(plan, out_dir)
+    created = False
     try:
+        headers = {s.filename: planned_header(s) for s in plan.shards}
+        inputs = conversion_inputs(plan, headers, device)
+        created = make_out_dir(out_dir)
         with OutputLock(out_dir):
             journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
             check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
@@ -74,6 +79,8 @@ def convert_checkpoint(
             remove_if_empty(out_dir)
         if isinstance(e, KeyboardInterrupt):
             raise ConversionError("interrupted", file=out_dir) from None
+        if isinstance(e, Exception) and not isinstance(e, FuseSharedError):
+            raise unexpected_error(e, where=out_dir) from None  # one line naming where, never a bare Python message
         raise
     return ConversionResult(out_dir, plan, time.perf_counter() - started, files, kept)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from runtime.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 
 MANIFEST_NAME = "fuse_shared_manifest.json"  # what a conversion wrote: files, sizes, sha256, inputs fingerprint
+MANIFEST_VERSION = 2  # 2: every file the conversion wrote is listed; 1 (no manifest_version field): the shards only
 JOURNAL_NAME = ".fuse-shared-journal.json"  # present only while a conversion is unfinished (resume state)
 LOCK_NAME = ".fuse-shared.lock"  # fallback lock file where a folder cannot be flocked
 MODEL_CARD_NAME = "README.md"
@@ -32,5 +33,5 @@ def is_temporary_name(name: str) -> bool:
     return name == JOURNAL_NAME or (name.startswith(".") and name.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)))
 
 
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "MANIFEST_NAME", "JOURNAL_NAME", "LOCK_NAME", "MODEL_CARD_NAME",
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "MANIFEST_NAME", "MANIFEST_VERSION", "JOURNAL_NAME", "LOCK_NAME", "MODEL_CARD_NAME",
            "SKIPPED_FILES", "partial_name", "done_name", "is_temporary_name"]

@@ -55,4 +55,5 @@ def describe_plan(plan: ConversionPlan) -> str:
     if plan.modules_to_not_convert and plan.options.precision == "fp8":
         lines.append(f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)")
     lines += [f"note           {n}" for n in plan.notes]
+    lines += [f"not copied     {name}: {why}" for name, why in plan.source.skipped]
     return "\n".join(lines)

@@ -1,4 +1,15 @@
-"""A source checkpoint folder, known from its config and safetensors headers alone."""
+"""A source checkpoint folder, known from its config and safetensors headers alone.
+
+Only what belongs to the model is read or copied. Every file read (config.json, the index,
+the shards) and every file copied into the output must resolve inside the model folder: a
+symlink pointing elsewhere is refused (a weight) or skipped and listed (a file to copy), so a
+symlinked "tokenizer" cannot publish a private file. The one exception is the Hugging Face
+cache, whose snapshot files are symlinks into ``../../blobs/`` of the same repo folder
+(``models--owner--name/``): links that stay inside that repo folder are followed. Weight files
+of other frameworks are not copied; the plan's summary lists every skipped file and why. A
+source file named like one of the converter's own files (manifest, journal, lock,
+temporaries) is refused: it would clash with them in the output.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConversionError
-from ..files import CONFIG_NAME, INDEX_NAME
+from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, SKIPPED_FILES, is_temporary_name
 from runtime.safetensors_io import TensorInfo, read_header
 
 
@@ -21,17 +32,20 @@ class SourceCheckpoint:
     config: dict
     tensors: dict[str, TensorInfo]
     shard_files: list[Path]
-    other_files: list[Path] = field(default_factory=list)
+    other_files: list[Path] = field(default_factory=list)  # copied into the output as they are
     index_path: Path | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file name, why it is not copied)
 
     @classmethod
     def open(cls, root: str | Path) -> "SourceCheckpoint":
         root = Path(root)
         if not root.is_dir():
             raise ConversionError("not a directory (expected a Hugging Face model folder)", file=root)
+        inside = _Containment(root)
         config_path = root / CONFIG_NAME
         if not config_path.is_file():
             raise ConversionError("no config.json: not a Hugging Face model folder", file=root)
+        inside.require(config_path)
         try:
             config = json.loads(config_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -42,32 +56,108 @@ class SourceCheckpoint:
         index_path = root / INDEX_NAME
         tensors: dict[str, TensorInfo] = {}
         if index_path.is_file():
-            shard_files, tensors = _read_indexed(root, index_path)
+            inside.require(index_path)
+            shard_files, tensors = _read_indexed(root, index_path, inside)
         else:
             index_path = None
             shard_files = sorted(root.glob("*.safetensors"))
             if not shard_files:
                 raise ConversionError(f"no *.safetensors files and no {INDEX_NAME}", file=root)
             for path in shard_files:
+                inside.require(path)
                 found, _ = read_header(path)
                 for name, info in found.items():
                     if name in tensors:
                         raise ConversionError(f"tensor is stored twice, also in {tensors[name].file.name}", file=path, tensor=name)
                     tensors[name] = info
         weight_files = set(shard_files) | ({index_path} if index_path else set())
-        other = sorted(
-            p for p in root.iterdir()
-            if p.is_file() and p not in weight_files and p.name != CONFIG_NAME
-            and not p.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")) and not p.name.startswith(".")
-        )
-        return cls(root, config, tensors, shard_files, other, index_path)
+        other, skipped = _files_to_copy(root, weight_files, inside)
+        return cls(root, config, tensors, shard_files, other, index_path, skipped)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _read_indexed(root: Path, index_path: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
+# Weight files of other frameworks: never copied beside the converted safetensors.
+_FOREIGN_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".ggml", ".h5", ".msgpack", ".onnx", ".onnx_data", ".ckpt", ".npz",
+                            ".npy", ".ot", ".tflite", ".pb", ".pkl", ".pickle", ".joblib", ".mlmodel", ".engine", ".plan")
+
+
+def is_tool_name(name: str) -> bool:
+    """A name fuse-shared itself writes into an output folder (its own bookkeeping, not the model's)."""
+    return name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME) or is_temporary_name(name)
+
+
+class _Containment:
+    """Where the model's files may resolve: the model folder, or for a Hugging Face cache
+    snapshot (``.../models--owner--name/snapshots/<rev>``) the repo's cache folder, whose
+    ``blobs/`` hold the snapshot's files."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        real = Path(os.path.realpath(root))
+        self.allowed = [real]
+        if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+            self.allowed.append(real.parent.parent)
+
+    def target(self, path: Path) -> Path | None:
+        """Where ``path`` resolves when that is outside the allowed folders; None when it stays inside."""
+        real = Path(os.path.realpath(path))
+        if any(real == a or a in real.parents for a in self.allowed):
+            return None
+        return real
+
+    def require(self, path: Path) -> None:
+        real = self.target(path)
+        if real is not None:
+            raise ConversionError(
+                f"is a symlink to {str(real)!r}, outside the model folder: refusing to read it "
+                "(copy the file into the model folder, or convert the folder it belongs to)",
+                file=path,
+            )
+
+
+def _files_to_copy(root: Path, weight_files: set[Path], inside: _Containment) -> tuple[list[Path], list[tuple[str, str]]]:
+    """The files copied into the output beside the converted weights, and those skipped (with why)."""
+    copy: list[Path] = []
+    skipped: list[tuple[str, str]] = []
+    for p in sorted(root.iterdir()):
+        name = p.name
+        if p in weight_files or name == CONFIG_NAME:
+            continue
+        if is_tool_name(name):
+            raise ConversionError(
+                "a file of this name is fuse-shared's own (manifest, journal, lock or temporary) and would clash with it "
+                "in the output: is this folder a conversion output rather than a model? (expected a source model folder)",
+                file=p,
+            )
+        if name.startswith(".") or p.is_dir():
+            continue  # hidden files (.gitattributes, .cache) and folders are not part of the model's files
+        if name in SKIPPED_FILES:
+            continue  # the source's model card describes the source, not the output
+        if p.is_symlink() and not p.exists():
+            skipped.append((name, f"a symlink to {os.readlink(p)!r}, which does not exist"))
+            continue
+        outside = inside.target(p)
+        if outside is not None:
+            skipped.append((name, f"a symlink to {str(outside)!r}, outside the model folder"))
+            continue
+        if not p.is_file():
+            skipped.append((name, "not a regular file"))
+            continue
+        if name.endswith(".safetensors"):
+            skipped.append((name, "a safetensors file the index does not name"))
+            continue
+        lower = name.lower()
+        if lower.endswith(_FOREIGN_WEIGHT_SUFFIXES) or ".ckpt." in lower:
+            skipped.append((name, "weights of another framework"))
+            continue
+        copy.append(p)
+    return copy, skipped
+
+
+def _read_indexed(root: Path, index_path: Path, inside: _Containment) -> tuple[list[Path], dict[str, TensorInfo]]:
     try:
         index = json.loads(index_path.read_text())
         weight_map = index["weight_map"]
@@ -93,6 +183,7 @@ def _read_indexed(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
             if path.is_symlink():
                 what = f"it is a symlink to {os.readlink(path)!r}, which does not exist (a Hub cache blob missing? download it again)"
             raise ConversionError(f"the index names {fname!r} (for {len(by_file[fname])} tensors, e.g. {by_file[fname][0]!r}) but {what}", file=index_path)
+        inside.require(path)
         shard_files.append(path)
         found, _ = read_header(path)
         for name in by_file[fname]:

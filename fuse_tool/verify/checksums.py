@@ -9,8 +9,12 @@
    ``[I, H]`` / ``[H, I]`` (stacked ``[E+S, 2I, H]`` / ``[E+S, H, I]``), one dtype for every
    expert, FP8 weights with a float32 ``_scale_inv`` of the 128x128 grid shape, the router
    ``[E, H]`` float32, the bias ``[E]``, ``gemm1_*`` float32 ``[E+S]``.
-4. The manifest lists every shard with its size; with ``checksums`` every shard is re-read
-   and its sha256 compared with the manifest's.
+4. The manifest lists every file the conversion wrote (shards, config.json, the index, the
+   copied tokenizer and template files) with its size, and each is there with that size; with
+   ``checksums`` every one of them is re-read and its sha256 compared with the manifest's, so an
+   edited config.json (a routing field changed in place) is caught. A manifest of version 1
+   (older converters listed only the shards) is still read without ``checksums``; with them it
+   is refused, since it cannot vouch for config.json and the other small files.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from runtime.layout import (
     scale_name,
 )
 
-from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
+from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION
 from ..errors import ConversionError
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header
 
@@ -44,6 +48,7 @@ class VerifyResult:
     tensors: int
     bytes_checked: int  # bytes re-read and hashed (0 without checksums)
     total_bytes: int  # bytes of every shard file
+    files: int = 0  # files the manifest lists and that were checked (sizes; with checksums sha256 too)
 
 
 class VerifyError(ConversionError):
@@ -82,39 +87,65 @@ def verify_output(out_dir: str | Path, *, checksums: bool = False, progress: boo
     for layer, names in sorted(checked.moe_layers.items()):
         _check_layer_shapes(layer, names, block, tensors)
 
-    # The manifest: every shard, its size, and with checksums its sha256.
-    manifest_path = root / MANIFEST_NAME
-    if not manifest_path.is_file():
+    files, listed = _check_manifest(root, checked.shards, checksums)
+    total = sum(files[name]["size"] for name in checked.shards)
+    hashed = 0
+    if checksums:
+        bar = tqdm(total=sum(files[n]["size"] for n in listed), unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
+                   disable=not progress)
+        try:
+            for name in listed:
+                got = _sha256(root / name, bar)
+                want = files[name]["sha256"]
+                if got != want:
+                    raise _err(f"sha256 {got} differs from {want} recorded in {MANIFEST_NAME}: the file is damaged or was edited", root / name)
+                hashed += files[name]["size"]
+        finally:
+            bar.close()
+    return VerifyResult(root, len(checked.shards), len(tensors), hashed, total, len(listed))
+
+
+def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dict[str, dict], list[str]]:
+    """The manifest's entries, checked: every file it must list is listed with a size and sha256, every listed file is a
+    regular file of that size. Returns the entries and the names to hash (the shards first)."""
+    path = root / MANIFEST_NAME
+    if not path.is_file():
         raise _err(f"no {MANIFEST_NAME}: not written by fuse-shared convert, or the conversion did not finish", root)
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(path.read_text())
         files = manifest["files"]
         if not isinstance(files, dict):
             raise TypeError("files is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise _err(f"not a valid manifest ({e})", manifest_path) from None
-    total = 0
-    for shard in checked.shards:
-        entry = files.get(shard)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+        raise _err(f"not a valid manifest ({e})", path) from None
+    version = manifest.get("manifest_version", 1)
+    if version not in (1, MANIFEST_VERSION):
+        raise _err(f"manifest_version {version!r}: this fuse-shared reads versions 1 and {MANIFEST_VERSION}", path)
+    if version == 1 and checksums:
+        raise _err(f"written by an older fuse-shared that listed only the shards: --checksums cannot vouch for {CONFIG_NAME}, "
+                   "the index and the tokenizer files; convert again for a complete manifest (verify without --checksums "
+                   "still checks the shards)", path)
+    required = list(shards) + ([CONFIG_NAME, INDEX_NAME] if version == MANIFEST_VERSION else [])
+    for name in required:
+        entry = files.get(name)
         if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
-            raise _err(f"the shard is not listed in {MANIFEST_NAME} with a size and sha256", root / shard)
-        size = (root / shard).stat().st_size
+            raise _err(f"the file is not listed in {MANIFEST_NAME} with a size and sha256 (expected every file the conversion wrote)",
+                       root / name)
+    listed = list(shards) + sorted(set(files) - set(shards)) if version == MANIFEST_VERSION else list(shards)
+    for name in listed:
+        entry = files[name]
+        if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name):
+            raise _err(f"lists {name!r}, which is not a file name in the output folder", path)
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+            raise _err(f"the entry for {name!r} is not {{size, sha256}}", path)
+        p = root / name
+        if p.is_symlink() or not p.is_file():
+            what = "a symlink" if p.is_symlink() else "missing" if not p.exists() else "not a regular file"
+            raise _err(f"is {what}, but {MANIFEST_NAME} lists it as a file the conversion wrote", p)
+        size = p.stat().st_size
         if size != entry["size"]:
-            raise _err(f"size {size} differs from {entry['size']} recorded in {MANIFEST_NAME}", root / shard)
-        total += size
-    hashed = 0
-    if checksums:
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying", disable=not progress)
-        try:
-            for shard in checked.shards:
-                got = _sha256(root / shard, bar)
-                want = files[shard]["sha256"]
-                if got != want:
-                    raise _err(f"sha256 {got} differs from {want} recorded in {MANIFEST_NAME}: the file is damaged", root / shard)
-                hashed += (root / shard).stat().st_size
-        finally:
-            bar.close()
-    return VerifyResult(root, len(checked.shards), len(tensors), hashed, total)
+            raise _err(f"size {size} differs from {entry['size']} recorded in {MANIFEST_NAME}", p)
+    return files, listed
 
 
 def _check_not_in_progress(root: Path) -> None:

@@ -170,7 +170,9 @@ def _check_manifest(root: Path, manifest: Any, files: Mapping[str, int], verify_
         if name not in files:
             raise _fail(f"{root / name}: listed in {MANIFEST_FILE} but missing")
         want = info.get("size") if isinstance(info, dict) else None
-        if want is not None and int(want) != files[name]:
+        if want is not None and not (isinstance(want, int) and not isinstance(want, bool)):
+            raise _fail(f"{where}: the size recorded for {name!r} is {want!r}, expected a whole number of bytes")
+        if want is not None and want != files[name]:
             raise _fail(f"{root / name}: size {files[name]} differs from {want} recorded in {MANIFEST_FILE}")
         if verify_checksums and isinstance(info, dict) and info.get("sha256"):
             got = sha256_file(root / name)

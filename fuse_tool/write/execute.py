@@ -11,6 +11,7 @@ with config.json is complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,8 +21,9 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import ConversionError, FuseSharedError
-from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SKIPPED_FILES, done_name, partial_name
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_VERSION, done_name, partial_name
 from ..plan import ConversionPlan, PlannedShard
+from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .transform import CopyRange, finite_checker, run_task
 from .writer import SHARD_METADATA, ShardWriter, disk_error, fsync_dir, stage_bytes, stage_copy, sync_and_hash
@@ -86,9 +88,10 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         pipeline.close(salvage=True)
         if isinstance(e, KeyboardInterrupt):
             raise ConversionError(with_resume_hint("interrupted", journal, plan), file=out_dir) from None
-        if isinstance(e, FuseSharedError):
-            e.args = (with_resume_hint(str(e), journal, plan),)
-        raise
+        if not isinstance(e, FuseSharedError):
+            e = unexpected_error(e, where=out_dir)
+        e.args = (with_resume_hint(str(e), journal, plan, is_transient(e)),)
+        raise e from None
     finally:
         bar.close()
         for fd in source_fds.values():
@@ -96,6 +99,7 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
 
 def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool) -> None:
     writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)
+    task = None
     try:
         if writer.header != header:  # pragma: no cover - the writer and the plan disagree
             raise AssertionError(f"{shard.filename}: header differs from the plan's")
@@ -114,11 +118,13 @@ def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: d
                     n = writer.write(piece.tensor, piece.offset, piece.data)
                 bar.update(n)
         writer.finish(fsync=False)  # flushed on the pipeline thread before it becomes .done
-    except BaseException:
+    except BaseException as e:
         writer.abort()
-        raise
+        if isinstance(e, (FuseSharedError, KeyboardInterrupt)):
+            raise
+        raise unexpected_error(e, task, shard.filename, out_dir / partial_name(shard.filename)) from None
 
-def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan) -> str:
+def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan, transient: bool = True) -> str:
     out = journal.path.parent
     n = sum(s.filename in journal.completed or (out / done_name(s.filename)).exists() for s in plan.shards)
     if n == 0:
@@ -127,37 +133,49 @@ def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan) -> st
         return message
     if "--resume" in message:
         return f"{message} ({n} of {len(plan.shards)} shards are complete and kept)"
+    if not transient:  # the same input fails the same way again: resuming alone would only repeat it
+        return (f"{message} ({n} of {len(plan.shards)} shards are complete and kept: once the cause is fixed, rerun with "
+                "--resume to continue if the source is unchanged, else with --overwrite to start over)")
     return f"{message} ({n} of {len(plan.shards)} shards are complete and kept: rerun with --resume to continue)"
 
 def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) -> list[str]:
-    """Stage every small file under a temporary name, then rename everything into place, config.json last."""
+    """Stage every small file under a temporary name, then rename everything into place, config.json last.
+
+    The manifest lists every file the conversion wrote (shards, copied files, index, config.json) with its size and
+    sha256, so ``verify --checksums`` covers all of them and ``--overwrite`` later deletes exactly these."""
     manifest_files = {s.filename: {"size": journal.completed[s.filename]["size"], "sha256": journal.completed[s.filename]["sha256"]}
                       for s in plan.shards}
     index = {
         "metadata": {"total_size": plan.total_size},
         "weight_map": {t.name: s.filename for s in plan.shards for t in sorted(s.tensors, key=lambda t: t.name)},
     }
-    manifest = {
-        "converter_version": __version__,
-        "source": source_id,
-        "options": {
-            "precision": plan.options.precision,
-            "other_linear": plan.options.other_linear,
-            "scale_fmt": plan.scale_fmt,
-            "max_shard_size": plan.options.max_shard_size,
-        },
-        "inputs_fingerprint": journal.fingerprint,
-        "files": manifest_files,
-    }
+    index_bytes, config_bytes = _json(index), _json(plan.config)
     # 1. Staging needs disk space and may fail: nothing final-named exists yet.
     staged: list[tuple[Path, Path]] = []
-    others = [p for p in plan.source.other_files if p.name not in SKIPPED_FILES]
+    others = plan.source.other_files
     try:
         for p in others:
-            staged.append((stage_copy(p, out / p.name), out / p.name))  # follows Hub-cache symlinks into their blobs
-        staged.append((stage_bytes(out / INDEX_NAME, _json(index)), out / INDEX_NAME))
+            tmp = stage_copy(p, out / p.name)  # follows Hub-cache symlinks into their blobs
+            staged.append((tmp, out / p.name))
+            manifest_files[p.name] = _file_entry(tmp.read_bytes())
+        manifest_files[INDEX_NAME] = _file_entry(index_bytes)
+        manifest_files[CONFIG_NAME] = _file_entry(config_bytes)
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "converter_version": __version__,
+            "source": source_id,
+            "options": {
+                "precision": plan.options.precision,
+                "other_linear": plan.options.other_linear,
+                "scale_fmt": plan.scale_fmt,
+                "max_shard_size": plan.options.max_shard_size,
+            },
+            "inputs_fingerprint": journal.fingerprint,
+            "files": manifest_files,
+        }
+        staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, _json(manifest)), out / MANIFEST_NAME))
-        config_tmp = stage_bytes(out / CONFIG_NAME, _json(plan.config))
+        config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)
     except BaseException:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
@@ -178,6 +196,9 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) 
         raise disk_error(e, out) from None
     fsync_dir(out)
     return [s.filename for s in plan.shards] + [p.name for p in others] + [INDEX_NAME, MANIFEST_NAME, CONFIG_NAME]
+
+def _file_entry(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 def _json(obj) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode()

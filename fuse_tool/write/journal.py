@@ -6,12 +6,16 @@ complete. It holds
 
 - ``inputs``: what the output depends on, in a readable form: converter and layout
   version, the options that change output bytes, a hash of the source's config.json
-  and index, and for every source shard its size, modification time and a hash of
-  its safetensors header (no tensor data is read: fingerprinting a 700 GB source
-  costs one small read per file), the other files' names and sizes, and a hash of
-  the plan itself (every output shard's name and header bytes);
+  and index, for every source shard its size, modification time, a hash of its
+  safetensors header and a hash of a sample of its data pages (``SAMPLE_PAGES`` pages
+  of 4 KiB at fixed offsets: fingerprinting a 700 GB source costs a few small reads
+  per file), for every copied file its size, modification time and the same page
+  sample (the whole file when it is small), and a hash of the plan itself (every
+  output shard's name and header bytes);
 - ``fingerprint``: sha256 of ``inputs``;
-- ``completed``: output shard name -> size and sha256 of the finished file.
+- ``completed``: output shard name -> size and sha256 of the finished file;
+- ``outputs``: every final name this conversion writes (what ``--overwrite`` may delete
+  when it finds the run unfinished).
 
 A shard is listed only after its data was fsynced and it was renamed from
 ``.NAME.partial`` to ``.NAME.done``; so a kill at any moment leaves at worst one
@@ -31,11 +35,13 @@ from typing import Any
 from runtime.layout import LAYOUT_VERSION
 
 from .. import __version__
-from ..files import CONFIG_NAME, JOURNAL_NAME, done_name, partial_name
+from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, partial_name
 from ..errors import ConversionError
 from .writer import fsync_dir
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: data-page samples in the inputs, ``outputs``
+PAGE = 4096
+SAMPLE_PAGES = 8  # pages hashed per source file, evenly spread over its data
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -49,18 +55,44 @@ def _file_sha256(path: Path) -> str | None:
         return None
 
 
+def _sampled_pages(f, start: int, size: int) -> str:
+    """sha256 of ``SAMPLE_PAGES`` pages of 4 KiB spread evenly over ``[start, size)`` (all of it when that is short):
+    cheap, and a rewrite of the data that keeps the size, the header and the modification time still shows."""
+    h = hashlib.sha256()
+    span = size - start
+    if span <= SAMPLE_PAGES * PAGE:
+        offsets = [start] if span > 0 else []
+        length = span
+    else:
+        step = (span - PAGE) // (SAMPLE_PAGES - 1)
+        offsets = [start + k * step for k in range(SAMPLE_PAGES)]
+        length = PAGE
+    for off in offsets:
+        f.seek(off)
+        h.update(f.read(length))
+    return h.hexdigest()
+
+
 def _source_file_facts(path: Path) -> dict[str, Any]:
-    """Size, modification time and header hash of a source shard (its header bytes only are read)."""
+    """Size, modification time, header hash and a data-page sample of a source shard (a few small reads)."""
     st = path.stat()
     facts: dict[str, Any] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
         facts["header_sha256"] = _sha256_bytes(head + f.read(min(n, max(0, st.st_size - 8))))
+        facts["pages_sha256"] = _sampled_pages(f, min(8 + n, st.st_size), st.st_size)
     real = path.resolve()
     if real != path.absolute() and real.parent.name == "blobs":
         facts["blob"] = real.name  # Hub cache: the blob's name is its content hash
     return facts
+
+
+def _other_file_facts(path: Path) -> dict[str, Any]:
+    """Size, modification time and a page sample of a file copied unchanged (a tokenizer, a template)."""
+    st = path.stat()
+    with open(path, "rb") as f:
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "pages_sha256": _sampled_pages(f, 0, st.st_size)}
 
 
 def plan_digest(plan, headers: dict[str, bytes]) -> str:
@@ -88,7 +120,7 @@ def conversion_inputs(plan, headers: dict[str, bytes], device: str) -> dict[str,
         "config_sha256": _file_sha256(src.root / CONFIG_NAME),
         "index_sha256": _file_sha256(src.index_path) if src.index_path else None,
         "source_shards": {p.name: _source_file_facts(p) for p in src.shard_files},
-        "other_files": {p.name: p.stat().st_size for p in src.other_files},
+        "other_files": {p.name: _other_file_facts(p) for p in src.other_files},
         "plan_sha256": plan_digest(plan, headers),
     }
 
@@ -119,21 +151,29 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     for key in ("config_sha256", "index_sha256"):
         if old.get(key) != new.get(key):
             return f"{_LABELS[key]} changed"
-    os_, ns = old.get("source_shards") or {}, new.get("source_shards") or {}
-    for name in sorted(set(os_) | set(ns)):
-        a, b = os_.get(name), ns.get(name)
-        if a is None:
-            return f"source shard {name} is new"
-        if b is None:
-            return f"source shard {name} is gone"
-        for k, what in (("size", "size"), ("header_sha256", "header"), ("blob", "Hub blob"), ("mtime_ns", "modification time")):
-            if a.get(k) != b.get(k):
-                return f"source shard {name} changed ({what})"
-    if old.get("other_files") != new.get("other_files"):
-        return "the source's other files (tokenizer, generation config, ...) changed"
+    for key, kind in (("source_shards", "source shard"), ("other_files", "source file")):
+        was, now = old.get(key) or {}, new.get(key) or {}
+        for name in sorted(set(was) | set(now)):
+            a, b = was.get(name), now.get(name)
+            if a is None:
+                return f"{kind} {name} is new"
+            if b is None:
+                return f"{kind} {name} is gone"
+            if (what := _changed(a, b)) is not None:
+                return f"{kind} {name} changed ({what})"
     if old.get("plan_sha256") != new.get("plan_sha256"):
         return f"{_LABELS['plan_sha256']} changed"
     return "the inputs differ"
+
+
+def _changed(a: Any, b: dict[str, Any]) -> str | None:
+    if not isinstance(a, dict):
+        return "recorded differently"
+    for k, what in (("size", "size"), ("header_sha256", "header"), ("blob", "Hub blob"), ("pages_sha256", "data"),
+                    ("mtime_ns", "modification time")):
+        if a.get(k) != b.get(k):
+            return what
+    return None
 
 
 @dataclass
@@ -144,6 +184,7 @@ class Journal:
     inputs: dict[str, Any]
     num_shards: int
     completed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)  # every final name the conversion writes
 
     @property
     def fingerprint(self) -> str:
@@ -153,6 +194,10 @@ class Journal:
     def load(cls, path: Path) -> "Journal":
         try:
             raw = json.loads(path.read_bytes())
+            version = raw.get("journal_version") if isinstance(raw, dict) else None
+            if isinstance(version, int) and 0 < version < JOURNAL_VERSION:
+                raise ConversionError(f"cannot resume: the journal was written by an older fuse-shared (journal version {version}, "
+                                      f"this one resumes version {JOURNAL_VERSION} only); rerun with --overwrite to start over", file=path)
             if not isinstance(raw, dict) or raw.get("journal_version") != JOURNAL_VERSION:
                 raise ValueError(f"journal_version {raw.get('journal_version') if isinstance(raw, dict) else None!r}, expected {JOURNAL_VERSION}")
             inputs, completed = raw["inputs"], raw["completed"]
@@ -163,7 +208,10 @@ class Journal:
                     raise ValueError(f"entry for {name!r} is not {{size, sha256}}")
             if raw.get("fingerprint") != fingerprint(inputs):
                 raise ValueError("its fingerprint does not match its inputs")
-            return cls(path, inputs, int(raw.get("num_shards", 0)), completed)
+            outputs = raw.get("outputs", [])
+            if not (isinstance(outputs, list) and all(isinstance(n, str) for n in outputs)):
+                raise ValueError("outputs is not a list of file names")
+            return cls(path, inputs, int(raw.get("num_shards", 0)), completed, outputs)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ConversionError(f"the resume journal is unreadable ({e}); rerun with --overwrite to start over", file=path) from None
 
@@ -174,12 +222,30 @@ class Journal:
             "num_shards": self.num_shards,
             "completed": self.completed,
             "inputs": self.inputs,
+            "outputs": self.outputs,
         }
         _write_durably(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
 
     def complete(self, name: str, size: int, sha256: str) -> None:
         self.completed[name] = {"size": size, "sha256": sha256}
         self.save()
+
+    @staticmethod
+    def written_names(path: Path) -> set[str] | None:
+        """The final names an unfinished conversion writes, read leniently from its journal (any version);
+        None when the journal cannot be read at all. Old journals did not list them: their completed shards,
+        copied files and the three JSON files every conversion writes."""
+        try:
+            raw = json.loads(path.read_bytes())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+        names: set[str] = set()
+        for value in (raw.get("outputs"), raw.get("completed"), (raw.get("inputs") or {}).get("other_files") if isinstance(raw.get("inputs"), dict) else None):
+            if isinstance(value, (list, dict)):
+                names |= {n for n in value if isinstance(n, str)}
+        return names | {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

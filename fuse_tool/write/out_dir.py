@@ -8,6 +8,13 @@ What is on disk at any moment (see docs/reliability.md):
   one (``write.journal``): a fingerprint of the inputs and options, and the completed shards.
 - ``.NAME.partial``: the shard being written. ``.NAME.done``: a complete, fsynced shard.
 - Final names appear only in the final phase (``write.execute.finalize``).
+
+What may be deleted: ``--overwrite`` deletes exactly the files an earlier conversion's
+manifest (or, for an unfinished one, its journal) lists, and the converter's own
+temporaries; anything else in OUT_DIR is left alone, and a file the new conversion would
+replace that no earlier conversion wrote is refused. OUT_DIR and MODEL are compared by
+device and inode (bind mounts, symlinked parents, case-insensitive file systems), never
+by path.
 """
 
 from __future__ import annotations
@@ -20,19 +27,75 @@ import shutil
 from pathlib import Path
 
 from ..errors import ConversionError
-from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, SKIPPED_FILES, done_name, is_temporary_name
+from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION, done_name, is_temporary_name, partial_name
 from ..plan import ConversionPlan, PlannedShard
 from .journal import Journal, describe_difference, fingerprint
 from .writer import disk_error, sync_and_hash
 
 SPACE_MARGIN = 64 << 20
 
+def check_out_dir_name(out_dir: str | os.PathLike) -> None:
+    """An empty OUT_DIR or ``.`` names the current directory by accident: refused, never written into."""
+    text = os.fspath(out_dir)
+    if not text.strip() or os.path.normpath(text) == ".":
+        raise ConversionError(f"OUT_DIR {text!r} is the current directory: name the output folder explicitly (for example ../model-fused)")
+
+
+def _identity(path: Path | str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _real_chain(path: Path) -> list[Path]:
+    """``path`` (or its nearest existing ancestor) and every folder above it, as the kernel resolves them."""
+    p = path.absolute()
+    existing = next(q for q in (p, *p.parents) if os.path.exists(q))
+    real = Path(os.path.realpath(existing))
+    return [real, *real.parents]
+
+
 def check_paths(model_dir: Path, out_dir: Path) -> None:
-    src, out = model_dir.resolve(), out_dir.resolve()
-    if out == src or src in out.parents:
-        raise ConversionError("OUT_DIR is the model folder or inside it; choose a folder outside the source", file=out_dir)
-    if out.exists() and not out.is_dir():
+    """Refuse an OUT_DIR that is MODEL, lies inside it or holds it. Folders are compared by (device, inode) over OUT_DIR's
+    and MODEL's existing ancestors, so a bind mount, a symlinked parent or another spelling of the same folder is seen."""
+    if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError("OUT_DIR exists and is not a directory", file=out_dir)
+    try:
+        model = _identity(model_dir)
+        if any(_identity(d) == model for d in _real_chain(out_dir)):
+            raise ConversionError(f"OUT_DIR is the model folder or inside it (the same folder on disk as {model_dir}); "
+                                  "choose a folder outside the source", file=out_dir)
+        if out_dir.exists():
+            out = _identity(out_dir)
+            if any(_identity(d) == out for d in _real_chain(model_dir)):
+                raise ConversionError(f"OUT_DIR holds the model folder {model_dir}; choose a folder outside the source "
+                                      "(--overwrite must never reach the model's files)", file=out_dir)
+    except OSError as e:
+        raise ConversionError(f"cannot inspect: {e.strerror or e}", file=e.filename or out_dir) from None
+
+
+def name_max(out_dir: Path) -> int:
+    """The longest file name (bytes) OUT_DIR's file system takes (its nearest existing ancestor's when it does not exist yet)."""
+    try:
+        return os.pathconf(_real_chain(out_dir)[0], "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def check_name_lengths(plan: ConversionPlan, out_dir: Path) -> None:
+    """Every name the conversion writes, its temporary names included, fits OUT_DIR's file system: refused at plan time,
+    not at the final rename after hours of writing."""
+    limit = name_max(out_dir)
+    sources = {p.name: p for p in plan.source.other_files}
+    for final in sorted(our_names(plan)):
+        for name in (final, partial_name(final), done_name(final)):
+            if len(os.fsencode(name)) > limit:
+                what = f"its temporary name {name!r}" if name != final else "it"
+                raise ConversionError(
+                    f"file name of {len(os.fsencode(final))} bytes: {what} is over the {limit} bytes OUT_DIR's file system "
+                    f"allows ({out_dir}); rename it in the source or choose an output folder on another file system",
+                    file=sources.get(final, out_dir / final),
+                )
+
 
 def make_out_dir(out_dir: Path) -> bool:
     """Create OUT_DIR if needed; True when this call created it."""
@@ -55,23 +118,18 @@ def remove_if_empty(out_dir: Path) -> None:
 def our_names(plan: ConversionPlan) -> set[str]:
     """Final names this conversion writes."""
     names = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME} | {s.filename for s in plan.shards}
-    return names | {p.name for p in plan.source.other_files if p.name not in SKIPPED_FILES}
-
-def is_temporary_name(name: str) -> bool:
-    return name == JOURNAL_NAME or (name.startswith(".") and (name.endswith(".partial") or name.endswith(".done")))
+    return names | {p.name for p in plan.source.other_files}
 
 def prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes], inputs: dict, overwrite: bool, resume: bool) -> tuple[Journal, int]:
     """Decide what OUT_DIR holds and what is left to do. Returns the journal to continue and how many shards were kept."""
     entries = [p for p in out.iterdir() if p.name != LOCK_NAME]
     jpath = out / JOURNAL_NAME
-    fresh = Journal(jpath, inputs, len(plan.shards))
+    outputs = sorted(our_names(plan))
+    fresh = Journal(jpath, inputs, len(plan.shards), outputs=outputs)
     if not entries:
         return fresh, 0
     if overwrite:
-        ours = our_names(plan)
-        for p in entries:
-            if (p.is_file() or p.is_symlink()) and (p.name in ours or p.suffix == ".safetensors" or is_temporary_name(p.name)):
-                p.unlink()
+        remove_previous_output(out, entries, set(outputs))
         return fresh, 0
     has_journal = jpath.exists()
     if not has_journal and all(is_temporary_name(p.name) for p in entries):
@@ -129,8 +187,72 @@ def prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes], 
     for p in entries:
         if is_temporary_name(p.name) and p.name != JOURNAL_NAME and p.name not in keep_temp:
             p.unlink(missing_ok=True)
-    journal = Journal(jpath, inputs, len(plan.shards), kept)
+    journal = Journal(jpath, inputs, len(plan.shards), kept, outputs)
     return journal, len(kept)
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def previous_output(out: Path) -> tuple[set[str], bool, bool]:
+    """What earlier conversions in OUT_DIR wrote: (final names their manifest or journal lists, whether that list is
+    complete (older manifests listed only shards), whether any manifest or journal was found)."""
+    names: set[str] = set()
+    complete, found = True, False
+    mpath = out / MANIFEST_NAME
+    if mpath.is_file() and not mpath.is_symlink():
+        try:
+            manifest = json.loads(mpath.read_text())
+            files = manifest["files"] if isinstance(manifest, dict) else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, RecursionError):
+            files = None
+        if isinstance(files, dict) and isinstance(manifest.get("converter_version"), str):
+            bad = [n for n in files if not _plain_name(n) or n == MANIFEST_NAME]
+            if bad:
+                raise ConversionError(f"lists {bad[0]!r}, which is not a file of OUT_DIR: not a manifest fuse-shared wrote; "
+                                      "remove it or choose another output folder", file=mpath)
+            found = True
+            names |= set(files) | {MANIFEST_NAME}
+            if manifest.get("manifest_version", 1) != MANIFEST_VERSION:  # listed only the shards; config, index and copies were not listed
+                complete = False
+                names |= {CONFIG_NAME, INDEX_NAME}
+    jpath = out / JOURNAL_NAME
+    if jpath.is_file() and not jpath.is_symlink():
+        written = Journal.written_names(jpath)
+        if written is not None:
+            found = True
+            names |= {n for n in written if _plain_name(n)}
+    return names, complete, found
+
+
+def remove_previous_output(out: Path, entries: list[Path], ours: set[str]) -> None:
+    """--overwrite: delete exactly what an earlier conversion's manifest or journal lists, and the converter's temporaries.
+    A file this conversion would replace that no earlier conversion wrote is refused; other files are left alone."""
+    listed, complete, found = previous_output(out)
+    delete, foreign = [], []
+    for p in entries:
+        name = p.name
+        if is_temporary_name(name) or name in listed or (not complete and name in ours):
+            if p.is_dir() and not p.is_symlink():
+                foreign.append(name + "/")
+            else:
+                delete.append(p)
+        elif name in ours:
+            foreign.append(name + ("/" if p.is_dir() and not p.is_symlink() else ""))
+    if foreign:
+        why = f"no {MANIFEST_NAME} or journal of an earlier conversion lists" if not found else f"the earlier conversion's {MANIFEST_NAME} does not list"
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise ConversionError(
+            f"OUT_DIR holds {', '.join(sorted(foreign)[:3])}{more}, which this conversion would replace but {why}: "
+            "--overwrite deletes only a previous fuse-shared output; move them away or choose another output folder",
+            file=out,
+        )
+    for p in delete:
+        try:
+            p.unlink(missing_ok=True)  # a symlink is removed, never followed
+        except OSError as e:
+            raise ConversionError(f"cannot delete the previous conversion's file: {e.strerror or e}", file=p) from None
+
 
 def load_journal_quietly(path: Path) -> Journal | None:
     try:
@@ -174,7 +296,7 @@ def intact(out: Path, shard: PlannedShard, header: bytes, entry: dict) -> bool:
 
 def bytes_still_needed(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal) -> int:
     shards = sum(len(headers[s.filename]) + s.nbytes for s in plan.shards if s.filename not in journal.completed)
-    others = sum(p.stat().st_size for p in plan.source.other_files if p.name not in SKIPPED_FILES)
+    others = sum(p.stat().st_size for p in plan.source.other_files)
     # index (a line per tensor), manifest and journal (a line per shard and source file), config, staged copies
     names = sum(len(t.name) + 64 for s in plan.shards for t in s.tensors)
     small = 2 * (names + 400 * (len(plan.shards) + len(plan.source.shard_files)) + len(json.dumps(plan.config)) + 4096)

@@ -72,19 +72,26 @@ def tmpfs(path: Path, size: str):
 
 
 @contextlib.contextmanager
-def readonly_bind(src: Path, path: Path):
-    """``src`` seen read-only at ``path`` (a read-only bind mount: even root cannot write there)."""
+def bind_mount(src: Path, path: Path):
+    """``src`` seen at ``path`` too (a bind mount); the test is skipped where mounting is not allowed."""
     path.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["mount", "--bind", str(src), str(path)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot bind-mount here (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def readonly_bind(src: Path, path: Path):
+    """``src`` seen read-only at ``path`` (a read-only bind mount: even root cannot write there)."""
+    with bind_mount(src, path):
         r = subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def fill_disk(path: Path, leave: int = 0) -> Path:

@@ -96,12 +96,12 @@ def _touch_shard(src):
 
 
 def _rewrite_shard_same_size(src):
-    """Other weights, same names, shapes, size and header: caught by the modification time."""
+    """Other weights, same names, shapes, size and header: caught by the sampled data pages (the last page is one)."""
     f = sorted(src.glob("*.safetensors"))[0]
     data = bytearray(f.read_bytes())
     data[-100:] = bytes(100)
     f.write_bytes(bytes(data))
-    return f"source shard {f.name} changed (modification time)"
+    return f"source shard {f.name} changed (data)"
 
 
 def _edit_config(src):
@@ -113,7 +113,7 @@ def _edit_config(src):
 
 def _swap_tokenizer(src):
     (src / "tokenizer.json").write_text('{"model": "another"}\n')
-    return "other files"
+    return "source file tokenizer.json changed"
 
 
 @pytest.mark.parametrize("change", [_touch_shard, _rewrite_shard_same_size, _edit_config, _swap_tokenizer])

@@ -67,6 +67,8 @@ def rewrite_tensors(out, fn):
         total += sum(t.numel() * t.element_size() for t in part.values())
     index["metadata"]["total_size"] = total
     (out / INDEX).write_text(json.dumps(index))
+    data = (out / INDEX).read_bytes()
+    manifest["files"][INDEX] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (out / MANIFEST).write_text(json.dumps(manifest))
 
 
