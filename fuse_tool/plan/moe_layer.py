@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from runtime.layout import PER_EXPERT_NAMES, STACKED_DOWN, STACKED_GATE_UP, gemm1_param_names, scale_grid, scale_name
-from runtime.safetensors_io import DTYPE_SIZES, FP8_DTYPE_CODE
+from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
 from .context import PlanInputs, PlanParts
 from .source_weights import half, projection_task, source_weight
@@ -153,6 +153,8 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
         raise inputs.error(f"MoE layer {layer} has no router (expected {router_name} [{g.E}, H])", router_name)
     if len(gate_info.shape) != 2 or gate_info.shape[0] != g.E:
         raise inputs.error(f"has shape {list(gate_info.shape)}, expected [{g.E}, H] for {g.E} routed experts", gate_info.name)
+    if gate_info.dtype not in FLOAT_DTYPES:
+        raise inputs.error(f"has dtype {gate_info.dtype}, expected a float router (F32/F16/BF16) to write as F32", gate_info.name)
     H = gate_info.shape[1]
 
     storage, routed = _routed_experts(inputs, parts, X, g, H)
@@ -185,6 +187,8 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
             b = inputs.tensors[bias_name]
             if b.shape != (g.E,):
                 raise inputs.error(f"has shape {list(b.shape)}, expected [{g.E}]", bias_name)
+            if b.dtype not in FLOAT_DTYPES:
+                raise inputs.error(f"has dtype {b.dtype}, expected a float selection bias (F32/F16/BF16)", bias_name)
             parts.consumed.add(bias_name)
             parts.groups.append(Group([OutputTensor(bias_name, b.dtype, b.shape)], [CopyTask(b, Target(bias_name))], (str(b.file), b.offset)))
             has_bias = True
