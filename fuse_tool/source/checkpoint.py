@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import ConversionError
 from ..files import CONFIG_NAME, INDEX_NAME
-from runtime.safetensors_io import TensorInfo, read_header
+from runtime.safetensors_io import TensorInfo, read_header, read_small_file
 
 
 
@@ -30,10 +30,10 @@ class SourceCheckpoint:
         if not root.is_dir():
             raise ConversionError("not a directory (expected a Hugging Face model folder)", file=root)
         config_path = root / CONFIG_NAME
-        if not config_path.is_file():
+        if not config_path.exists():
             raise ConversionError("no config.json: not a Hugging Face model folder", file=root)
         try:
-            config = json.loads(config_path.read_text())
+            config = json.loads(read_small_file(config_path, "a JSON config file"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ConversionError(f"cannot parse ({e})", file=config_path) from None
         if not isinstance(config, dict):
@@ -41,7 +41,7 @@ class SourceCheckpoint:
 
         index_path = root / INDEX_NAME
         tensors: dict[str, TensorInfo] = {}
-        if index_path.is_file():
+        if index_path.exists():
             shard_files, tensors = _read_indexed(root, index_path)
         else:
             index_path = None
@@ -69,7 +69,7 @@ class SourceCheckpoint:
 
 def _read_indexed(root: Path, index_path: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(read_small_file(index_path, "a safetensors index"))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
@@ -88,7 +88,7 @@ def _read_indexed(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
     shard_files = []
     for fname in sorted(by_file):
         path = root / fname
-        if not path.is_file():
+        if not path.exists():
             what = "the file does not exist"
             if path.is_symlink():
                 what = f"it is a symlink to {os.readlink(path)!r}, which does not exist (a Hub cache blob missing? download it again)"
