@@ -292,3 +292,14 @@ def test_verify_extra_is_declared():
     extras = project["optional-dependencies"]
     assert "transformers>=5.22" in extras["verify"] and "transformers>=5.22" in extras["test"]
     assert not any(d.startswith("transformers") for d in project["dependencies"])
+
+
+def test_docs_table_lists_every_case():
+    doc = (REPO / "docs" / "reliability.md").read_text()
+    section = doc.split("### Hangs, special files and option bounds", 1)[1].split("\n## ", 1)[0]
+    for case in [*SOURCE_CASES, *OUT_CASES, *BOUND_CASES]:
+        assert f"[{case}]`" in section or f"`{case}`" in section, f"docs/reliability.md has no row for {case}"
+    for test in ("test_walks_of_out_dir_do_not_follow_symlinked_folders", "test_shard_behind_a_symlinked_folder_is_not_followed",
+                 "test_timeout_variable_not_a_number_is_one_line", "test_verify_against_without_transformers_names_the_extra",
+                 "test_verify_against_with_old_transformers_names_the_extra"):
+        assert f"`{test}`" in section, test
