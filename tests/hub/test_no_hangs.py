@@ -21,6 +21,8 @@ import pytest
 from fake_hub import WRITE_TOKEN
 from fuse_tool.hub import push_checkpoint, resolve_model_source
 
+pytestmark = pytest.mark.filterwarnings("ignore:Use .content=:DeprecationWarning")
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SRC = "alice/tiny-src"
 
