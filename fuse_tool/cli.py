@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -15,12 +16,78 @@ from .report import describe_plan
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+# --max-shard-size bounds. Below one file-system page a shard costs more in header and inode than it
+# holds, and a number that small is a forgotten unit ("5" meaning 5GB would write one file per
+# tensor). Above 50 GB huggingface_hub neither uploads a file with upload_file nor downloads it over
+# plain HTTP (constants.MAX_HTTP_DOWNLOAD_SIZE), and each shard's full size is reserved on disk up front.
+MIN_SHARD_SIZE = 4 * 2**10
+MAX_SHARD_SIZE = 50 * 10**9
+
+
 def parse_size(text: str) -> int:
     """'5GB' -> 5_000_000_000 (SI, as huggingface_hub), '512MiB' -> binary units."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,9})?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
         raise click.BadParameter(f"{text!r} is not a size like 5GB or 512MiB")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def _shard_size(ctx, param, value: str) -> int:
+    """--max-shard-size: a size within [MIN_SHARD_SIZE, MAX_SHARD_SIZE]."""
+    size = parse_size(value)
+    if size < MIN_SHARD_SIZE:
+        hint = f"; a bare number counts bytes: {value.strip()}GB?" if value.strip().isdigit() else ""
+        raise click.BadParameter(f"{value!r} is {size} bytes, expected at least 4KiB{hint}")
+    if size > MAX_SHARD_SIZE:
+        raise click.BadParameter(f"{value!r} is {size} bytes, expected at most 50GB (the largest file huggingface_hub uploads "
+                                 "and downloads over plain HTTP)")
+    return size
+
+
+def _token_shape(ctx, param, value: str) -> tuple[int, int]:
+    """--tokens BATCHxSEQ, bounded (numerics.parse_tokens)."""
+    from .verify.numerics import parse_tokens
+
+    try:
+        return parse_tokens(value)
+    except FuseSharedError as e:
+        raise click.BadParameter(e.detail) from None
+
+
+class _Bound(click.ParamType):
+    """A float option within [lo, hi] (NaN refused; hi may be +inf)."""
+
+    name = "float"
+
+    def __init__(self, lo: float, hi: float):
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value, param, ctx):
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not self.lo <= x <= self.hi:  # NaN fails too
+            self.fail(f"{value!r} is not a number from {self.lo:g} to {self.hi:g}", param, ctx)
+        return x
+
+
+class _OneLineGroup(click.Group):
+    """Usage errors (a bad option value, a missing argument) end like every other error: one line, no usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            hint = f" (see {e.ctx.command_path} --help)" if isinstance(e, click.UsageError) and e.ctx is not None else ""
+            click.echo(f"error: {' '.join(e.format_message().split())}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def _fail(e: Exception) -> None:
@@ -45,7 +112,7 @@ def _resolve_source(model: str) -> tuple[Path, str]:
     return hub.resolve_model_source(model), model
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fuse-shared")
 def main() -> None:
     """Fuse MoE shared experts into trailing routed-expert slots, offline."""
@@ -58,7 +125,8 @@ _convert_options = [
                  help="Non-expert linear layers: FP8 like the DeepSeek-V3 release, or kept in the source dtype (listed in modules_to_not_convert)."),
     click.option("--scale-fmt", type=click.Choice(["float", "ue8m0"]), default=None,
                  help="Block scales as any float32, or rounded up to powers of two (DeepSeek-V3.1). Default: the source's."),
-    click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (SI units: 5GB = 5e9 bytes)."),
+    click.option("--max-shard-size", default="5GB", show_default=True, callback=_shard_size,
+                 help="Largest output shard (SI units: 5GB = 5e9 bytes), 4KiB to 50GB."),
 ]
 
 
@@ -70,7 +138,7 @@ def _with_convert_options(f):
 
 def _options(precision, other_linear, scale_fmt, max_shard_size) -> ConvertOptions:
     return ConvertOptions(precision=precision, other_linear=other_linear, scale_fmt=scale_fmt,
-                          max_shard_size=parse_size(max_shard_size) if isinstance(max_shard_size, str) else DEFAULT_MAX_SHARD_SIZE)
+                          max_shard_size=max_shard_size if isinstance(max_shard_size, int) else DEFAULT_MAX_SHARD_SIZE)
 
 
 @main.command()
@@ -151,21 +219,26 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
 @click.option("--against", metavar="MODEL_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Also run OUT_DIR and its source MODEL_DIR on the same tokens, one layer at a time; compare MoE outputs and logits.")
-@click.option("--tokens", default="4x32", show_default=True, help="--against: BATCHxSEQ deterministic token ids.")
-@click.option("--seed", default=0, show_default=True, help="--against: seed of the token ids.")
+@click.option("--tokens", default="4x32", show_default=True, callback=_token_shape,
+              help="--against: BATCHxSEQ deterministic token ids (at most 4096 tokens).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1), help="--against: seed of the token ids.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="--against: compute dtype of both models.")
 @click.option("--device", default="cpu", show_default=True, help="--against: where both models run (cpu or cuda).")
 @click.option("--backend", type=click.Choice(["auto", "torch", "triton"]), default="auto", show_default=True,
               help="--against: the runtime's MoE path (Triton's float32 dots are TF32: use torch for the exact check on CUDA).")
-@click.option("--max-moe-err", type=float, default=None, help="--against: override the per-MoE-layer relative error bound.")
-@click.option("--max-logits-err", type=float, default=None, help="--against: override the final-logits relative error bound.")
-@click.option("--min-top1", type=float, default=None, help="--against: override the top-1 agreement bound.")
+@click.option("--max-moe-err", type=_Bound(0.0, math.inf), default=None, help="--against: override the per-MoE-layer relative error bound.")
+@click.option("--max-logits-err", type=_Bound(0.0, math.inf), default=None, help="--against: override the final-logits relative error bound.")
+@click.option("--min-top1", type=_Bound(0.0, 1.0), default=None, help="--against: override the top-1 agreement bound (0 to 1).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, max_moe_err, max_logits_err, min_top1, quiet):
     """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest; with --against, numerically against its source."""
     from .verify.checksums import verify_output
 
     try:
+        if against is not None:
+            from .verify.numerics import require_transformers
+
+            require_transformers()  # before the structural check: say at once what to install
         r = verify_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
         _fail(e)

@@ -11,16 +11,74 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 import torch
 
 from .errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000
+# config.json and the index are parsed whole: DeepSeek-V3's index (91k tensors) is 9 MB.
+MAX_JSON_BYTES = 100_000_000
+
+_NOT_REGULAR = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def _require_regular(st: os.stat_result, path: str | os.PathLike, what: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = _NOT_REGULAR.get(stat.S_IFMT(st.st_mode), "not a file")
+        raise CheckpointError(f"is {kind}, not a regular file (expected {what})", file=path)
+
+
+def open_regular(path: str | os.PathLike, what: str = "a regular file", buffering: int = -1) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file (symlinks followed), else a one-line CheckpointError.
+
+    A FIFO would block the open until some writer appears, a device may never end, a socket cannot
+    be opened: each is refused at once, before and after the open (O_NONBLOCK, then fstat), so a
+    file swapped for a FIFO between the two checks cannot hang the reader either.
+    """
+    try:
+        _require_regular(os.stat(path), path, what)
+        f = open(path, "rb", buffering=buffering, opener=_open_nonblocking)
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e.strerror or e}", file=path) from None
+    try:
+        _require_regular(os.fstat(f.fileno()), path, what)
+        os.set_blocking(f.fileno(), True)
+        return f
+    except BaseException:
+        f.close()
+        raise
+
+
+def _open_nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK)
+
+
+def read_small_file(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a small file that is parsed whole (config.json, an index, a manifest).
+
+    Raises CheckpointError naming the file when it is not a regular file or is larger than ``limit``.
+    """
+    with open_regular(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CheckpointError(f"is {size} bytes, expected {what} of at most {limit} bytes", file=path)
+        try:
+            return f.read(limit + 1)
+        except OSError as e:
+            raise CheckpointError(f"cannot read: {e.strerror or e}", file=path) from None
+
 
 DTYPE_SIZES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -64,8 +122,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     offsets that overlap or leave the file.
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, "a safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"not a safetensors file: {size} bytes, shorter than the 8-byte header length", file=path)
@@ -138,7 +196,7 @@ def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> b
         length = info.nbytes - start
     buf = bytearray(length)
     try:
-        with open(info.file, "rb", buffering=0) as f:
+        with open_regular(info.file, "a safetensors file", buffering=0) as f:
             got = os.preadv(f.fileno(), [buf], info.offset + start) if length else 0
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None

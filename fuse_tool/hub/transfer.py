@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 from ..errors import HubError
 from ..files import CONFIG_NAME, INDEX_NAME, MODEL_CARD_NAME
 from .model_card import human_bytes, render_model_card
+from .timeouts import bound_hub_requests
 from ..verify.integrity import (
     MANIFEST_FILE,
     ConvertedCheckpoint,
@@ -226,6 +227,13 @@ def _translate(
             msg = f"no {what} with this token (403 Forbidden{_server_says(e)}); use a token with write permission for that namespace"
         else:
             msg = f"cannot {action}: {endpoint} answered HTTP {status}{_server_says(e)}"
+    elif (e := find(httpx2.TimeoutException, TimeoutError)) is not None:
+        from .timeouts import hub_timeouts
+
+        t = hub_timeouts()
+        which, var = ("connect", "HF_HUB_ETAG_TIMEOUT") if isinstance(e, httpx2.ConnectTimeout) else ("read", "HF_HUB_DOWNLOAD_TIMEOUT")
+        msg = (f"the Hub at {endpoint} did not answer within {t[which]:g} s ({which} timeout) to {action}; "
+               f"check the network and HF_ENDPOINT, or raise {var}")
     elif (e := find(httpx2.TransportError, ConnectionError, TimeoutError)) is not None:
         msg = f"cannot reach the Hub at {endpoint} to {action} ({_reason(e)}); check the network and HF_ENDPOINT"
     else:
@@ -253,6 +261,7 @@ def resolve_model_source(
         return Path(s)
     if _LOOSE_REF.match(s) is None:
         raise HubError(f"{s}: no such local folder, and not a Hub repo id ('owner/name' or 'owner/name@revision')")
+    bound_hub_requests()
     repo_id, revision = parse_hub_reference(s)
     ep = _endpoint(endpoint)
 
@@ -380,6 +389,7 @@ def push_checkpoint(
     then the remote file list is checked against the local files (size, sha256 of LFS files).
     """
     say = log if log is not None else ((lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None))
+    bound_hub_requests()
     repo_id = _validate_repo_id(repo_id, need_namespace=False)
     revision = _validate_revision(revision)
     root = Path(out_dir)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import ConversionError
 from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, SKIPPED_FILES, is_temporary_name
-from runtime.safetensors_io import TensorInfo, read_header
+from runtime.safetensors_io import TensorInfo, read_header, read_small_file
 
 
 
@@ -43,11 +43,11 @@ class SourceCheckpoint:
             raise ConversionError("not a directory (expected a Hugging Face model folder)", file=root)
         inside = _Containment(root)
         config_path = root / CONFIG_NAME
-        if not config_path.is_file():
+        if not config_path.exists():
             raise ConversionError("no config.json: not a Hugging Face model folder", file=root)
         inside.require(config_path)
         try:
-            config = json.loads(config_path.read_text())
+            config = json.loads(read_small_file(config_path, "a JSON config file"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ConversionError(f"cannot parse ({e})", file=config_path) from None
         if not isinstance(config, dict):
@@ -55,7 +55,7 @@ class SourceCheckpoint:
 
         index_path = root / INDEX_NAME
         tensors: dict[str, TensorInfo] = {}
-        if index_path.is_file():
+        if index_path.exists():
             inside.require(index_path)
             shard_files, tensors = _read_indexed(root, index_path, inside)
         else:
@@ -159,7 +159,7 @@ def _files_to_copy(root: Path, weight_files: set[Path], inside: _Containment) ->
 
 def _read_indexed(root: Path, index_path: Path, inside: _Containment) -> tuple[list[Path], dict[str, TensorInfo]]:
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(read_small_file(index_path, "a safetensors index"))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
@@ -178,7 +178,7 @@ def _read_indexed(root: Path, index_path: Path, inside: _Containment) -> tuple[l
     shard_files = []
     for fname in sorted(by_file):
         path = root / fname
-        if not path.is_file():
+        if not path.exists():
             what = "the file does not exist"
             if path.is_symlink():
                 what = f"it is a symlink to {os.readlink(path)!r}, which does not exist (a Hub cache blob missing? download it again)"

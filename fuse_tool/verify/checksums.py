@@ -37,7 +37,7 @@ from runtime.layout import (
 
 from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION
 from ..errors import ConversionError
-from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header
+from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, open_regular, read_header, read_small_file
 
 
 
@@ -112,7 +112,7 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dic
     if not path.is_file():
         raise _err(f"no {MANIFEST_NAME}: not written by fuse-shared convert, or the conversion did not finish", root)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_small_file(path, "a fuse-shared manifest"))
         files = manifest["files"]
         if not isinstance(files, dict):
             raise TypeError("files is not an object")
@@ -162,7 +162,7 @@ def _check_not_in_progress(root: Path) -> None:
 
 def _sha256(path: Path, bar) -> str:
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, "a safetensors file", buffering=0) as f:
         while chunk := f.read(16 << 20):
             h.update(chunk)
             bar.update(len(chunk))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConversionError, FuseSharedError
-from runtime.safetensors_io import read_header
+from runtime.safetensors_io import open_regular, read_header, read_small_file
 from runtime.layout import (
     CONFIG_KEY,
     ExpertTensorNames,
@@ -73,20 +73,25 @@ def _fail(msg: str) -> IncompleteCheckpointError:
 
 
 def _load_json(path: Path, what: str) -> Any:
+    if not os.path.lexists(path):
+        raise _fail(f"{path}: {what} is missing")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise _fail(f"{path}: {what} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(read_small_file(path, what))
+    except FuseSharedError as e:  # not a regular file, too large
+        raise _fail(str(e)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise _fail(f"{path}: {what} is not readable JSON ({e})") from None
 
 
 def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
-    """Every regular file under ``out_dir`` (symlinks followed), as posix relpath -> size, skipping .git/ and .cache/."""
+    """Every regular file under ``out_dir``, as posix relpath -> size, skipping .git/ and .cache/.
+
+    Symlinks to files are followed; symlinks to folders are never descended into (a link to ``/``
+    or to the folder itself would otherwise walk, hash or upload what is not the checkpoint).
+    """
     root = Path(out_dir)
     files: dict[str, int] = {}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in sorted(filenames):
             p = Path(dirpath) / name
@@ -182,7 +187,7 @@ def _check_manifest(root: Path, manifest: Any, files: Mapping[str, int], verify_
 
 def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, "a file of the checkpoint") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -247,7 +252,10 @@ def check_converted_checkpoint(out_dir: str | os.PathLike, *, verify_checksums: 
                 raise _fail(f"{root / INDEX_FILE}: shard name {shard!r} points outside the folder")
             spath = root / shard
             if shard not in files:
-                raise _fail(f"{spath}: shard named by {INDEX_FILE} is missing")
+                if not os.path.lexists(spath):
+                    raise _fail(f"{spath}: shard named by {INDEX_FILE} is missing")
+                read_safetensors_header(spath)  # says what it is: a FIFO, a device, a dangling link
+                raise _fail(f"{spath}: shard named by {INDEX_FILE} lies behind a symlinked folder, which is not followed")
             t, _ = read_safetensors_header(spath)
             for tname in by_shard[shard]:
                 if tname not in t:

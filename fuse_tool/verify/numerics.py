@@ -30,6 +30,25 @@ import torch
 
 from runtime.fp8 import FP8_DTYPE
 
+from ..errors import VerifyError
+
+# ``verify --against`` builds both models with transformers' own classes; the other commands do not need it.
+TRANSFORMERS_MIN = (5, 22)
+VERIFY_EXTRA = "pip install 'fuse-shared[verify]'"
+
+
+def require_transformers() -> None:
+    """Raise a one-line VerifyError naming the ``verify`` extra when transformers is missing or too old."""
+    want = ".".join(map(str, TRANSFORMERS_MIN))
+    try:
+        import transformers
+    except ImportError:
+        raise VerifyError(f"--against needs transformers >= {want}, which is not installed: {VERIFY_EXTRA}") from None
+    have = getattr(transformers, "__version__", "0")
+    m = re.match(r"(\d+)\.(\d+)", have)
+    if not m or (int(m.group(1)), int(m.group(2))) < TRANSFORMERS_MIN:
+        raise VerifyError(f"--against needs transformers >= {want}, found {have}: {VERIFY_EXTRA}")
+
 
 @dataclass(frozen=True)
 class Bounds:
@@ -264,6 +283,25 @@ def format_result(r: VerifyResult) -> str:
     return "\n".join(lines)
 
 
+# verify --against keeps [tokens, vocab] float32 logits of both models: 2.7 GB each at 4096 tokens and
+# Kimi-K2's 163840-entry vocabulary. The check needs far fewer (4x32 by default).
+MAX_VERIFY_TOKENS = 4096
+
+
+def parse_tokens(text: str) -> tuple[int, int]:
+    """``--tokens BATCHxSEQ`` -> ``(batch, seq)``, each at least 1, at most MAX_VERIFY_TOKENS in all."""
+    m = re.fullmatch(r"\s*(\d{1,9})\s*[xX]\s*(\d{1,9})\s*", str(text))
+    if not m:
+        raise VerifyError(f"{text!r} is not BATCHxSEQ (e.g. 4x32)")
+    batch, seq = int(m.group(1)), int(m.group(2))
+    if batch < 1 or seq < 1:
+        raise VerifyError(f"{text!r}: batch and sequence length must be at least 1")
+    if batch * seq > MAX_VERIFY_TOKENS:
+        raise VerifyError(f"{text!r} is {batch * seq} tokens, expected at most {MAX_VERIFY_TOKENS} "
+                          "(both models' logits are held: tokens x vocab x 4 bytes each)")
+    return batch, seq
+
+
 def run_verify_cli(out_dir, model_dir, tokens: str, seed: int, dtype: str, device: str,
                    max_moe_err=None, max_logits_err=None, min_top1=None, echo=None, backend: str | None = None) -> int:
     """``fuse-shared verify OUT_DIR --against MODEL_DIR``: print the table, return the exit status.
@@ -273,12 +311,18 @@ def run_verify_cli(out_dir, model_dir, tokens: str, seed: int, dtype: str, devic
     import dataclasses
 
     echo = echo or (lambda text, err=False: print(text))
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", tokens)
-    if not m:
-        echo(f"error: --tokens must look like 4x32, got {tokens!r}", err=True)
+    try:
+        require_transformers()
+    except VerifyError as e:
+        echo(f"error: {e}", err=True)
+        return 1
+    try:
+        batch, seq_len = parse_tokens(tokens) if isinstance(tokens, str) else tokens
+    except VerifyError as e:
+        echo(f"error: --tokens: {e}", err=True)
         return 2
     try:
-        res = verify_against(out_dir, model_dir, batch=int(m.group(1)), seq_len=int(m.group(2)), seed=seed,
+        res = verify_against(out_dir, model_dir, batch=batch, seq_len=seq_len, seed=seed,
                              dtype=getattr(torch, dtype), device=device, backend=backend)
     except Exception as e:  # noqa: BLE001 - a one-line message, like every other command
         echo(f"error: {e}", err=True)

@@ -20,7 +20,9 @@ client treats it like the real Hub's CDN, sends it no token, and stops redirects
 Everything received is kept in memory (LFS objects by sha256, regular blobs by git sha1, commits per
 repo), every request is logged, and hooks can cut LFS uploads off: ``fail_lfs_puts_from = N`` answers
 the N-th and later PUTs with HTTP 507 (not retried by the client); ``stall_lfs_put = N`` makes the N-th
-PUT read half its body, set ``stalled`` and hang until ``release`` is set, then drop the connection.
+PUT read half its body, set ``stalled`` and hang until ``release`` is set, then drop the connection;
+``cut_body_after = N`` sends only the first N bytes of the next whole-file download, then drops the
+connection (``range_log`` records the Range header of every file body GET).
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ class FakeHub:
         self.validated_yaml: list[str] = []
         self.fail_lfs_puts_from: int | None = None
         self.stall_lfs_put: int | None = None
+        self.cut_body_after: int | None = None  # the next file body sent stops after this many bytes (connection dropped)
+        self.range_log: list[str | None] = []  # the Range header of every GET of a file body
         self.stalled = threading.Event()
         self.release = threading.Event()
         self._puts = itertools.count(1)
@@ -639,6 +643,24 @@ class _Base(BaseHTTPRequestHandler):
 
     def _serve_bytes(self, data: bytes, headers: dict[str, str]) -> None:
         rng = self.headers.get("Range")
+        if self.command == "GET":
+            with self.hub.lock:
+                self.hub.range_log.append(rng)
+                cut, self.hub.cut_body_after = self.hub.cut_body_after, None
+            if cut is not None and not rng:  # a first, whole-file GET: send the headers and part of the body, then hang up
+                self._rec.status = 200
+                self.send_response(200)
+                for k, v in {**headers, "Accept-Ranges": "bytes", "Content-Length": str(len(data)),
+                             "Content-Type": "application/octet-stream"}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data[:cut])
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            if cut is not None:
+                with self.hub.lock:
+                    self.hub.cut_body_after = cut  # not used up by a ranged GET
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip()) if rng else None
         if m and (m.group(1) or m.group(2)):
             size = len(data)
