@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import shutil
 import socket
 import sys
@@ -86,6 +87,16 @@ def _replace_with_link(p: Path, target: str) -> None:
     p.symlink_to(target)
 
 
+def _replace_with_zero_device(p: Path) -> None:
+    """A character device node (the one /dev/zero is) in the model folder itself: a symlink to /dev/zero would be
+    refused earlier, as a file outside the model folder."""
+    p.unlink()
+    try:
+        os.mknod(p, stat.S_IFCHR | 0o444, os.makedev(1, 5))
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+
+
 # ----------------------------------------------------------------------------- MODEL: special files
 
 SOURCE_CASES = {
@@ -95,7 +106,7 @@ SOURCE_CASES = {
     "config_is_fifo": ("config.json", _make_fifo, ("config.json: is a named pipe (FIFO), not a regular file", "expected a JSON config file")),
     "index_is_fifo": (INDEX, _make_fifo, (f"{INDEX}: is a named pipe (FIFO), not a regular file", "expected a safetensors index")),
     "shard_is_socket": ("shard", _make_socket, ("is a socket, not a regular file",)),
-    "shard_is_char_device": ("shard", lambda p: _replace_with_link(p, "/dev/zero"), ("is a character device, not a regular file",)),
+    "shard_is_char_device": ("shard", _replace_with_zero_device, ("is a character device, not a regular file",)),
     "shard_is_folder": ("shard", lambda p: (p.unlink(), p.mkdir()), ("is a directory, not a regular file",)),
     "config_is_folder": ("config.json", lambda p: (p.unlink(), p.mkdir()), ("config.json: is a directory, not a regular file",)),
 }
