@@ -13,9 +13,13 @@ def output_config(source_config: Mapping, config_key: str | None, block: FusedSh
     config = copy.deepcopy(dict(source_config))
     sub = config[config_key] if config_key else config
     sub[CONFIG_KEY] = block.to_dict()
+    # A routing that needs LAYOUT version 2 (DeepSeek-V4's, built in runtime/families/deepseek_v4.py) before
+    # runtime/layout.py resolves the version itself.
+    sub[CONFIG_KEY]["version"] = max(sub[CONFIG_KEY]["version"], getattr(block.routing, "needs_layout_version", 1))
     if out_fp8:
         for holder in (config, sub):
             holder.pop("quantization_config", None)
+            holder.pop("expert_dtype", None)  # the source's expert format (V4-Flash 0731 "fp4"): the experts are FP8 now
         qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [WEIGHT_BLOCK, WEIGHT_BLOCK]}
         if scale_fmt == "ue8m0":
             qc["scale_fmt"] = "ue8m0"
