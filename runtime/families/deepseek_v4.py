@@ -41,7 +41,7 @@ _RENAMES = (
     (r"\.attn_sink$", ".sinks"),
     (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
     (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."),
+    (r"\.(compressor(?:\.indexer)?)\.norm\.", r".\1.kv_norm."),  # transformers' "\.norm\." (its top-level norm has no dot before)
     (r"\.ape$", ".position_bias"),
     (r"\.wq_a\.", ".q_a_proj."),
     (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
