@@ -59,20 +59,20 @@ def transformers_dequantized(tensors: dict, weight: str) -> torch.Tensor:
     return Fp8Dequantize(None)._dequantize_one(packed, scale, output_dtype=torch.float32)
 
 
+def _converted(tmp_path_factory, style: str):
+    root = tmp_path_factory.mktemp(f"v4{style}")
+    src = build_v4_checkpoint(root / "src", style)
+    return src, root / "out", convert_checkpoint(src, root / "out", progress=False)
+
+
 @pytest.fixture(scope="module")
 def flash(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v4flash")
-    src = build_v4_checkpoint(root / "src", "flash")
-    result = convert_checkpoint(src, root / "out", progress=False)
-    return src, root / "out", result
+    return _converted(tmp_path_factory, "flash")
 
 
 @pytest.fixture(scope="module")
 def r0731(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v40731")
-    src = build_v4_checkpoint(root / "src", "0731")
-    result = convert_checkpoint(src, root / "out", progress=False)
-    return src, root / "out", result
+    return _converted(tmp_path_factory, "0731")
 
 
 def test_config_block_is_layout_v2(flash):

@@ -83,21 +83,18 @@ HAS_V2_ROUTING_SPEC = "hash_layers" in {f.name for f in dataclasses.fields(Routi
 
 
 @dataclasses.dataclass(frozen=True)
-class V2Routing:
-    """Stand-in for the LAYOUT v2 RoutingSpec until runtime/layout.py has it (same fields, same ``routing`` JSON)."""
+class V2Routing(RoutingSpec):
+    """Stand-in for the LAYOUT v2 RoutingSpec until runtime/layout.py has it: the v1 fields plus the v2 ones, the same
+    ``routing`` JSON. (The v1 checks would refuse ``sqrtsoftplus``; the v2 RoutingSpec checks every field.)"""
 
-    scoring: str
-    top_k: int
-    n_group: int = 1
-    topk_group: int = 1
-    renormalize: bool = True
-    routed_scaling_factor: float = 1.0
-    has_bias: bool = True
     group_score: str = "top2_sum"  # what v1 implied with a bias; V4 has no groups, so it is never used
     renormalize_form: str = "add"
     renormalize_eps: float = RENORMALIZE_EPS
     hash_layers: tuple[int, ...] = ()
     needs_layout_version: int = dataclasses.field(default=2, repr=False)  # read by plan.output_config
+
+    def __post_init__(self) -> None:
+        pass
 
     def v2_features(self) -> list[str]:
         return [f"routing.scoring {self.scoring!r}"] + ([f"routing.hash_layers {list(self.hash_layers)}"] if self.hash_layers else [])
