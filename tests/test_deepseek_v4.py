@@ -304,3 +304,73 @@ def test_fixture_inventories_are_what_the_plan_assumes():
         assert rows["layers.0.ffn.shared_experts.w1.scale"] == ("F8_E8M0", (16, 32))
         assert sorted(n for n in rows if n.endswith("tid2eid")) == [f"layers.{i}.ffn.gate.tid2eid" for i in range(3)]
         assert json.loads((FIXTURES / name / "config.json").read_text()).get("expert_dtype") == ("fp4" if "0731" in name else None)
+
+
+# ----------------------------------------------------------------------------- the fused MoE block against transformers'
+
+
+def _v4_fused_moe(x, token_ids, t: dict, root: str, top_k: int, rsf: float) -> torch.Tensor:
+    """A fused V4 MoE layer in plain PyTorch, from the converted tensors only: LAYOUT v2 section 5 routing (sqrtsoftplus,
+    bias on the choice, or the hash table's ids; renormalized with eps 1e-20, times rsf), S shared slots at weight 1.0,
+    section 3's per-slot clamped SwiGLU. TODO: switch to runtime.route / runtime.fused_moe once they take V4 (hash
+    layers, token ids): the routing engineer's work."""
+    f32 = lambda n: torch.frombuffer(bytearray(raw(t[n])), dtype=torch.float32).reshape(t[n].shape)  # noqa: E731
+    X = f"{root}.ffn.experts"
+    scores = torch.nn.functional.softplus(x @ f32(f"{root}.ffn.gate.weight").T).sqrt()
+    if f"{root}.ffn.gate.tid2eid" in t:
+        table = torch.frombuffer(bytearray(raw(t[f"{root}.ffn.gate.tid2eid"])), dtype=torch.int64).reshape(t[f"{root}.ffn.gate.tid2eid"].shape)
+        ids = table[token_ids]
+    else:
+        ids = torch.topk(scores + f32(f"{root}.ffn.gate.bias"), top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    w = rsf * w / (w.sum(-1, keepdim=True) + 1e-20)
+    ids = torch.cat([ids, torch.full((x.shape[0], S), E)], 1)
+    w = torch.cat([w, torch.ones(x.shape[0], S)], 1)
+    alpha, beta, limit = (f32(f"{X}.{p}") for p in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"))
+    out = torch.zeros_like(x)
+    for e in range(E + S):
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        if not len(rows):
+            continue
+        g = x[rows] @ fp8_dequantized(t, f"{X}.{e}.w1.weight").T
+        u = x[rows] @ fp8_dequantized(t, f"{X}.{e}.w3.weight").T
+        g, u = g.clamp(max=limit[e]), u.clamp(-limit[e], limit[e])
+        h = g * torch.sigmoid(alpha[e] * g) * (u + beta[e])
+        out.index_add_(0, rows, (h @ fp8_dequantized(t, f"{X}.{e}.w2.weight").T) * w[rows, slot, None])
+    return out
+
+
+def test_fused_moe_blocks_match_transformers(tmp_path):
+    """Where the MXFP4 -> FP8 conversion is exact (no outlier groups here), every fused MoE layer equals transformers'
+    DeepseekV4SparseMoeBlock loaded with the source weights as transformers dequantizes them, to float32 rounding:
+    the hash layer (ids from tid2eid, token ids passed) and the score-routed ones."""
+    src = build_v4_checkpoint(tmp_path / "src", "flash", seed=5, outlier_experts=())
+    result = convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert result.plan.exactness.inexact_blocks == 0
+    s, o = tensors_of(src), tensors_of(tmp_path / "out")
+    model = transformers_model(seed=5)
+    torch.manual_seed(11)
+    T = 24
+    x = torch.randn(T, H) * 100  # large enough that the swiglu_limit clamps bite (|gate|, |up| well past 10)
+    token_ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], (T,))
+    for layer, root in enumerate(ROOTS):
+        block = model.model.layers[layer].mlp
+        assert block.is_hash == (layer == 0)
+        X = f"{root}.ffn.experts"
+        with torch.no_grad():
+            gate = torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.weight"])), dtype=torch.bfloat16).reshape(E, H)
+            block.gate.weight.copy_(gate.float())
+            if block.is_hash:
+                block.gate.tid2eid.copy_(torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.tid2eid"])), dtype=torch.int64).reshape(-1, 2))
+            else:
+                block.gate.e_score_correction_bias.copy_(torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.bias"])), dtype=torch.float32))
+            for e in range(E):
+                w1, w3, w2 = (transformers_dequantized(s, f"{X}.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
+                block.experts.gate_up_proj[e].copy_(torch.cat([w1, w3]))
+                block.experts.down_proj[e].copy_(w2)
+            for p, mod in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                getattr(block.shared_experts, mod).weight.copy_(fp8_dequantized(s, f"{root}.ffn.shared_experts.{p}.weight"))
+            want = block(x[None], token_ids[None] if block.is_hash else None)[0]
+        got = _v4_fused_moe(x, token_ids, o, root, top_k=2, rsf=1.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            assert float((x @ block.shared_experts.gate_proj.weight.detach().T).abs().max()) > 20  # the clamp was exercised

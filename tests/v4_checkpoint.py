@@ -172,11 +172,12 @@ def _mtp_block(tensors: dict, n: int, source_layer: int, heads: dict) -> dict:
     return block
 
 
-def build_v4_checkpoint(out: Path, style: str = "flash", seed: int = 0) -> Path:
-    """Write a tiny V4 release-format checkpoint (two shards, an index, config.json); returns ``out``."""
+def build_v4_checkpoint(out: Path, style: str = "flash", seed: int = 0, outlier_experts: tuple[tuple[int, int], ...] = ((1, 0),)) -> Path:
+    """Write a tiny V4 release-format checkpoint (two shards, an index, config.json) of ``transformers_model(seed=seed)``;
+    returns ``out``. ``outlier_experts``: see :func:`release_tensors`."""
     out.mkdir(parents=True, exist_ok=True)
     model = transformers_model(seed=seed)
-    tensors = release_tensors(model)
+    tensors = release_tensors(model, outlier_experts)
     last = LAYERS - 1  # a score-routed layer (the hash layers are the first)
     torch.manual_seed(seed + 1)
     config = json.loads(json.dumps(RELEASE_CONFIG))
