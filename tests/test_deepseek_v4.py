@@ -373,4 +373,4 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
             want = block(x[None], token_ids[None] if block.is_hash else None)[0]
         got = _v4_fused_moe(x, token_ids, o, root, top_k=2, rsf=1.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-            assert float((x @ block.shared_experts.gate_proj.weight.detach().T).abs().max()) > 20  # the clamp was exercised
+        assert float((x @ block.shared_experts.gate_proj.weight.detach().T).abs().max()) > 20  # the clamp was exercised
