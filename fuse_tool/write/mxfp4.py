@@ -23,7 +23,7 @@ def _rows(m, r0: int, r1: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).reshape(r1 - r0, m.cols) if r1 > r0 else torch.empty((0, m.cols), dtype=torch.uint8)
 
 
-def mxfp4_projection(task: ProjectionTask, allow_non_finite: bool) -> Iterator[Write]:
+def mxfp4_projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Write]:
     """The FP8 weight and its E8M0 block scales of one whole MXFP4 weight (``[out, in/2]`` bytes -> ``[out, in]``)."""
     w, s = task.source.weight, task.source.scale
     cols = 2 * w.cols
@@ -35,7 +35,7 @@ def mxfp4_projection(task: ProjectionTask, allow_non_finite: bool) -> Iterator[W
         if not allow_non_finite and bool((scales == E8M0_NAN).any()):
             raise ConversionError(f"has {int((scales == E8M0_NAN).sum())} NaN scales (E8M0 0xFF); pass --allow-non-finite to convert anyway",
                                   file=s.info.file, tensor=s.info.name)
-        q, scale, moved, within = mxfp4_to_fp8_blocks(_rows(w, r0, r1), scales)
+        q, scale, moved, within = (t.cpu() for t in mxfp4_to_fp8_blocks(_rows(w, r0, r1).to(device), scales.to(device)))
         if not allow_non_finite and not bool(torch.isfinite(q.to(torch.float32)).all()):
             raise ConversionError("has values that are not finite after scaling; pass --allow-non-finite to convert anyway",
                                   file=w.info.file, tensor=w.info.name)
