@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fuse_tool.cli import main
 from fuse_tool.convert import convert_checkpoint, plan_conversion
@@ -374,3 +376,20 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
         got = _v4_fused_moe(x, token_ids, o, root, top_k=2, rsf=1.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert float((x @ block.shared_experts.gate_proj.weight.detach().T).abs().max()) > 20  # the clamp was exercised
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), top=st.integers(20, 235), spread=st.integers(0, 40), rows=st.sampled_from([128, 200, 256]))
+def test_mxfp4_exactness_rule_property(seed, top, spread, rows):
+    """Any codes and group scales: tiles within the rule are bit-exact, the others move by at most 2^-10 of their scale,
+    and ``moved`` is exactly the worst move of each tile."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, 128), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = (top - torch.randint(0, spread + 1, (rows, 8), generator=g, dtype=torch.int32)).clamp(1, 254).to(torch.uint8)
+    q, sc, moved, within = mxfp4_to_fp8_blocks(packed, scales)
+    B = e8m0_to_float(sc)
+    err = (q.float() * B.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows] - dequantize_mxfp4(packed, scales)).abs()
+    worst = torch.nn.functional.pad(err, (0, 0, 0, (-rows) % 128)).reshape(-1, 128, 2, 128).amax(dim=(1, 3)) / B
+    assert torch.equal(worst[within], torch.zeros_like(worst[within]))
+    assert bool((worst <= MAX_INEXACT_ERROR).all())
+    assert torch.equal(moved, worst)
