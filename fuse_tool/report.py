@@ -60,5 +60,6 @@ def describe_plan(plan: ConversionPlan) -> str:
     if plan.modules_to_not_convert and plan.options.precision == "fp8":
         lines.append(f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)")
     lines += [f"note           {n}" for n in plan.notes]
-    lines += describe_exactness(plan.exactness) if plan.exactness is not None else []
+    if plan.exactness is not None:
+        lines += describe_exactness(plan.exactness, sum(getattr(t, "mode", None) == "mxfp4" for s in plan.shards for t in s.tasks))
     return "\n".join(lines)

@@ -393,3 +393,17 @@ def test_mxfp4_exactness_rule_property(seed, top, spread, rows):
     assert torch.equal(worst[within], torch.zeros_like(worst[within]))
     assert bool((worst <= MAX_INEXACT_ERROR).all())
     assert torch.equal(moved, worst)
+
+
+def test_exactness_summary_lines():
+    from fuse_tool.plan.exactness import ExactnessReport, describe_exactness
+
+    r = ExactnessReport()
+    assert describe_exactness(r) == []
+    r.add("a.weight", 4, 0, 1, 0.0)
+    r.add("b.weight", 4, 2, 2, 2.0**-10)
+    r.add("b.weight", 4, 1, 1, 2.0**-11)
+    lines = describe_exactness(r, planned=5)
+    assert lines[0].endswith("12 blocks of 128x128: 9 exact, 3 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)")
+    assert "not exact    b.weight: 3 of 8 blocks, moved by at most 2^-10 of the block scale" in lines[1]
+    assert "measured     2 of the plan's 5 MXFP4 tensors" in lines[2]

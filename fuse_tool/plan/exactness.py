@@ -54,8 +54,9 @@ def _pow2(x: float) -> str:
     return "0" if x == 0 else f"2^{math.log2(x):g}" if math.log2(x).is_integer() else f"{x:.3g}"
 
 
-def describe_exactness(report: ExactnessReport, limit: int = 20) -> list[str]:
-    """Summary lines: how many MXFP4 blocks were converted exactly, and each tensor that was not (worst first, up to ``limit``)."""
+def describe_exactness(report: ExactnessReport, planned: int | None = None, limit: int = 20) -> list[str]:
+    """Summary lines: how many MXFP4 blocks were converted exactly, and each tensor that was not (worst first, up to ``limit``).
+    ``planned``: how many MXFP4 tensors the plan converts (more than were measured when --resume kept some shards)."""
     if not report.tensors:
         return []
     bad = report.inexact()
@@ -67,4 +68,7 @@ def describe_exactness(report: ExactnessReport, limit: int = 20) -> list[str]:
         lines.append(f"  not exact    {name}: {t.inexact_blocks} of {t.blocks} blocks, moved by at most {_pow2(t.max_moved)} of the block scale")
     if len(worst) > limit:
         lines.append(f"  not exact    ... and {len(worst) - limit} more tensors")
+    if planned is not None and planned > len(report.tensors):
+        lines.append(f"  measured     {len(report.tensors):,} of the plan's {planned:,} MXFP4 tensors (the others are in shards written by an "
+                     "earlier run and kept by --resume)")
     return lines
