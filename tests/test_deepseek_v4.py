@@ -407,3 +407,21 @@ def test_exactness_summary_lines():
     assert lines[0].endswith("12 blocks of 128x128: 9 exact, 3 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)")
     assert "not exact    b.weight: 3 of 8 blocks, moved by at most 2^-10 of the block scale" in lines[1]
     assert "measured     2 of the plan's 5 MXFP4 tensors" in lines[2]
+
+
+def test_hash_layers_come_from_the_tables(tmp_path):
+    """The tensors decide which layers are hash-routed (the config's count is only compared); a table beside a bias is refused."""
+    src = build_v4_checkpoint(tmp_path / "src", "flash")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_hash_layers": 2}))
+    plan = plan_conversion(src)
+    assert list(plan.block.routing.hash_layers) == [0]
+    assert any("config.json makes layers [0, 1] hash-routed; the checkpoint has gate tables on layers [0]" in n for n in plan.notes)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    from v4_checkpoint import write_safetensors  # a selection bias on the hash layer
+
+    write_safetensors(src / "extra.safetensors", {"layers.0.ffn.gate.bias": ("F32", torch.zeros(E))})
+    index["weight_map"]["layers.0.ffn.gate.bias"] = "extra.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="hash-routing table and a selection bias"):
+        plan_conversion(src)
