@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from .plan import ConversionPlan
+from .plan.exactness import describe_exactness
 
 
 def _ranges(xs: list[int]) -> str:
@@ -31,6 +34,7 @@ def describe_plan(plan: ConversionPlan) -> str:
     decoder = [lp.layer for lp in plan.layers if not lp.is_mtp]
     mtp = [lp.layer for lp in plan.layers if lp.is_mtp]
     groups = f", {r.n_group} groups / top {r.topk_group}" if r.n_group > 1 else ""
+    hashed = [lp.layer for lp in plan.layers if lp.is_hash]
     kinds = plan.bytes_by_kind()
     storage = sorted({lp.storage for lp in plan.layers})
     shared_modes = sorted({m for lp in plan.layers for m in lp.shared_modes})
@@ -39,10 +43,11 @@ def describe_plan(plan: ConversionPlan) -> str:
         f"experts        E={b.num_routed_experts} routed + S={b.num_fused_shared_experts} shared slot(s) -> {b.num_experts} per MoE layer "
         f"(I={b.expert_intermediate_size}, shared W={b.source_shared_intermediate_size})",
         f"routing        {r.scoring}, top-{r.top_k}{groups}, {'renormalized' if r.renormalize else 'not renormalized'}, "
-        f"rsf {r.routed_scaling_factor:g}, {'with' if r.has_bias else 'no'} selection bias",
+        f"rsf {r.routed_scaling_factor:g}, {'with' if r.has_bias else 'no'} selection bias"
+        + (f"; hash-routed layers {_ranges(hashed)} (token table, no bias)" if hashed else ""),
         f"activation     {b.activation}" + (
             f" (alpha {a.activation_params.alpha:g}, beta {a.activation_params.beta:g}, limit {a.activation_params.clamp_limit:g})"
-            if b.activation == "swiglu_oai" else ""),
+            if b.activation == "swiglu_oai" or math.isfinite(a.activation_params.clamp_limit) else ""),
         f"MoE layers     {len(decoder)} decoder ({_ranges(decoder)}) + {len(mtp)} MTP ({_ranges(mtp)})",
         f"expert storage {', '.join(storage)}; source format {', '.join(sorted({lp.source_format for lp in plan.layers}))}",
         f"source         {len(plan.source.tensors):,} tensors in {len(plan.source.shard_files)} files, "
@@ -56,4 +61,6 @@ def describe_plan(plan: ConversionPlan) -> str:
         lines.append(f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)")
     lines += [f"note           {n}" for n in plan.notes]
     lines += [f"not copied     {name}: {why}" for name, why in plan.source.skipped]
+    if plan.exactness is not None:
+        lines += describe_exactness(plan.exactness, sum(getattr(t, "mode", None) == "mxfp4" for s in plan.shards for t in s.tasks))
     return "\n".join(lines)

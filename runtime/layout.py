@@ -59,6 +59,24 @@ def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
 
+# DeepSeek-V4's scale convention (LAYOUT v2 section 4): one-byte power-of-two scales 2^(b-127),
+# dtype F8_E8M0, named after the module (``<module>.scale`` beside ``<module>.weight``).
+E8M0_DTYPE_CODE = "F8_E8M0"
+SCALE_STORAGES = ("f32", "e8m0")  # float32 ``<weight>_scale_inv``, or E8M0 ``<module>.scale``
+
+
+def e8m0_scale_name(weight_name: str) -> str:
+    """Name of the E8M0 scale that belongs to a weight: ``x.weight`` -> ``x.scale``."""
+    return (weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name) + ".scale"
+
+
+def block_scale_tensor(weight_name: str, storage: str = "f32") -> tuple[str, str]:
+    """Name and dtype of a weight's block scale under a family's scale storage (``SCALE_STORAGES``)."""
+    if storage == "e8m0":
+        return e8m0_scale_name(weight_name), E8M0_DTYPE_CODE
+    return scale_name(weight_name), "F32"
+
+
 def num_shared_slots(shared_width: int, expert_width: int) -> int:
     """S = ceil(W / I): how many trailing expert slots the shared MLP becomes."""
     if shared_width <= 0:

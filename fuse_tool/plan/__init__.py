@@ -17,8 +17,8 @@ The executor (``fuse_tool.write.execute``) then streams the plan; ``inspect`` an
 from __future__ import annotations
 
 from runtime.errors import ModelError
-from runtime.families import describe_model
-from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, RoutingSpec, num_shared_slots
+from runtime.families import describe_model, family_for
+from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
 
 from .. import __version__
 from ..errors import ConversionError
@@ -45,13 +45,19 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
         src_fmt = source_scale_fmt(src.config)
     except ModelError as e:  # config checks name the field; name the file it is in
         raise type(e)(e.detail, file=config_path if e.file in (None, CONFIG_NAME) else e.file, tensor=e.tensor, field=e.field) from None
+    scale_fmt = options.scale_fmt or src_fmt
+    if arch.names.scale_storage == "e8m0":  # one-byte power-of-two scales: ue8m0 whatever the config says
+        if options.scale_fmt == "float":
+            raise ConversionError(f"--scale-fmt float: {arch.family} files store every FP8 scale as one F8_E8M0 byte (a power of two); "
+                                  "use --scale-fmt ue8m0 or leave it out", file=config_path)
+        scale_fmt = "ue8m0"
     if options.precision == "source" and quant != "none":
         raise ConversionError(
             f"--precision source keeps the source's precision and writes no FP8, but this source is already "
             f"quantized ({quant}); use --precision fp8 (its FP8 blocks are copied unchanged)",
             file=config_path,
         )
-    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, options.scale_fmt or src_fmt)
+    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt)
 
 
 def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[int]]:
@@ -63,6 +69,11 @@ def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[i
         if layer not in with_experts:
             raise inputs.error(f"config.json makes layer {layer} a MoE layer, but the checkpoint has no expert tensors under {arch.layer_prefix}{layer}.")
     mtp_fused = [layer for layer in arch.mtp_layers if layer in with_experts]
+    if arch.names.mtp_prefix:  # MTP blocks under their own prefix are found from the names, whatever the config announces
+        mtp_fused = sorted(layer for layer in with_experts if layer >= arch.num_hidden_layers)
+        if len(mtp_fused) != len(arch.mtp_layers):
+            parts.notes.append(f"config.json announces {len(arch.mtp_layers)} MTP block(s) (num_nextn_predict_layers); the checkpoint has "
+                               f"{len(mtp_fused)} under {arch.names.mtp_prefix}N: all {len(mtp_fused)} are fused")
     for layer in arch.mtp_layers:
         if layer not in with_experts:
             parts.notes.append(f"MTP layer {layer} is announced by the config but not in the checkpoint")
@@ -90,11 +101,21 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
     for layer in all_moe:
         lp, has_bias = plan_moe_layer(inputs, parts, geometry, layer, is_mtp=layer in mtp_fused)
         layer_plans.append(lp)
-        bias_seen.append(has_bias)
+        if not lp.is_hash:  # hash-routed layers are bias-free; has_bias describes the score-routed ones
+            bias_seen.append(has_bias)
     if any(bias_seen) and not all(bias_seen):
-        missing = [lp.layer for lp, b in zip(layer_plans, bias_seen) if not b]
+        missing = [lp.layer for lp, b in zip((lp for lp in layer_plans if not lp.is_hash), bias_seen) if not b]
         raise inputs.error(f"some MoE layers have an e_score_correction_bias and layers {missing} do not")
-    routing = RoutingSpec(**{**arch.routing.to_dict(), "has_bias": bool(bias_seen and all(bias_seen))})
+    hash_layers = tuple(lp.layer for lp in layer_plans if lp.is_hash)
+    family = family_for(src.config)
+    routing = family.planned_routing(arch, bool(bias_seen and all(bias_seen)), hash_layers)
+    config_hash = family.config_hash_layers(src.config)
+    if config_hash != hash_layers:
+        parts.notes.append(f"config.json makes layers {list(config_hash)} hash-routed; the checkpoint has gate tables on layers "
+                           f"{list(hash_layers)}: the tables decide")
+    source_quantization = inputs.source_quantization
+    if any(lp.source_format == "mxfp4" for lp in layer_plans):
+        source_quantization += ", routed experts MXFP4 (found in the tensors)"
     if arch.routing.has_bias and not routing.has_bias and arch.expects_bias:
         parts.notes.append("no e_score_correction_bias in the checkpoint: routing without a selection bias")
 
@@ -109,15 +130,15 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         activation=arch.activation,
         routing=routing,
         weight_block_size=(WEIGHT_BLOCK, WEIGHT_BLOCK) if inputs.out_fp8 else None,
-        source={"model_type": arch.model_type, "quantization": inputs.source_quantization, "converter_version": __version__},
+        source={"model_type": arch.model_type, "quantization": source_quantization, "converter_version": __version__},
     )
     modules = sorted(parts.not_converted)
     return ConversionPlan(
         source=src, arch=arch, options=options, block=block, layers=layer_plans,
         shards=assign_shards(parts.groups, options.max_shard_size),
         config=output_config(src.config, arch.config_key, block, inputs.out_fp8, inputs.scale_fmt, modules),
-        scale_fmt=inputs.scale_fmt, source_quantization=inputs.source_quantization,
-        modules_to_not_convert=modules, notes=parts.notes,
+        scale_fmt=inputs.scale_fmt, source_quantization=source_quantization,
+        modules_to_not_convert=modules, notes=parts.notes, exactness=inputs.exactness,
     )
 
 

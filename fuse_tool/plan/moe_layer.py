@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from runtime.layout import PER_EXPERT_NAMES, STACKED_DOWN, STACKED_GATE_UP, gemm1_param_names, scale_grid, scale_name
+from runtime.layout import PER_EXPERT_NAMES, STACKED_DOWN, STACKED_GATE_UP, block_scale_tensor, gemm1_param_names, scale_grid, scale_name
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
 from .context import PlanInputs, PlanParts
@@ -26,10 +26,16 @@ class Geometry:
 
 
 def layers_with_experts(inputs: PlanInputs) -> dict[int, str]:
-    """Every layer index under the family's layer prefix that holds expert tensors, with one such tensor's name."""
+    """Every layer index under the family's layer prefix that holds expert tensors, with one such tensor's name
+    (MTP blocks under the family's own MTP prefix, ``mtp.N.``, as layer ``num_hidden_layers + N``)."""
     found: dict[int, str] = {}
     names = inputs.arch.names
     for name in inputs.tensors:
+        if names.mtp_prefix and name.startswith(names.mtp_prefix):
+            n, _, rest = name[len(names.mtp_prefix):].partition(".")
+            if n.isdigit() and any(rest.startswith(f"{b}.experts.") for b in names.block_names):
+                found.setdefault(inputs.arch.num_hidden_layers + int(n), name)
+            continue
         if not name.startswith(names.layer_prefix):
             continue
         m = LAYER_RE.match(name)
@@ -38,14 +44,22 @@ def layers_with_experts(inputs: PlanInputs) -> dict[int, str]:
     return found
 
 
+def layer_root(inputs: PlanInputs, layer: int) -> str:
+    """Where a layer's modules live: ``{layer_prefix}{layer}``, or ``{mtp_prefix}{n}`` for an MTP block stored under its own prefix."""
+    names, n_layers = inputs.arch.names, inputs.arch.num_hidden_layers
+    if names.mtp_prefix and layer >= n_layers:
+        return f"{names.mtp_prefix}{layer - n_layers}"
+    return f"{names.layer_prefix}{layer}"
+
+
 def block_prefix(inputs: PlanInputs, layer: int) -> str:
     """The MoE block of a layer: the first of the family's block names whose expert 0 is present."""
     names = inputs.arch.names
     for b in names.block_names:
-        p = f"{names.layer_prefix}{layer}.{b}"
+        p = f"{layer_root(inputs, layer)}.{b}"
         if any(f"{p}.experts.{n}" in inputs.tensors for n in (STACKED_GATE_UP, "0.gate_proj.weight", "0.w1.weight")):
             return p
-    raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {names.layer_prefix}{layer}."
+    raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {layer_root(inputs, layer)}."
                        f"{{{','.join(names.block_names)}}}.experts.0.gate_proj.weight / .w1.weight / experts.gate_up_proj)")
 
 
@@ -74,12 +88,13 @@ def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int
     if f"{SH}.gate_up_proj.weight" in inputs.tensors:
         gu = source_weight(inputs, parts, f"{SH}.gate_up_proj.weight", expect=(2 * W, H))[0]
         return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.down_proj.weight", expect=(H, W))[0])
-    if f"{SH}.gate_proj.weight" in inputs.tensors:
-        return (
-            source_weight(inputs, parts, f"{SH}.gate_proj.weight", expect=(W, H))[0],
-            source_weight(inputs, parts, f"{SH}.up_proj.weight", expect=(W, H))[0],
-            source_weight(inputs, parts, f"{SH}.down_proj.weight", expect=(H, W))[0],
-        )
+    for gate, up, down in PER_EXPERT_NAMES.values():  # gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
+        if f"{SH}.{gate}.weight" in inputs.tensors:
+            return (
+                source_weight(inputs, parts, f"{SH}.{gate}.weight", expect=(W, H))[0],
+                source_weight(inputs, parts, f"{SH}.{up}.weight", expect=(W, H))[0],
+                source_weight(inputs, parts, f"{SH}.{down}.weight", expect=(H, W))[0],
+            )
     raise inputs.error(f"MoE layer {layer} has no shared expert (expected {SH}.gate_proj.weight [{W}, {H}] or {SH}.gate_up_proj.weight)",
                        f"{SH}.gate_proj.weight")
 
@@ -132,14 +147,20 @@ def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, 
     for e, (trio, cut3) in enumerate(zip(slots, cuts)):
         for p, sw, cut in zip(PER_EXPERT_NAMES[storage], trio, cut3):
             out_name = f"{X}.{e}.{p}.weight"
-            task = projection_task(inputs, sw, cut, fp8, Target(out_name), Target(scale_name(out_name)) if fp8 else None)
+            s_name, s_dtype = block_scale_tensor(out_name, inputs.arch.names.scale_storage)
+            task = projection_task(inputs, sw, cut, fp8, Target(out_name), Target(s_name) if fp8 else None)
             tensors = [OutputTensor(out_name, task.out_dtype, (cut.out_rows, cut.out_cols))]
             if fp8:
-                tensors.append(OutputTensor(scale_name(out_name), "F32", scale_grid(cut.out_rows, cut.out_cols)))
+                tensors.append(OutputTensor(s_name, s_dtype, scale_grid(cut.out_rows, cut.out_cols)))
             parts.groups.append(Group(tensors, [task], (str(sw.weight.info.file), sw.weight.info.offset)))
             if e >= g.E:
                 shared_modes.append(task.mode)
     return shared_modes
+
+
+def _mixed_formats_ok(inputs: PlanInputs, routed: str, shared: str) -> bool:
+    """MXFP4 routed experts beside an FP8-block shared expert (DeepSeek-V4): both become FP8 blocks."""
+    return inputs.out_fp8 and routed == "mxfp4" and shared == "fp8-block"
 
 
 def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int, is_mtp: bool) -> tuple[LayerPlan, bool]:
@@ -165,7 +186,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
                 raise inputs.error(f"is stored as {sw.fmt}, but routed expert 0 is {fmt}: all experts must share one format", sw.weight.info.name)
     shared = _shared_mlp(inputs, parts, P, layer, g.W, H)
     for sw in shared:
-        if sw.fmt != fmt:
+        if sw.fmt != fmt and not _mixed_formats_ok(inputs, fmt, sw.fmt):
             raise inputs.error(f"shared expert is stored as {sw.fmt} but the routed experts as {fmt}: shared and routed experts must share one format",
                                sw.weight.info.name)
 
@@ -192,6 +213,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
             parts.consumed.add(bias_name)
             parts.groups.append(Group([OutputTensor(bias_name, b.dtype, b.shape)], [CopyTask(b, Target(bias_name))], (str(b.file), b.offset)))
             has_bias = True
+    is_hash = _plan_hash_table(inputs, parts, P, layer, g, has_bias)
     act = inputs.arch.activation_params
     values = {"gemm1_alpha": act.alpha, "gemm1_beta": act.beta, "gemm1_clamp_limit": act.clamp_limit}
     num_slots = g.E + g.S
@@ -206,4 +228,20 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
             if m and int(m.group(1)) >= g.E:
                 raise inputs.error(f"config.json says {g.E} routed experts, but the checkpoint has expert {m.group(1)}", name)
             raise inputs.error(f"unexpected tensor in MoE layer {layer} (not an expert, shared expert, router or bias)", name)
-    return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes)), has_bias
+    return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash), has_bias
+
+
+def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g: Geometry, has_bias: bool) -> bool:
+    """A hash-routed layer's token table (``gate.tid2eid``, integer ``[vocab, K]``), copied unchanged; True if the layer has one."""
+    table = inputs.arch.names.hash_table
+    info = inputs.tensors.get(f"{P}.{table}") if table else None
+    if info is None:
+        return False
+    K = inputs.arch.routing.top_k
+    if len(info.shape) != 2 or info.shape[1] != K or info.dtype not in ("I64", "I32"):
+        raise inputs.error(f"has shape {list(info.shape)} and dtype {info.dtype}, expected an I64 [vocab, {K}] table of expert ids", info.name)
+    if has_bias:
+        raise inputs.error(f"layer {layer} has a hash-routing table and a selection bias; hash-routed layers are bias-free", info.name)
+    parts.consumed.add(info.name)
+    parts.groups.append(Group([OutputTensor(info.name, info.dtype, info.shape)], [CopyTask(info, Target(info.name))], (str(info.file), info.offset)))
+    return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from runtime.layout import scale_grid, scale_name
+from runtime.layout import E8M0_DTYPE_CODE, block_scale_tensor, scale_grid, scale_name
 from runtime.safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
 from .context import PlanInputs, PlanParts
@@ -37,8 +37,9 @@ def _is_quantizable_linear(inputs: PlanInputs, info: TensorInfo, in_decoder: boo
 
 def _plan_linear(inputs: PlanInputs, parts: PlanParts, name: str, sw: SourceWeight, order: tuple[str, int]) -> None:
     w = sw.weight
-    task = projection_task(inputs, sw, Cut.whole(w.rows, w.cols), True, Target(name), Target(scale_name(name)))
-    tensors = [OutputTensor(name, FP8_DTYPE_CODE, (w.rows, w.cols)), OutputTensor(scale_name(name), "F32", scale_grid(w.rows, w.cols))]
+    s_name, s_dtype = block_scale_tensor(name, inputs.arch.names.scale_storage)
+    task = projection_task(inputs, sw, Cut.whole(w.rows, w.cols), True, Target(name), Target(s_name))
+    tensors = [OutputTensor(name, FP8_DTYPE_CODE, (w.rows, w.cols)), OutputTensor(s_name, s_dtype, scale_grid(w.rows, w.cols))]
     parts.groups.append(Group(tensors, [task], order))
 
 
@@ -47,10 +48,11 @@ def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
     arch = inputs.arch
     decoder_layers = set(range(arch.num_hidden_layers)) | set(arch.mtp_layers)
     scale_suffixes = (scale_name(""), CT_SCALE_SUFFIX, CT_INPUT_SCALE)
+    e8m0 = arch.names.scale_storage == "e8m0"  # scales are F8_E8M0 "<module>.scale" (names like hc_head_scale are not scales)
     for name, info in inputs.tensors.items():
         if name in parts.consumed:
             continue
-        if name.endswith(scale_suffixes):
+        if (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale")) if e8m0 else name.endswith(scale_suffixes):
             continue  # claimed by their weight below; leftovers are checked at the end
         m = LAYER_RE.match(name)
         in_decoder = bool(m and m.group("prefix") == arch.layer_prefix and int(m.group("layer")) in decoder_layers)

@@ -16,6 +16,7 @@ def output_config(source_config: Mapping, config_key: str | None, block: FusedSh
     if out_fp8:
         for holder in (config, sub):
             holder.pop("quantization_config", None)
+            holder.pop("expert_dtype", None)  # the source's expert format (V4-Flash 0731 "fp4"): the experts are FP8 now
         qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [WEIGHT_BLOCK, WEIGHT_BLOCK]}
         if scale_fmt == "ue8m0":
             qc["scale_fmt"] = "ue8m0"

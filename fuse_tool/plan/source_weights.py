@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from runtime.layout import WEIGHT_BLOCK, scale_grid, scale_name
+from runtime.layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, e8m0_scale_name, scale_grid, scale_name
+from runtime.mxfp4 import MX_GROUP
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
 from ..errors import ConversionError, ModelError
@@ -14,6 +15,7 @@ from .tasks import Cut, Matrix, ProjectionTask, SourceWeight, Target
 
 CT_SCALE_SUFFIX = "_scale"  # compressed-tensors: weight_scale
 CT_INPUT_SCALE = "input_scale"
+PACKED_FP4_DTYPES = ("I8", "U8")  # MXFP4: two e2m1 codes per byte
 
 
 def quantization_config(config: Mapping) -> dict:
@@ -62,7 +64,11 @@ def source_weight(inputs: PlanInputs, parts: PlanParts, name: str, *, expect: tu
         raise inputs.error(f"tensor is missing (expected shape {list(expect) if expect else '?'})", name)
     info = tensors[name]
     parts.consumed.add(name)
-    if expect is not None and info.shape != expect:
+    if expect is not None and info.dtype in PACKED_FP4_DTYPES and len(info.shape) == 2:  # MXFP4: [out, in/2] bytes
+        if info.shape != (expect[0], expect[1] // 2) or expect[1] % MX_GROUP:
+            raise inputs.error(f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (MXFP4: two e2m1 codes per byte "
+                               f"of a [{expect[0]}, {expect[1]}] weight)", name)
+    elif expect is not None and info.shape != expect:
         raise inputs.error(f"has shape {list(info.shape)}, expected {list(expect)}", name)
     if len(info.shape) not in (2, 3):
         raise inputs.error(f"has shape {list(info.shape)}, expected a 2-D weight or a 3-D expert stack", name)
@@ -75,9 +81,9 @@ def source_weight(inputs: PlanInputs, parts: PlanParts, name: str, *, expect: tu
         w = Matrix(info, e * rows * cols * item, rows, cols)
         s = None
         if scale_info is not None:
-            if kind == "block":
+            if kind in ("block", "mxfp4"):
                 r, c = scale_info.shape[-2:]
-                s = Matrix(scale_info, e * r * c * 4, r, c)
+                s = Matrix(scale_info, e * r * c * DTYPE_SIZES[scale_info.dtype], r, c)
             elif kind == "channel":
                 s = Matrix(scale_info, e * rows * DTYPE_SIZES[scale_info.dtype], rows, 1)
             else:
@@ -93,10 +99,13 @@ def _scale_of(inputs: PlanInputs, parts: PlanParts, name: str, info: TensorInfo)
             if cand in tensors:
                 raise inputs.error(f"is a scale, but the weight it belongs to, {name!r}, is {info.dtype}: expected an F8_E4M3 weight beside a scale", cand)
         return None, None
-    if info.dtype != FP8_DTYPE_CODE:
-        raise inputs.error(f"has dtype {info.dtype}, expected BF16/F16/F32 or F8_E4M3", name)
     lead = info.shape[:-2]
     rows, cols = info.shape[-2:]
+    e8m0 = tensors.get(e8m0_scale_name(name)) if name.endswith(".weight") else None
+    if e8m0 is not None and e8m0.dtype == E8M0_DTYPE_CODE:
+        return _e8m0_scale(inputs, parts, name, info, e8m0)
+    if info.dtype != FP8_DTYPE_CODE:
+        raise inputs.error(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)", name)
     if scale_name(name) in tensors:
         s = tensors[scale_name(name)]
         parts.consumed.add(s.name)
@@ -126,6 +135,25 @@ def _scale_of(inputs: PlanInputs, parts: PlanParts, name: str, info: TensorInfo)
     raise inputs.error(f"is an FP8 weight without its scale (expected {scale_name(name)!r} or {name + CT_SCALE_SUFFIX!r})", name)
 
 
+def _e8m0_scale(inputs: PlanInputs, parts: PlanParts, name: str, info: TensorInfo, s: TensorInfo) -> tuple[TensorInfo, str]:
+    """An F8_E8M0 ``<module>.scale`` (DeepSeek-V4): 128x128 blocks of an F8_E4M3 weight, or 32-input groups of packed MXFP4."""
+    rows, cols = info.shape[-2:]
+    if len(info.shape) != 2:
+        raise inputs.error(f"has shape {list(info.shape)}: weights with F8_E8M0 scales are supported as 2-D tensors only", name)
+    if info.dtype == FP8_DTYPE_CODE:
+        want, kind, what = scale_grid(rows, cols), "block", f"128x128 blocks of {list(info.shape)}"
+    elif info.dtype in PACKED_FP4_DTYPES:
+        want, kind, what = (rows, 2 * cols // MX_GROUP), "mxfp4", f"one per {MX_GROUP} inputs of the MXFP4 weight [{rows}, {2 * cols}]"
+        if (2 * cols) % MX_GROUP:
+            raise inputs.error(f"has shape {list(info.shape)}: {2 * cols} inputs are not whole MXFP4 groups of {MX_GROUP}", name)
+    else:
+        raise inputs.error(f"has dtype {info.dtype} beside an F8_E8M0 scale: expected F8_E4M3 or packed MXFP4 (I8/U8)", name)
+    if s.shape != want:
+        raise inputs.error(f"has shape {list(s.shape)}, expected {list(want)} ({what})", s.name)
+    parts.consumed.add(s.name)
+    return s, kind
+
+
 def half(sw: SourceWeight, which: int, width: int) -> SourceWeight:
     """Gate (0) or up (1) rows of a concatenated gate_up weight, as its own 2-D weight.
 
@@ -149,6 +177,12 @@ def half(sw: SourceWeight, which: int, width: int) -> SourceWeight:
 def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: bool) -> str:
     """``copy`` (bytes unchanged), ``region`` (whole blocks copied, zero padding added) or ``quantize``."""
     w = sw.weight
+    if sw.scale_kind == "mxfp4":
+        if not out_fp8:
+            raise inputs.error("is MXFP4; --precision source cannot keep it (convert with --precision fp8)", w.info.name)
+        if not cut.is_whole(w.rows, 2 * w.cols):
+            raise inputs.error("is MXFP4 and would be cut into shared-expert slots; only whole MXFP4 weights are converted", w.info.name)
+        return "mxfp4"
     if not out_fp8:
         if sw.scale_kind is not None:
             raise inputs.error("is FP8 but the output precision is the source's float dtype", w.info.name)
@@ -163,4 +197,10 @@ def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
 
 def projection_task(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: bool, weight: Target, scale: Target | None) -> ProjectionTask:
     mode = projection_mode(inputs, sw, cut, out_fp8)
+    if scale is not None and inputs.arch.names.scale_storage == "e8m0":
+        if mode not in ("copy", "mxfp4"):
+            raise inputs.error(f"would be {'requantized' if mode == 'quantize' else 'cut mid-tensor'} into F8_E8M0-scaled FP8; "
+                               "this family's files keep one-byte scales, and only whole FP8 copies and MXFP4 conversions write them",
+                               sw.weight.info.name)
+        return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE, weight, scale, inputs.scale_fmt, E8M0_DTYPE_CODE, inputs.exactness)
     return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE if out_fp8 else sw.weight.dtype, weight, scale, inputs.scale_fmt)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.families import MoEArchitecture
 from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, scale_grid
@@ -43,8 +44,9 @@ class SourceWeight:
     """One logical 2-D weight in the source and how it is stored.
 
     ``scale_kind``: None (a float weight), ``"block"`` (128x128 grid, DeepSeek
-    ``weight_scale_inv``), ``"channel"`` (``[out, 1]``) or ``"tensor"`` (one value),
-    the last two from compressed-tensors ``weight_scale``.
+    ``weight_scale_inv``, or an F8_E8M0 ``.scale``), ``"channel"`` (``[out, 1]``) or ``"tensor"``
+    (one value), the last two from compressed-tensors ``weight_scale``, or ``"mxfp4"`` (``weight``
+    holds packed e2m1 bytes ``[out, in/2]``, ``scale`` the E8M0 bytes ``[out, in/32]``).
     """
 
     label: str
@@ -54,6 +56,8 @@ class SourceWeight:
 
     @property
     def fmt(self) -> str:
+        if self.scale_kind == "mxfp4":
+            return "mxfp4"
         return f"fp8-{self.scale_kind}" if self.scale_kind else self.weight.dtype
 
 
@@ -110,7 +114,9 @@ class ProjectionTask:
 
     ``mode``: ``"copy"`` (whole tensor, same format: bytes copied), ``"region"`` (bytes of
     whole blocks copied, zero padding added, scales copied), ``"quantize"`` (dequantized to
-    float32 and quantized to FP8 128x128 blocks).
+    float32 and quantized to FP8 128x128 blocks), ``"mxfp4"`` (MXFP4 converted to FP8 with
+    power-of-two block scales, exact where LAYOUT section 4's rule holds; ``report`` collects
+    the blocks that were not). ``scale_dtype``: F32, or F8_E8M0 for a family that stores one-byte scales.
     """
 
     source: SourceWeight
@@ -120,6 +126,8 @@ class ProjectionTask:
     weight: Target
     scale: Target | None
     scale_fmt: str = "float"
+    scale_dtype: str = "F32"
+    report: Any = field(default=None, compare=False, repr=False)  # an ExactnessReport for "mxfp4" tasks
 
     @property
     def read_key(self) -> tuple[str, int]:
@@ -202,6 +210,7 @@ class LayerPlan:
     source_format: str
     is_mtp: bool
     shared_modes: tuple[str, ...]
+    is_hash: bool = False  # expert ids from the layer's token table (DeepSeek-V4 gate.tid2eid)
 
 
 @dataclass
@@ -217,6 +226,7 @@ class ConversionPlan:
     source_quantization: str
     modules_to_not_convert: list[str]
     notes: list[str] = field(default_factory=list)
+    exactness: Any = None  # the ExactnessReport the MXFP4 conversions fill while the plan runs
 
     @property
     def total_size(self) -> int:
@@ -240,7 +250,7 @@ def task_output_bytes(task: "Task") -> int:
         n = task.cut.out_rows * task.cut.out_cols * DTYPE_SIZES[task.out_dtype]
         if task.scale is not None:
             r, c = scale_grid(task.cut.out_rows, task.cut.out_cols)
-            n += r * c * 4
+            n += r * c * DTYPE_SIZES[task.scale_dtype]
         return n
     if isinstance(task, CopyTask):
         return task.source.nbytes

@@ -169,6 +169,11 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
     if task.mode == "region":
         yield from _region(task, allow_non_finite)
         return
+    if task.mode == "mxfp4":  # MXFP4 source (DeepSeek-V4 experts): fuse_tool/write/mxfp4.py
+        from .mxfp4 import mxfp4_projection
+
+        yield from mxfp4_projection(task, device, allow_non_finite)
+        return
     yield from _quantize(task, device, allow_non_finite)
 
 

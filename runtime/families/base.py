@@ -46,6 +46,10 @@ class MoENames:
     # Layer-relative module names that are never FP8-quantized (MTP glue, indexers the release keeps in BF16).
     mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
     keep_unquantized: tuple[str, ...] = ()
+    # MTP blocks stored under their own prefix (DeepSeek-V4 ``mtp.N.``), numbered num_hidden_layers + N, found from the names.
+    mtp_prefix: str | None = None
+    hash_table: str | None = None  # a hash-routed layer's token table inside the block (DeepSeek-V4 ``gate.tid2eid``)
+    scale_storage: str = "f32"  # block scales: "f32" (<weight>_scale_inv) or "e8m0" (<module>.scale, F8_E8M0), layout.SCALE_STORAGES
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,19 @@ class Family:
     def transformers_classes(cls, config: Mapping) -> TransformersClasses | None:
         """The transformers mapping for this config (a family may pick among several)."""
         return cls.transformers
+
+    @classmethod
+    def config_hash_layers(cls, config: Mapping) -> tuple[int, ...]:
+        """The layers the config calls hash-routed, compared with the layers that hold a hash table (none by default)."""
+        return ()
+
+    @classmethod
+    def planned_routing(cls, arch: MoEArchitecture, has_bias: bool, hash_layers: tuple[int, ...]) -> RoutingSpec:
+        """The routing the config block records, once the tensors have said whether the score-routed layers have a
+        selection bias and which layers are hash-routed (a family without hash routing has none)."""
+        if hash_layers:
+            raise ModelError(f"layers {list(hash_layers)} have a hash-routing table, which {cls.family} does not use")
+        return RoutingSpec(**{**arch.routing.to_dict(), "has_bias": has_bias})
 
 
 class RefusedFamily(Family):
