@@ -473,10 +473,19 @@ class ExpertTensorNames:
 
     experts_prefix: str
     storage: str
+    scale_storage: str = "f32"  # "f32" (``<weight>_scale_inv``) or "e8m0" (``<module>.scale``, DeepSeek-V4)
 
     @property
     def block_prefix(self) -> str:
         return self.experts_prefix[: -len(".experts")]
+
+    def scale(self, weight_name: str) -> str:
+        """The block scale's name of one of this layer's weights, under the layer's scale storage."""
+        return block_scale_tensor(weight_name, self.scale_storage)[0]
+
+    def hash_table(self) -> str:
+        """Where a hash-routed layer keeps its token table (DeepSeek-V4 ``gate.tid2eid``)."""
+        return f"{self.block_prefix}.gate.tid2eid"
 
     def per_expert(self, expert: int) -> tuple[str, str, str]:
         """gate, up, down weight names of one expert (per-expert storage only)."""
@@ -500,32 +509,43 @@ class ExpertTensorNames:
 
 
 _GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
+# MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``), numbered num_hidden_layers + N (LAYOUT section 2).
+_MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>mtp\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
 
 
-def moe_layer_tensors(tensor_names: Iterable[str]) -> dict[int, ExpertTensorNames]:
+def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None = None) -> dict[int, ExpertTensorNames]:
     """Find every converted MoE layer in a list of tensor names, keyed by layer index.
 
     A layer is recognised by its ``<experts>.gemm1_alpha`` tensor; the storage form
-    by which expert tensors sit beside it.
+    by which expert tensors sit beside it, the scale storage by which scale name its first
+    expert has (``_scale_inv`` float32, or DeepSeek-V4's E8M0 ``.scale``). MTP blocks under
+    ``mtp.N.`` are numbered ``num_hidden_layers + N`` and are only listed when
+    ``num_hidden_layers`` is given (the config's, which the names alone do not tell).
     """
     names = set(tensor_names)
     found: dict[int, ExpertTensorNames] = {}
     for name in sorted(names):
         m = _GEMM1_KEY.match(name)
-        if not m:
-            continue
-        prefix, layer = m.group("prefix"), int(m.group("layer"))
+        if m:
+            prefix, layer = m.group("prefix"), int(m.group("layer"))
+        else:
+            m = _MTP_GEMM1_KEY.match(name)
+            if not m or num_hidden_layers is None:
+                continue
+            prefix, layer = m.group("prefix"), num_hidden_layers + int(m.group("mtp"))
         if f"{prefix}.{STACKED_GATE_UP}" in names:
             storage = "stacked"
-        elif any(f"{prefix}.0.{g[0]}.weight" in names for g in [PER_EXPERT_NAMES["w13"]]):
+        elif f"{prefix}.0.{PER_EXPERT_NAMES['w13'][0]}.weight" in names:
             storage = "w13"
         elif f"{prefix}.0.{PER_EXPERT_NAMES['proj'][0]}.weight" in names:
             storage = "proj"
         else:
             raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, .gate_up_proj)")
+        first = f"{prefix}.{STACKED_GATE_UP}" if storage == "stacked" else f"{prefix}.0.{PER_EXPERT_NAMES[storage][0]}.weight"
+        scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
         if layer in found and found[layer].experts_prefix != prefix:
             # An MTP stack under another prefix may reuse an index; the main stack wins.
             if "mtp" in prefix:
                 continue
-        found[layer] = ExpertTensorNames(prefix, storage)
+        found[layer] = ExpertTensorNames(prefix, storage, scales)
     return found

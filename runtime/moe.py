@@ -21,8 +21,10 @@ from ._backend import resolve_backend
 from .checkpoint import ModelFolder
 from .families import router_tensor_names
 from .fp8 import FP8_DTYPE
-from .layout import WEIGHT_BLOCK, LayoutError, moe_layer_tensors, read_config_block, scale_name
-from .routing import RoutingConfig, route
+from .layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, find_config_block, moe_layer_tensors, read_config_block
+from .mxfp4 import e8m0_to_float
+from .routing import RoutingConfig, check_hash_table, route
+from .safetensors_io import bytes_to_tensor, read_bytes
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -132,7 +134,8 @@ class _Checkpoint(ModelFolder):
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self.block = read_config_block(self.config)
-        self.layers = moe_layer_tensors(self.tensors)
+        n_layers = find_config_block(self.config)[0].get("num_hidden_layers")
+        self.layers = moe_layer_tensors(self.tensors, n_layers if isinstance(n_layers, int) else None)
 
     @property
     def weight_map(self):
@@ -143,15 +146,23 @@ class _Checkpoint(ModelFolder):
             raise LayoutError(f"{self.path}: layer {layer} is not a converted MoE layer (found {sorted(self.layers)})")
         return self.layers[layer]
 
+    def scale(self, name: str, device) -> torch.Tensor:
+        """A block scale as float32: float32 ``_scale_inv`` as stored, E8M0 bytes as ``2^(b-127)`` (DeepSeek-V4)."""
+        info = self._info(name)
+        if info.dtype != E8M0_DTYPE_CODE:
+            return self.get(name, device)
+        return e8m0_to_float(bytes_to_tensor(read_bytes(info), "U8", info.shape)).to(device)
+
     def experts(self, layer: int, device) -> ExpertWeights:
         names = self.names(layer)
         NE = self.block.num_experts
         has = lambda n: n in self.weight_map  # noqa: E731
+        scale_name = names.scale
         if names.storage == "stacked":
             gu, dn = names.stacked()
             w13, w2 = self.get(gu, device), self.get(dn, device)
-            s13 = self.get(scale_name(gu), device) if has(scale_name(gu)) else None
-            s2 = self.get(scale_name(dn), device) if has(scale_name(dn)) else None
+            s13 = self.scale(scale_name(gu), device) if has(scale_name(gu)) else None
+            s2 = self.scale(scale_name(dn), device) if has(scale_name(dn)) else None
             if w13.shape[0] != NE:
                 raise LayoutError(f"{gu}: {w13.shape[0]} experts, config says E+S = {NE}")
         else:
@@ -160,9 +171,9 @@ class _Checkpoint(ModelFolder):
             w2 = torch.stack([self.get(d, device) for _, _, d in per])
             s13 = s2 = None
             if has(scale_name(per[0][0])):
-                s13 = torch.stack([torch.cat([self.get(scale_name(g), device), self.get(scale_name(u), device)], 0)
+                s13 = torch.stack([torch.cat([self.scale(scale_name(g), device), self.scale(scale_name(u), device)], 0)
                                    for g, u, _ in per])
-                s2 = torch.stack([self.get(scale_name(d), device) for _, _, d in per])
+                s2 = torch.stack([self.scale(scale_name(d), device) for _, _, d in per])
         alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())
         return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit)
 
@@ -172,6 +183,13 @@ class _Checkpoint(ModelFolder):
         w = self.get(router, device).to(torch.float32)
         bias = next((self.get(b, device).to(torch.float32) for b in bias_names if b in self), None)
         return w, bias
+
+    def hash_table(self, layer: int, device) -> torch.Tensor:
+        """A hash-routed layer's ``gate.tid2eid`` ``[vocab, K]`` (LAYOUT v2 section 5)."""
+        name = self.names(layer).hash_table()
+        if name not in self:
+            raise LayoutError(f"{self.path}: layer {layer} is hash-routed (routing.hash_layers) but has no {name}")
+        return self.get(name, device)
 
 
 def fused_moe(
@@ -213,20 +231,35 @@ def fused_moe(
 
 
 class FusedSharedMoE(torch.nn.Module):
-    """One converted MoE layer: router GEMM (float32) + :func:`route` + :func:`fused_moe`."""
+    """One converted MoE layer: router GEMM (float32) + :func:`route` + :func:`fused_moe`.
+
+    A hash-routed layer (``cfg.hash_routed``, DeepSeek-V4's first layers) holds its ``tid2eid``
+    ``[vocab, K]`` table (checked once here) and must be called with the token ids of ``x``'s rows.
+    """
 
     def __init__(self, experts: ExpertWeights, router_weight: torch.Tensor, bias: torch.Tensor | None,
-                 cfg: RoutingConfig, backend: str | None = None):
+                 cfg: RoutingConfig, backend: str | None = None, tid2eid: torch.Tensor | None = None):
         super().__init__()
         if tuple(router_weight.shape) != (cfg.num_experts, experts.hidden_size):
             raise ValueError(f"router weight {tuple(router_weight.shape)} != [{cfg.num_experts}, {experts.hidden_size}]")
         if experts.num_experts != cfg.num_total_experts:
             raise ValueError(f"{experts.num_experts} experts, routing config says E+S = {cfg.num_total_experts}")
+        if cfg.hash_routed:
+            if tid2eid is None:
+                raise ValueError("this layer is hash-routed (routing.hash_layers) and needs its tid2eid table")
+            check_hash_table(tid2eid, cfg.num_experts, cfg.top_k)
+        elif tid2eid is not None:
+            raise ValueError("tid2eid given for a score-routed layer")
         self.experts = experts
         self.cfg = cfg
         self.backend = backend
         self.register_buffer("router_weight", router_weight.to(torch.float32))
         self.register_buffer("e_score_correction_bias", None if bias is None else bias.to(torch.float32))
+        self.register_buffer("tid2eid", tid2eid)
+
+    @property
+    def hash_routed(self) -> bool:
+        return self.cfg.hash_routed
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -235,17 +268,35 @@ class FusedSharedMoE(torch.nn.Module):
             self.experts = self.experts.to(dev)
         return self
 
-    def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[..., H]``; ``token_ids`` (hash layers only, required there): one id per row of ``x``, same order."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
+        if self.cfg.hash_routed:
+            if token_ids is None:
+                raise ValueError("this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
+                                 "call it with token_ids (the input ids of x's rows); there is no fallback to score routing")
+            token_ids = token_ids.reshape(-1).to(h.device)
+        else:
+            token_ids = None
         logits = torch.nn.functional.linear(h.to(torch.float32), self.router_weight)
-        ids, w = route(logits, self.e_score_correction_bias, self.cfg, num_valid_tokens, backend=self.backend)
+        ids, w = route(logits, self.e_score_correction_bias, self.cfg, num_valid_tokens, backend=self.backend,
+                       token_ids=token_ids, tid2eid=self.tid2eid)
         return fused_moe(h, self.experts, ids, w, num_valid_tokens, backend=self.backend).reshape(shape)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu",
                         backend: str | None = None) -> "FusedSharedMoE":
-        ck = _Checkpoint(path)
+        return cls.from_folder(_Checkpoint(path), layer, device, backend)
+
+    @classmethod
+    def from_folder(cls, ck: "_Checkpoint", layer: int, device: str | torch.device = "cpu",
+                    backend: str | None = None) -> "FusedSharedMoE":
+        """One layer of an already opened converted folder (the loader opens it once for all layers)."""
         cfg = RoutingConfig.from_config(ck.block, layer=layer)
         w, bias = ck.router(layer, device)
-        return cls(ck.experts(layer, device), w, bias, cfg, backend)
+        table = ck.hash_table(layer, device) if cfg.hash_routed else None
+        if table is not None:
+            bias = None  # hash layers are bias-free (LAYOUT v2 section 5)
+        return cls(ck.experts(layer, device), w, bias, cfg, backend, table)

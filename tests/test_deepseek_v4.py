@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from dataclasses import replace
+
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton: kernels run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -17,6 +24,7 @@ from fuse_tool.cli import main
 from fuse_tool.convert import convert_checkpoint, plan_conversion
 from fuse_tool.errors import ConversionError
 from fuse_tool.plan import ConvertOptions
+from fuse_tool.verify.numerics import FP8_EXPERTS, rel_err
 from runtime.families import family_for
 from runtime.mxfp4 import E2M1_VALUES, MAX_INEXACT_ERROR, dequantize_mxfp4, e8m0_to_float, mxfp4_to_fp8_blocks
 from runtime.safetensors_io import read_bytes, read_header
@@ -311,35 +319,20 @@ def test_fixture_inventories_are_what_the_plan_assumes():
 # ----------------------------------------------------------------------------- the fused MoE block against transformers'
 
 
-def _v4_fused_moe(x, token_ids, t: dict, root: str, top_k: int, rsf: float) -> torch.Tensor:
-    """A fused V4 MoE layer in plain PyTorch, from the converted tensors only: LAYOUT v2 section 5 routing (sqrtsoftplus,
-    bias on the choice, or the hash table's ids; renormalized with eps 1e-20, times rsf), S shared slots at weight 1.0,
-    section 3's per-slot clamped SwiGLU. TODO: switch to runtime.route / runtime.fused_moe once they take V4 (hash
-    layers, token ids): the routing engineer's work."""
-    f32 = lambda n: torch.frombuffer(bytearray(raw(t[n])), dtype=torch.float32).reshape(t[n].shape)  # noqa: E731
-    X = f"{root}.ffn.experts"
-    scores = torch.nn.functional.softplus(x @ f32(f"{root}.ffn.gate.weight").T).sqrt()
-    if f"{root}.ffn.gate.tid2eid" in t:
-        table = torch.frombuffer(bytearray(raw(t[f"{root}.ffn.gate.tid2eid"])), dtype=torch.int64).reshape(t[f"{root}.ffn.gate.tid2eid"].shape)
-        ids = table[token_ids]
-    else:
-        ids = torch.topk(scores + f32(f"{root}.ffn.gate.bias"), top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    w = rsf * w / (w.sum(-1, keepdim=True) + 1e-20)
-    ids = torch.cat([ids, torch.full((x.shape[0], S), E)], 1)
-    w = torch.cat([w, torch.ones(x.shape[0], S)], 1)
-    alpha, beta, limit = (f32(f"{X}.{p}") for p in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"))
-    out = torch.zeros_like(x)
-    for e in range(E + S):
-        rows, slot = torch.nonzero(ids == e, as_tuple=True)
-        if not len(rows):
-            continue
-        g = x[rows] @ fp8_dequantized(t, f"{X}.{e}.w1.weight").T
-        u = x[rows] @ fp8_dequantized(t, f"{X}.{e}.w3.weight").T
-        g, u = g.clamp(max=limit[e]), u.clamp(-limit[e], limit[e])
-        h = g * torch.sigmoid(alpha[e] * g) * (u + beta[e])
-        out.index_add_(0, rows, (h @ fp8_dequantized(t, f"{X}.{e}.w2.weight").T) * w[rows, slot, None])
-    return out
+def _fused_layer(out, layer: int, backend: str, dequantized: bool = False):
+    """The runtime's FusedSharedMoE for one converted layer (E8M0 scales and, on hash layers, tid2eid loaded by it).
+    ``dequantized``: its FP8 experts replaced by their float32 values (weight times block scale), so the forward is
+    float32 math on exactly the converted weights, with no activation quantization."""
+    from runtime.fp8 import expand_block_scales
+    from runtime.moe import FusedSharedMoE
+
+    moe = FusedSharedMoE.from_checkpoint(out, layer, backend=backend)
+    if dequantized:
+        ex = moe.experts
+        w13 = ex.w13.float() * expand_block_scales(ex.w13_scale, *ex.w13.shape[1:])
+        w2 = ex.w2.float() * expand_block_scales(ex.w2_scale, *ex.w2.shape[1:])
+        moe.experts = replace(ex, w13=w13, w2=w2, w13_scale=None, w2_scale=None)
+    return moe
 
 
 def test_fused_moe_blocks_match_transformers(tmp_path):
@@ -353,6 +346,7 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
     model = transformers_model(seed=5)
     torch.manual_seed(11)
     T = 24
+    moe_errors = {}
     x = torch.randn(T, H) * 100  # large enough that the swiglu_limit clamps bite (|gate|, |up| well past 10)
     token_ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], (T,))
     for layer, root in enumerate(ROOTS):
@@ -373,9 +367,21 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
             for p, mod in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 getattr(block.shared_experts, mod).weight.copy_(fp8_dequantized(s, f"{root}.ffn.shared_experts.{p}.weight"))
             want = block(x[None], token_ids[None] if block.is_hash else None)[0]
-        got = _v4_fused_moe(x, token_ids, o, root, top_k=2, rsf=1.5)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        for backend in ("torch", "triton"):  # Triton runs in the interpreter on CPU (top of this file)
+            # The converted weights in float32: route + fused_moe equal transformers' block to float32 rounding.
+            got = _fused_layer(tmp_path / "out", layer, backend, dequantized=True)(x, token_ids=token_ids)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            # The FP8 path as it runs (activations quantized per 1x128 group too): within the FP8 bound.
+            fp8 = _fused_layer(tmp_path / "out", layer, backend)
+            moe_errors[(layer, backend)] = rel_err(fp8(x, token_ids=token_ids), want)
+            assert moe_errors[(layer, backend)] <= FP8_EXPERTS.moe_rel, (layer, backend, moe_errors)
         assert float((x @ block.shared_experts.gate_proj.weight.detach().T).abs().max()) > 20  # the clamp was exercised
+    print("FP8 MoE rel err vs transformers:", {k: f"{v:.4f}" for k, v in moe_errors.items()})
+    hash_layer = _fused_layer(tmp_path / "out", 0, "torch")
+    assert hash_layer.hash_routed and hash_layer.tid2eid.shape == (RELEASE_CONFIG["vocab_size"], 2)
+    with pytest.raises(ValueError, match="hash-routed.*token_ids"):
+        hash_layer(x)
+    assert not _fused_layer(tmp_path / "out", 1, "torch").hash_routed  # score-routed layers ignore token ids
 
 
 @settings(max_examples=60, deadline=None)
