@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.fp8 import FP8_DTYPE
 
 from ..errors import VerifyError
 
@@ -171,7 +170,8 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
                 mlp = module.mlp
                 moe_like[:] = [mlp]
                 cap = {}
-                h = mlp.register_forward_hook(lambda m, a, o: cap.update(x=_first(a), y=_first(o)))
+                # kwargs too: a hash-routed block (DeepSeek-V4) gets the layer's input_ids, and so must the fused one
+                h = mlp.register_forward_hook(lambda m, a, k, o: cap.update(x=_first(a), kw=dict(k), y=_first(o)), with_kwargs=True)
                 module._fs_capture = (cap, h)
         return hook
 
@@ -186,7 +186,7 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
                     cap, h = module._fs_capture
                     h.remove()
                     del module._fs_capture
-                    y_c = c_layer.mlp(cap["x"])
+                    y_c = c_layer.mlp(cap["x"], **cap["kw"])
                     lr.moe_rel, lr.moe_max_abs = rel_err(y_c, cap["y"]), (y_c - cap["y"]).abs().max().item()
                     last_moe_input[:] = [cap["x"]]
             conv.release_layer(i)
@@ -238,14 +238,14 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
 
 def _has_fp8_experts(conv) -> bool:
     """Whether the converted checkpoint's experts are FP8 (probed on its first fused MoE layer)."""
-    from runtime.layout import moe_layer_tensors, scale_name
+    from runtime.layout import moe_layer_tensors
 
     names = conv.reader.weight_map
     layers = moe_layer_tensors(names)
     for layer in sorted(layers):
         tn = layers[layer]
         probe = tn.stacked()[0] if tn.storage == "stacked" else tn.per_expert(0)[0]
-        return scale_name(probe) in names or conv.reader.get(probe).dtype == FP8_DTYPE
+        return tn.scale(probe) in names or conv.reader.dtype(probe) == "F8_E4M3"
     return False
 
 

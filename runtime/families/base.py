@@ -59,6 +59,9 @@ class TransformersClasses:
     ``renames``: ``(pattern, replacement)`` regexes applied in order to every on-disk tensor
     name to get the transformers module name. ``layers_path``: the decoder-layer ``ModuleList``.
     ``text_config_key``: where a wrapper keeps the text model's config.
+    ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
+    the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
+    everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
     """
 
     config_class: str
@@ -66,6 +69,12 @@ class TransformersClasses:
     layers_path: str = "model.layers"
     renames: tuple[tuple[str, str], ...] = ()
     text_config_key: str | None = None
+    mtp_moe_prefix: str | None = None
+
+    @property
+    def mtp_prefix(self) -> str | None:
+        """The on-disk prefix of every MTP block (``"mtp."``), or None where MTP blocks are extra decoder layers."""
+        return self.mtp_moe_prefix.split("{", 1)[0] if self.mtp_moe_prefix else None
 
     @property
     def name(self) -> str:

@@ -86,7 +86,7 @@ class DeepSeekV4(Family):
     family = "DeepSeek-V4 (Flash, Pro, 0731)"
     model_types = ("deepseek_v4",)
     names = V4_NAMES
-    transformers = TransformersClasses("DeepseekV4Config", "DeepseekV4ForCausalLM", renames=_RENAMES)
+    transformers = TransformersClasses("DeepseekV4Config", "DeepseekV4ForCausalLM", renames=_RENAMES, mtp_moe_prefix="mtp.{n}.ffn.")
 
     @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:

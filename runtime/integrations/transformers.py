@@ -37,8 +37,10 @@ from ..fp8 import dequantize_block_fp8
 from ..checkpoint import ModelFolder
 from ..errors import UnsupportedModelError
 from ..families import TransformersClasses, family_for
-from ..layout import SCALE_SUFFIX, LayoutError, moe_layer_tensors, read_config_block
+from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, LayoutError, e8m0_scale_name, moe_layer_tensors, read_config_block
 from ..moe import FusedSharedMoE
+from ..mxfp4 import MX_GROUP, dequantize_mxfp4, e8m0_to_float
+from ..safetensors_io import bytes_to_tensor, read_bytes
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -90,15 +92,38 @@ class ShardReader(ModelFolder):
         """Nothing is held open between reads (kept for callers that release readers explicitly)."""
 
     def is_float(self, name: str) -> bool:
-        """Whether ``name`` holds floating-point (FP8 included) data, from its header alone."""
-        return self.dtype(name).startswith(("F", "BF"))
+        """Whether ``name`` holds floating-point (FP8 and MXFP4 included) data, from its header alone."""
+        return self.dtype(name).startswith(("F", "BF")) or self.is_mxfp4(name)
+
+    def is_mxfp4(self, name: str) -> bool:
+        """An MXFP4 weight (DeepSeek-V4 routed experts): packed e2m1 ``I8``/``U8`` ``[out, in/2]`` beside an
+        ``F8_E8M0`` ``.scale`` ``[out, in/32]``."""
+        info, scale = self.tensors.get(name), self.tensors.get(e8m0_scale_name(name))
+        return (info is not None and scale is not None and name.endswith(".weight") and info.dtype in ("I8", "U8")
+                and scale.dtype == E8M0_DTYPE_CODE and len(info.shape) == 2
+                and tuple(scale.shape) == (info.shape[0], 2 * info.shape[1] // MX_GROUP))
+
+    def e8m0_bytes(self, name: str) -> torch.Tensor:
+        """An ``F8_E8M0`` tensor's raw bytes as uint8 (torch's loader does not take that dtype)."""
+        info = self._info(name)
+        return bytes_to_tensor(read_bytes(info), "U8", info.shape)
+
+    def e8m0(self, name: str) -> torch.Tensor:
+        """An ``F8_E8M0`` tensor as float32 ``2^(b-127)``."""
+        return e8m0_to_float(self.e8m0_bytes(name))
 
     def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
-        """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales."""
+        """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales (float32
+        ``_scale_inv``, compressed-tensors ``_scale``, or DeepSeek-V4's E8M0 ``.scale``), MXFP4 weights unpacked."""
+        if self.is_mxfp4(name):
+            return dequantize_mxfp4(self.get(name), self.e8m0_bytes(e8m0_scale_name(name))).to(device=device, dtype=dtype)
         t = self.get(name)
         if t.dtype in FP8_DTYPES:
             t = t.to(device)
-            if name + SCALE_SUFFIX in self:
+            v4 = e8m0_scale_name(name) if name.endswith(".weight") else None
+            if v4 in self and self.dtype(v4) == E8M0_DTYPE_CODE:
+                w = dequantize_block_fp8(t, self.e8m0(v4).to(device))
+            elif name + SCALE_SUFFIX in self:
                 s = self.get(name + SCALE_SUFFIX).to(device)
                 if name.endswith("gate_up_proj") and t.dim() == 3 and s.shape[-2] % 2 == 0:
                     # Stacked gate_up: the gate's grid then the up's, each half with its own block origin.
@@ -117,6 +142,8 @@ class ShardReader(ModelFolder):
 
 def _is_scale_companion(name: str, names: set[str]) -> bool:
     if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in names:
+        return True
+    if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in names:  # DeepSeek-V4's E8M0 block scales
         return True
     if name.endswith("_scale") and name[: -len("_scale")] in names:
         return True
@@ -191,6 +218,9 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         if _is_scale_companion(name, names):
             continue
         if any(name.startswith(p) for p in consumed_blocks):
+            continue
+        if family.mtp_prefix and name.startswith(family.mtp_prefix):
+            ignored.append(name)  # MTP blocks under their own prefix (DeepSeek-V4): no module in transformers
             continue
         m_name = family.rename(name)
         layer = _module_layer(m_name, family.layers_path)
@@ -294,7 +324,7 @@ class StreamedModel:
         fused = None
         if kind == "fused":
             self.block = read_config_block(self.reader.config)
-            fused = moe_layer_tensors(self.reader.names())
+            fused = moe_layer_tensors(self.reader.names(), self.num_layers)
             if sorted(fused) != sorted(self.block.moe_layers):
                 raise LayoutError(f"{self.path}: MoE layers in tensors {sorted(fused)} != config moe_layers {list(self.block.moe_layers)}")
         self.plan = plan_tensors(self.model, self.family, self.reader.names(), self.num_layers, fused)
@@ -330,15 +360,21 @@ class StreamedModel:
 
     def load_rest(self) -> None:
         """Everything outside the decoder layers (embeddings, final norm, lm_head, vision tower), rotary buffers included."""
-        from transformers import PreTrainedModel
+        self._init_buffers(self.model)
+        self._load_names(self.plan.by_layer.get(None, []))
+        self._tie()
 
-        for mod in self.model.modules():
+    def _init_buffers(self, root: torch.nn.Module) -> None:
+        """Computed (non-persistent) buffers still on the meta device under ``root``: rotary ``inv_freq``, as
+        from_pretrained computes it. Model-level ones at load_rest; per-layer ones (DeepSeek-V4's compressors carry
+        their own rotary embedding) again at each load_layer, since release_layer sends the layer back to meta."""
+        for mod in root.modules():
             nonpersistent = getattr(mod, "_non_persistent_buffers_set", ())
             if any(mod._buffers.get(b) is not None and mod._buffers[b].is_meta for b in nonpersistent):
                 mod.to_empty(device=self.device, recurse=False)
-                PreTrainedModel._init_weights(self.model, mod)  # rotary inv_freq, as from_pretrained computes it
-        self._load_names(self.plan.by_layer.get(None, []))
-        self._tie()
+                # the model class's own _init_weights: DeepseekV4's rotary keeps per-type main_/compress_inv_freq,
+                # which only its override fills (PreTrainedModel's knows the single inv_freq)
+                self.model._init_weights(mod)
 
     def _tie(self) -> None:
         tied = getattr(self.model, "_tied_weights_keys", None) or {}
@@ -354,12 +390,14 @@ class StreamedModel:
         ex = moe.experts
         if not ex.is_fp8 and ex.w13.dtype != self.dtype:
             moe.experts = replace(ex, w13=ex.w13.to(self.dtype), w2=ex.w2.to(self.dtype))
+        moe.register_forward_pre_hook(_input_ids_as_token_ids, with_kwargs=True)
         return moe
 
     def load_layer(self, i: int) -> torch.nn.Module:
         """Materialize decoder layer ``i`` (its fused MoE block included) and return it."""
         layer = self.layers[i]
         self._load_names(self.plan.by_layer.get(i, []))
+        self._init_buffers(layer)
         if i in self.plan.fused_moe_layers:
             path = self.plan.fused_moe_layers[i]
             parent, _, leaf = path.rpartition(".")
@@ -391,17 +429,48 @@ class StreamedModel:
         if self.kind != "source":
             raise ValueError("source_moe_module needs kind='source'")
         with torch.device("meta"):
-            mod = type(like)(self.text_config)
+            mod = _moe_block_like(like, self.text_config)
         mod.eval()
         prefix = f"{self.family.layers_path}.{layer}.mlp."
-        names = [n for n in self.reader.names() if self.family.rename(n).startswith(prefix)]
+        renames = self.family.renames
+        if self.family.mtp_moe_prefix and layer >= self.num_layers:  # MTP block under its own prefix (DeepSeek-V4)
+            disk = self.family.mtp_moe_prefix.format(n=layer - self.num_layers)
+            names = [n for n in self.reader.names() if n.startswith(disk)]
+            renames = ((r"^" + re.escape(disk), prefix),) + renames
+        else:
+            names = [n for n in self.reader.names() if self.family.rename(n).startswith(prefix)]
         if not names:
             raise LayoutError(f"{self.path}: no MoE tensors for layer {layer}")
-        strip = replace(self.family, layers_path="\0", renames=self.family.renames + ((r"^" + re.escape(prefix), ""),))
+        strip = replace(self.family, layers_path="\0", renames=renames + ((r"^" + re.escape(prefix), ""),), mtp_moe_prefix=None)
         plan = plan_tensors(mod, strip, names, 0)
         for name in plan.recipes:
             _set_tensor(mod, name, self._make(name, plan))
         return mod
+
+
+def _input_ids_as_token_ids(module, args, kwargs):
+    """Forward pre-hook on every :class:`FusedSharedMoE` the integration installs: a decoder layer that hands its
+    MoE block ``input_ids`` (transformers' DeepseekV4 does, for its hash-routed layers) reaches ``token_ids``."""
+    if "input_ids" in kwargs:
+        kwargs = dict(kwargs)
+        ids = kwargs.pop("input_ids")
+        if kwargs.get("token_ids") is None:
+            kwargs["token_ids"] = ids
+        return args, kwargs
+    return None
+
+
+def _moe_block_like(like: torch.nn.Module, text_config) -> torch.nn.Module:
+    """A fresh MoE block of ``like``'s class. Classes built per layer (DeepseekV4SparseMoeBlock(config, layer_idx),
+    which reads mlp_layer_types[layer_idx]) get ``like``'s own layer index when it has one, else the last layer's
+    (a score-routed one in V4: MTP blocks route by score)."""
+    import inspect
+
+    cls = type(like)
+    if "layer_idx" not in inspect.signature(cls.__init__).parameters:
+        return cls(text_config)
+    idx = getattr(like, "layer_idx", None)
+    return cls(text_config, idx if isinstance(idx, int) else int(text_config.num_hidden_layers) - 1)
 
 
 def from_fused_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
