@@ -549,3 +549,11 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
                 continue
         found[layer] = ExpertTensorNames(prefix, storage, scales)
     return found
+
+
+def converted_moe_layers(tensor_names: Iterable[str], config: Mapping[str, Any]) -> dict[int, ExpertTensorNames]:
+    """:func:`moe_layer_tensors` of a converted checkpoint, MTP blocks under ``mtp.N.`` numbered from its
+    config.json's ``num_hidden_layers`` (beside the ``fused_shared_experts`` block, top level or text_config)."""
+    n_layers = find_config_block(config)[0].get("num_hidden_layers")
+    ok = isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 0
+    return moe_layer_tensors(tensor_names, n_layers if ok else None)

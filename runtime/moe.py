@@ -21,7 +21,7 @@ from ._backend import resolve_backend
 from .checkpoint import ModelFolder
 from .families import router_tensor_names
 from .fp8 import FP8_DTYPE
-from .layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, find_config_block, moe_layer_tensors, read_config_block
+from .layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
 from .mxfp4 import e8m0_to_float
 from .routing import RoutingConfig, check_hash_table, route
 from .safetensors_io import bytes_to_tensor, read_bytes
@@ -134,8 +134,7 @@ class _Checkpoint(ModelFolder):
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self.block = read_config_block(self.config)
-        n_layers = find_config_block(self.config)[0].get("num_hidden_layers")
-        self.layers = moe_layer_tensors(self.tensors, n_layers if isinstance(n_layers, int) else None)
+        self.layers = converted_moe_layers(self.tensors, self.config)
 
     @property
     def weight_map(self):

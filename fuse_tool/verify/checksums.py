@@ -31,8 +31,8 @@ from runtime.layout import (
     FusedSharedExperts,
     LayoutError,
     read_config_block,
+    block_scale_tensor,
     scale_grid,
-    scale_name,
 )
 
 from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION
@@ -180,11 +180,14 @@ def _want(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], dty
     return t
 
 
-def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple[int, ...]) -> None:
+def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple[int, ...], storage: str = "f32") -> None:
+    """An FP8 weight's 128x128 block scales: float32 ``<weight>_scale_inv``, or (``storage="e8m0"``, DeepSeek-V4)
+    one-byte ``F8_E8M0`` ``<module>.scale``; a float weight has neither."""
+    name, dtype = block_scale_tensor(weight.name, storage)
     if weight.dtype == FP8_DTYPE_CODE:
-        _want(tensors, scale_name(weight.name), grid, ("F32",), f"128x128 block scales of {list(weight.shape)}")
-    elif scale_name(weight.name) in tensors:
-        raise _err(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[scale_name(weight.name)].file, scale_name(weight.name))
+        _want(tensors, name, grid, (dtype,), f"128x128 block scales of {list(weight.shape)}")
+    elif name in tensors:
+        raise _err(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[name].file, name)
 
 
 def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo]) -> None:
@@ -200,6 +203,14 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
     for b in names.bias_candidates():
         if b in tensors:
             _want(tensors, b, (E,), None, "one selection bias per routed expert")
+    table = tensors.get(names.hash_table())
+    if layer in block.routing.hash_layers:  # LAYOUT v2 section 5: the token table, K routed ids per token
+        K = block.routing.top_k
+        if table is None or len(table.shape) != 2 or table.shape[1] != K or table.dtype not in ("I64", "I32"):
+            raise _err(f"MoE layer {layer} is hash-routed (routing.hash_layers) and needs its token table, int64 [vocab, {K}]"
+                       + ("" if table is None else f"; found {table.dtype} {list(table.shape)}"), INDEX_NAME, names.hash_table())
+    elif table is not None:
+        raise _err(f"is a hash-routing table, but layer {layer} is not in routing.hash_layers", table.file, table.name)
     for p in names.gemm1_params():
         _want(tensors, p, (n,), ("F32",), f"one value per expert, E+S = {E}+{block.num_fused_shared_experts}")
     dtypes = set()
@@ -208,15 +219,15 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
         g = _want(tensors, gu, (n, 2 * I, H), None, f"E+S = {n} experts of gate and up rows [2I, H]")
         d = _want(tensors, dn, (n, H, I), None, f"E+S = {n} experts of [H, I]")
         r, c = scale_grid(I, H)
-        _check_scale(tensors, g, (n, 2 * r, c))
-        _check_scale(tensors, d, (n, *scale_grid(H, I)))
+        _check_scale(tensors, g, (n, 2 * r, c), names.scale_storage)
+        _check_scale(tensors, d, (n, *scale_grid(H, I)), names.scale_storage)
         dtypes = {g.dtype, d.dtype}
     else:
         for e in range(n):
             kind = f"{'routed' if e < E else 'fused shared'} expert {e} of E+S = {n}"
             for w, shape in zip(names.per_expert(e), ((I, H), (I, H), (H, I))):
                 t = _want(tensors, w, shape, None, kind)
-                _check_scale(tensors, t, scale_grid(*shape))
+                _check_scale(tensors, t, scale_grid(*shape), names.scale_storage)
                 dtypes.add(t.dtype)
         for name in tensors:
             if name.startswith(names.experts_prefix + "."):

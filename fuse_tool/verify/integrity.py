@@ -21,9 +21,8 @@ from runtime.layout import (
     ExpertTensorNames,
     FusedSharedExperts,
     LayoutError,
-    moe_layer_tensors,
+    converted_moe_layers,
     read_config_block,
-    scale_name,
 )
 
 from ..files import CONFIG_NAME as CONFIG_FILE, INDEX_NAME as INDEX_FILE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME as MANIFEST_FILE, SINGLE_NAME as SINGLE_FILE, PARTIAL_SUFFIX, DONE_SUFFIX
@@ -163,8 +162,8 @@ def _check_moe_layer(layer: int, names: ExpertTensorNames, block: FusedSharedExp
                     raise _fail(f"{where}: MoE layer {layer} lacks {w} ({kind} expert {e} of E+S = {n})")
                 weights.append(w)
     for w in weights:
-        if tensors[w].dtype.startswith("F8_") and scale_name(w) not in tensors:
-            raise _fail(f"{where}: FP8 weight {w} has no {scale_name(w)}")
+        if tensors[w].dtype.startswith("F8_") and names.scale(w) not in tensors:
+            raise _fail(f"{where}: FP8 weight {w} has no {names.scale(w)}")
 
 
 def _check_manifest(root: Path, manifest: Any, files: Mapping[str, int], verify_checksums: bool) -> None:
@@ -271,7 +270,7 @@ def check_converted_checkpoint(out_dir: str | os.PathLike, *, verify_checksums: 
 
     where = str(root)
     try:
-        layers = moe_layer_tensors(tensors)
+        layers = converted_moe_layers(tensors, config)
     except LayoutError as e:
         raise _fail(f"{where}: {e}") from None
     listed = set(block.moe_layers)

@@ -37,7 +37,7 @@ from ..fp8 import dequantize_block_fp8
 from ..checkpoint import ModelFolder
 from ..errors import UnsupportedModelError
 from ..families import TransformersClasses, family_for
-from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, LayoutError, e8m0_scale_name, moe_layer_tensors, read_config_block
+from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, LayoutError, converted_moe_layers, e8m0_scale_name, read_config_block
 from ..moe import FusedSharedMoE
 from ..mxfp4 import MX_GROUP, dequantize_mxfp4, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
@@ -324,7 +324,7 @@ class StreamedModel:
         fused = None
         if kind == "fused":
             self.block = read_config_block(self.reader.config)
-            fused = moe_layer_tensors(self.reader.names(), self.num_layers)
+            fused = converted_moe_layers(self.reader.names(), self.reader.config)
             if sorted(fused) != sorted(self.block.moe_layers):
                 raise LayoutError(f"{self.path}: MoE layers in tensors {sorted(fused)} != config moe_layers {list(self.block.moe_layers)}")
         self.plan = plan_tensors(self.model, self.family, self.reader.names(), self.num_layers, fused)
