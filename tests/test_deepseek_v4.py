@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import replace
 
 import torch
@@ -431,3 +432,88 @@ def test_hash_layers_come_from_the_tables(tmp_path):
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConversionError, match="hash-routing table and a selection bias"):
         plan_conversion(src)
+
+
+# ----------------------------------------------------------------------------- the fused model in transformers, and verify
+
+
+@pytest.fixture(scope="module", params=["flash", "0731"])
+def exact_pair(request, tmp_path_factory):
+    """A tiny V4 release checkpoint whose MXFP4 -> FP8 conversion is exact (no outlier groups), and its conversion."""
+    root = tmp_path_factory.mktemp(f"v4model{request.param}")
+    src = build_v4_checkpoint(root / "src", request.param, seed=5, outlier_experts=())
+    result = convert_checkpoint(src, root / "out", progress=False)
+    assert result.plan.exactness.inexact_blocks == 0
+    return src, root / "out", request.param
+
+
+def _dequantize_experts(model) -> None:
+    """Every FusedSharedMoE's FP8 experts replaced by their float32 values (the converted weights, no FP8 math)."""
+    from runtime.fp8 import expand_block_scales
+    from runtime.moe import FusedSharedMoE
+
+    for m in model.modules():
+        if isinstance(m, FusedSharedMoE):
+            ex = m.experts
+            m.experts = replace(ex, w13=ex.w13.float() * expand_block_scales(ex.w13_scale, *ex.w13.shape[1:]),
+                                w2=ex.w2.float() * expand_block_scales(ex.w2_scale, *ex.w2.shape[1:]), w13_scale=None, w2_scale=None)
+
+
+def test_fused_model_logits_match_transformers(exact_pair):
+    """from_fused_pretrained builds transformers' DeepseekV4ForCausalLM with every MoE block a FusedSharedMoE (the hash
+    layer given input_ids by the decoder layer). Reference: the same transformers model with the release weights (MXFP4
+    experts unpacked, E8M0-scaled FP8 dequantized). With the fused experts in float32 the logits agree to float32
+    rounding; as run (FP8 weights and activations), within verify's FP8 bound."""
+    from runtime.integrations.transformers import from_fused_pretrained, from_source_pretrained
+    from runtime.moe import FusedSharedMoE
+
+    src, out, style = exact_pair
+    ref = from_source_pretrained(src, dtype=torch.float32)
+    fused = from_fused_pretrained(out, dtype=torch.float32)
+    blocks = [m for m in fused.model.layers if isinstance(m.mlp, FusedSharedMoE)]
+    assert len(blocks) == len(fused.model.layers) == 3
+    assert [b.mlp.hash_routed for b in blocks] == [True, False, False] and blocks[0].mlp.tid2eid is not None
+    ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, use_cache=False).logits
+        got_fp8 = fused(input_ids=ids, use_cache=False).logits
+        _dequantize_experts(fused)
+        got_f32 = fused(input_ids=ids, use_cache=False).logits
+    exact, fp8 = rel_err(got_f32, want), rel_err(got_fp8, want)
+    top1 = float((got_fp8.argmax(-1) == want.argmax(-1)).float().mean())
+    print(f"{style}: logits rel err, float32 experts {exact:.2e}; FP8 as run {fp8:.4f}, top-1 {top1:.3f}")
+    assert exact <= 1e-5
+    assert fp8 <= FP8_EXPERTS.logits_rel and top1 >= FP8_EXPERTS.min_top1
+
+
+def _verify(*args):
+    r = CliRunner().invoke(main, ["verify", *map(str, args)])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return r
+
+
+def test_verify_v4(exact_pair, tmp_path):
+    """verify (structure: E8M0 .scale, the hash table, mtp.N blocks) and verify --against the release checkpoint pass on
+    every MoE layer and MTP block, and fail on a damaged shared slot, in a decoder layer and in the last MTP block."""
+    import shutil
+
+    from integration.ig_helpers import damage_shared_slot
+
+    src, out, style = exact_pair
+    mtp = [3] if style == "flash" else [3, 4, 5]
+    r = _verify(out, "--checksums")
+    assert r.exit_code == 0 and "ok: " in r.output and "matches the manifest" in r.output, r.output
+    r = _verify(out, "--against", src)
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+    rows = {int(m.group(1)): (m.group(2), float(m.group(3))) for m in re.finditer(r"^\s+(\d+)\s+(moe|mtp)\s+([0-9.e+-]+)", r.output, re.M)}
+    assert sorted(rows) == [0, 1, 2, *mtp] and all(rows[L][0] == "mtp" for L in mtp)
+    assert all(err <= FP8_EXPERTS.moe_rel for _, err in rows.values()), r.output
+    for layer in (1, mtp[-1]):
+        bad = tmp_path / f"damaged{layer}"
+        shutil.copytree(out, bad)
+        assert damage_shared_slot(bad, layer=layer)
+        assert _verify(bad).exit_code == 0  # sizes and headers intact: only the sha256 and the numbers notice
+        r = _verify(bad, "--checksums")
+        assert r.exit_code != 0 and "sha256" in r.output, r.output
+        r = _verify(bad, "--against", src)
+        assert r.exit_code == 1 and f"FAIL: layer {layer} ({'moe' if layer < 3 else 'mtp'}): MoE output rel err" in r.output, r.output

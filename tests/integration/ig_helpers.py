@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from builders import build_checkpoint, model_class
-from runtime.layout import moe_layer_tensors, read_config_block
+from runtime.layout import converted_moe_layers, read_config_block
 
 # W != I covers split shared slots (DeepSeek-V2: 64 over 32) and zero-padded ones (MiniMax 48 and 80 over 32);
 # DeepSeek-V3 carries an MTP layer (fused too, not a transformers module).
@@ -63,7 +63,7 @@ def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) 
     cfg = json.loads((out_dir / "config.json").read_text())
     E = read_config_block(cfg).num_routed_experts
     index = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    tn = moe_layer_tensors(index)[layer]
+    tn = converted_moe_layers(index, cfg)[layer]  # MTP blocks under mtp.N (DeepSeek-V4) included
     e = E + slot
     g = torch.Generator().manual_seed(seed)
 
