@@ -3,6 +3,10 @@
     experts = ExpertWeights.from_checkpoint(path, layer)
     y = fused_moe(x, experts, ids, weights)          # x [T, H] -> [T, H], x's dtype
     moe = FusedSharedMoE.from_checkpoint(path, layer) # router GEMM + route + fused_moe
+    y = moe(x, token_ids=input_ids)                   # hash-routed layers (DeepSeek-V4) need the token ids
+
+Block scales load as float32 whether stored as float32 ``_scale_inv`` or as DeepSeek-V4's E8M0
+``.scale`` (``2^(b-127)``); MTP blocks under ``mtp.N.`` are layer ``num_hidden_layers + N``.
 
 Triton on CUDA (``moe_triton``), the PyTorch reference elsewhere (``moe_reference``).
 """

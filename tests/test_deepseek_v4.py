@@ -14,6 +14,7 @@ import torch
 
 if not torch.cuda.is_available():  # before anything imports triton: kernels run in the interpreter on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the runtime's blocks run here (Triton compiled on CUDA)
 
 import pytest
 import torch
@@ -324,16 +325,25 @@ def _fused_layer(out, layer: int, backend: str, dequantized: bool = False):
     """The runtime's FusedSharedMoE for one converted layer (E8M0 scales and, on hash layers, tid2eid loaded by it).
     ``dequantized``: its FP8 experts replaced by their float32 values (weight times block scale), so the forward is
     float32 math on exactly the converted weights, with no activation quantization."""
+    from runtime.moe import FusedSharedMoE
+
+    moe = FusedSharedMoE.from_checkpoint(out, layer, device=DEVICE, backend=backend)
+    if dequantized:
+        _dequantize_experts(moe)
+    return moe
+
+
+def _dequantize_experts(model) -> None:
+    """Every FusedSharedMoE's FP8 experts (in ``model``, or ``model`` itself) replaced by their float32 values: the
+    converted weights, no FP8 math. The 128x128 grid expands as is because I is a multiple of 128 here."""
     from runtime.fp8 import expand_block_scales
     from runtime.moe import FusedSharedMoE
 
-    moe = FusedSharedMoE.from_checkpoint(out, layer, backend=backend)
-    if dequantized:
-        ex = moe.experts
-        w13 = ex.w13.float() * expand_block_scales(ex.w13_scale, *ex.w13.shape[1:])
-        w2 = ex.w2.float() * expand_block_scales(ex.w2_scale, *ex.w2.shape[1:])
-        moe.experts = replace(ex, w13=w13, w2=w2, w13_scale=None, w2_scale=None)
-    return moe
+    for m in model.modules():
+        if isinstance(m, FusedSharedMoE):
+            ex = m.experts
+            m.experts = replace(ex, w13=ex.w13.float() * expand_block_scales(ex.w13_scale, *ex.w13.shape[1:]),
+                                w2=ex.w2.float() * expand_block_scales(ex.w2_scale, *ex.w2.shape[1:]), w13_scale=None, w2_scale=None)
 
 
 def test_fused_moe_blocks_match_transformers(tmp_path):
@@ -370,18 +380,19 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
             want = block(x[None], token_ids[None] if block.is_hash else None)[0]
         for backend in ("torch", "triton"):  # Triton runs in the interpreter on CPU (top of this file)
             # The converted weights in float32: route + fused_moe equal transformers' block to float32 rounding.
-            got = _fused_layer(tmp_path / "out", layer, backend, dequantized=True)(x, token_ids=token_ids)
+            xd, td = x.to(DEVICE), token_ids.to(DEVICE)
+            got = _fused_layer(tmp_path / "out", layer, backend, dequantized=True)(xd, token_ids=td).cpu()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
             # The FP8 path as it runs (activations quantized per 1x128 group too): within the FP8 bound.
             fp8 = _fused_layer(tmp_path / "out", layer, backend)
-            moe_errors[(layer, backend)] = rel_err(fp8(x, token_ids=token_ids), want)
+            moe_errors[(layer, backend)] = rel_err(fp8(xd, token_ids=td).cpu(), want)
             assert moe_errors[(layer, backend)] <= FP8_EXPERTS.moe_rel, (layer, backend, moe_errors)
         assert float((x @ block.shared_experts.gate_proj.weight.detach().T).abs().max()) > 20  # the clamp was exercised
     print("FP8 MoE rel err vs transformers:", {k: f"{v:.4f}" for k, v in moe_errors.items()})
     hash_layer = _fused_layer(tmp_path / "out", 0, "torch")
     assert hash_layer.hash_routed and hash_layer.tid2eid.shape == (RELEASE_CONFIG["vocab_size"], 2)
     with pytest.raises(ValueError, match="hash-routed.*token_ids"):
-        hash_layer(x)
+        hash_layer(x.to(DEVICE))
     assert not _fused_layer(tmp_path / "out", 1, "torch").hash_routed  # score-routed layers ignore token ids
 
 
@@ -445,18 +456,6 @@ def exact_pair(request, tmp_path_factory):
     result = convert_checkpoint(src, root / "out", progress=False)
     assert result.plan.exactness.inexact_blocks == 0
     return src, root / "out", request.param
-
-
-def _dequantize_experts(model) -> None:
-    """Every FusedSharedMoE's FP8 experts replaced by their float32 values (the converted weights, no FP8 math)."""
-    from runtime.fp8 import expand_block_scales
-    from runtime.moe import FusedSharedMoE
-
-    for m in model.modules():
-        if isinstance(m, FusedSharedMoE):
-            ex = m.experts
-            m.experts = replace(ex, w13=ex.w13.float() * expand_block_scales(ex.w13_scale, *ex.w13.shape[1:]),
-                                w2=ex.w2.float() * expand_block_scales(ex.w2_scale, *ex.w2.shape[1:]), w13_scale=None, w2_scale=None)
 
 
 def test_fused_model_logits_match_transformers(exact_pair):

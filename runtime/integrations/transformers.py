@@ -6,12 +6,16 @@
 
 The model is the source architecture's own transformers class (DeepSeek-V2/V3, Kimi-K2 as
 DeepSeek-V3, GLM-4.5 ``glm4_moe``, GLM-4.7-Flash ``glm4_moe_lite``, GLM-5 ``glm_moe_dsa``,
-MiniMax-M3 text and VL), built on the meta device from the converted config.json, with every
-MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read from the converted
-expert tensors. Every other weight is read from the shards under the source's on-disk names
+MiniMax-M3 text and VL, DeepSeek-V4 ``deepseek_v4``), built on the meta device from the converted
+config.json, with every MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read
+from the converted expert tensors. DeepSeek-V4's decoder layers hand their MoE block ``input_ids``;
+a forward pre-hook on each installed block passes them on as ``token_ids``, which the hash-routed
+layers route by (``tid2eid``; score-routed layers ignore them). V4's ``mtp.N`` blocks have no
+transformers module: their fused MoE is loaded on its own (:meth:`StreamedModel.moe_module`). Every other weight is read from the shards under the source's on-disk names
 through the rename table of its family module (``runtime.families``); FP8 weights (``X.weight`` e4m3
-with ``X.weight_scale_inv`` 128x128 block scales, or compressed-tensors ``X.weight_scale``) are
-dequantized into the model dtype at load. Loading streams tensor by tensor and layer by layer,
+with ``X.weight_scale_inv`` 128x128 block scales, DeepSeek-V4's one-byte E8M0 ``X.scale``, or
+compressed-tensors ``X.weight_scale``) are dequantized into the model dtype at load, and so are
+MXFP4 weights (V4 release experts, read with ``runtime.mxfp4``). Loading streams tensor by tensor and layer by layer,
 so peak host memory is the model plus about one layer.
 
 :class:`StreamedModel` is the same machinery without materializing everything: a meta skeleton
