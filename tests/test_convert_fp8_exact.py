@@ -118,10 +118,15 @@ def _synth_bf16(path: Path, experts: int = 6, H: int = 384, I: int = 256, seed: 
 
 
 def _convert(src: Path, out: Path, *extra: str) -> dict[str, str]:
+    """sha256 of every output file; the manifest's inputs_fingerprint is left out (it covers the options, --device included)."""
     r = subprocess.run([sys.executable, "-m", "fuse_tool.cli", "convert", str(src), str(out), "--quiet", *extra],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+    manifest = json.loads((out / "fuse_shared_manifest.json").read_text())
+    assert manifest.pop("inputs_fingerprint")
+    digests["fuse_shared_manifest.json"] = json.dumps(manifest, sort_keys=True)
+    return digests
 
 
 def test_strip_quantizer_equals_whole_tensor_quantizer(tmp_path, monkeypatch):

@@ -261,7 +261,7 @@ def _quantize_strip(raw: torch.Tensor, r: int, c0: int, c1: int, q: torch.Tensor
         ws.zero_()
     if have:
         ws[:have, : c1 - c0].copy_(raw[r : r + have, c0:c1])
-    scale[r // B].copy_(quantize_blocks_(ws.view(1, B, -1), scale_fmt, absbuf=absbuf.view(1, B, -1))[0, 0])
+    scale[r // B].copy_(quantize_blocks_(ws, scale_fmt, absbuf=absbuf)[0])
     q[r : r + rows].copy_(ws[:rows, :cols])
 
 
@@ -276,7 +276,7 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
     w = sw.weight
     scales = _read_matrix_f32(sw.scale) if sw.scale is not None else None
     step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK)
-    plain = sw.scale_kind is None and w.dtype in _PLAIN and device == "cpu"
+    plain = sw.scale_kind is None and w.dtype in _PLAIN
     scale_rows = []
     for t0 in range(0, cut.out_rows, step):
         t1 = min(cut.out_rows, t0 + step)
@@ -285,18 +285,21 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
             raw = _read_rows(w, s0, s1) if s1 > s0 else torch.empty((0, w.cols), dtype=TORCH_DTYPES[w.dtype])
             if not allow_non_finite and (bad := count_non_finite(raw, w.dtype)):
                 raise _non_finite_error(w.info, bad)
+        if plain and device == "cpu":
             q = torch.empty((t1 - t0, cut.out_cols), dtype=FP8_DTYPE)
             s = torch.empty((-(-(t1 - t0) // WEIGHT_BLOCK), -(-cut.out_cols // WEIGHT_BLOCK)), dtype=torch.float32)
             strips = range(0, t1 - t0, WEIGHT_BLOCK)
             for f in [_strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt) for r in strips]:
                 f.result()
         else:
-            f = torch.zeros((t1 - t0, cut.out_cols), dtype=torch.float32)
-            if s1 > s0:
+            f = torch.zeros((t1 - t0, cut.out_cols), dtype=torch.float32, device=device)
+            if plain:  # the source's own bytes go to the device, half the float32 traffic; upcast there
+                f[: s1 - s0, : cut.c1 - cut.c0] = raw.to(device)[:, cut.c0 : cut.c1]
+            elif s1 > s0:
                 rows = _dequantized_rows(sw, s0, s1, scales)
                 _check_finite(rows, w.info, allow_non_finite)
-                f[: s1 - s0, : cut.c1 - cut.c0] = rows[:, cut.c0 : cut.c1]
-            q, s = quantize_block_fp8(f.to(device), scale_fmt=task.scale_fmt)
+                f[: s1 - s0, : cut.c1 - cut.c0] = rows[:, cut.c0 : cut.c1].to(device)
+            q, s = quantize_block_fp8(f, scale_fmt=task.scale_fmt)
             q, s = q.cpu(), s.cpu()
         yield Write(task.weight.tensor, task.weight.offset + t0 * cut.out_cols, q)
         scale_rows.append(s)
