@@ -21,10 +21,12 @@ from runtime.fp8 import FLOAT32_TINY, FP8_DTYPE, FP8_MAX, dequantize_block_fp8_r
 from runtime.layout import WEIGHT_BLOCK, scale_grid
 
 from ..errors import ConversionError
+from runtime.errors import CheckpointError
 from ..plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
 from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
 
 CHUNK_BYTES = 64 << 20
+QUANTIZE_CHUNK_BYTES = 16 << 20  # float32-equivalent rows quantized per chunk: several per expert, so reading and writing overlap the math
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,8 @@ def _zero_block_scale(scale_fmt: str) -> float:
     return float(ue8m0_round_up(s) if scale_fmt == "ue8m0" else s)
 
 
-def _rows_per_chunk(row_bytes: int, multiple: int) -> int:
-    rows = max(1, CHUNK_BYTES // max(1, row_bytes))
+def _rows_per_chunk(row_bytes: int, multiple: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    rows = max(1, chunk_bytes // max(1, row_bytes))
     return max(multiple, rows // multiple * multiple)
 
 
@@ -265,33 +267,63 @@ def _quantize_strip(raw: torch.Tensor, r: int, c0: int, c1: int, q: torch.Tensor
     q[r : r + rows].copy_(ws[:rows, :cols])
 
 
+def _read_rows_into(m: Matrix, r0: int, r1: int, slot: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a source matrix in its own dtype, read into this thread's reusable buffer ``slot``
+    (fresh pages for every chunk cost more than the read)."""
+    n = (r1 - r0) * m.row_bytes
+    bufs = getattr(_workers, "reads", None)
+    if bufs is None:
+        bufs = _workers.reads = [bytearray(), bytearray()]
+    if len(bufs[slot]) < n:
+        bufs[slot] = bytearray(n)
+    view = memoryview(bufs[slot])[:n]
+    if n:
+        info = m.info
+        try:
+            fd = os.open(info.file, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [view], info.offset + m.offset + r0 * m.row_bytes)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
+        if got != n:  # the same words as runtime.safetensors_io.read_bytes
+            raise CheckpointError(f"short read: wanted {n} bytes at {info.offset + m.offset + r0 * m.row_bytes}, got {got} (file truncated?)", file=info.file, tensor=info.name)
+        return torch.frombuffer(view, dtype=TORCH_DTYPES[m.dtype]).reshape(r1 - r0, m.cols)
+    return torch.empty((0, m.cols), dtype=TORCH_DTYPES[m.dtype])
+
+
 def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Piece]:
     """Dequantize (or upcast) a cut of the source to float32 and quantize it to FP8 128x128 blocks.
 
     On the CPU, a float source is quantized in strips of 128 rows by a pool of threads (one per
-    core, torch's own threading off), each in a reused float32 buffer that stays in cache. The
-    math is the same everywhere (runtime.fp8.quantize_blocks_), so the bytes do not depend on
-    the path or the device."""
+    core, torch's own threading off), each in a reused float32 buffer that stays in cache, while
+    this thread reads the next chunk and writes the last one. The math is the same everywhere
+    (runtime.fp8.quantize_blocks_), so the bytes do not depend on the path or the device."""
     sw, cut = task.source, task.cut
     w = sw.weight
     scales = _read_matrix_f32(sw.scale) if sw.scale is not None else None
-    step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK)
     plain = sw.scale_kind is None and w.dtype in _PLAIN
-    scale_rows = []
-    for t0 in range(0, cut.out_rows, step):
-        t1 = min(cut.out_rows, t0 + step)
-        s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
-        if plain:
-            raw = _read_rows(w, s0, s1) if s1 > s0 else torch.empty((0, w.cols), dtype=TORCH_DTYPES[w.dtype])
-            if not allow_non_finite and (bad := count_non_finite(raw, w.dtype)):
-                raise _non_finite_error(w.info, bad)
-        if plain and device == "cpu":
-            q = torch.empty((t1 - t0, cut.out_cols), dtype=FP8_DTYPE)
-            s = torch.empty((-(-(t1 - t0) // WEIGHT_BLOCK), -(-cut.out_cols // WEIGHT_BLOCK)), dtype=torch.float32)
-            strips = range(0, t1 - t0, WEIGHT_BLOCK)
-            for f in [_strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt) for r in strips]:
-                f.result()
-        else:
+    threaded = plain and device == "cpu"
+    step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK, QUANTIZE_CHUNK_BYTES if threaded else CHUNK_BYTES)
+    scale_rows: list[torch.Tensor] = []
+    running: list = []  # (t0, q, s, jobs) of the chunk the pool is quantizing
+    try:
+        for k, t0 in enumerate(range(0, cut.out_rows, step)):
+            t1 = min(cut.out_rows, t0 + step)
+            s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
+            if plain:
+                raw = _read_rows_into(w, s0, s1, k % 2) if threaded else _read_rows(w, s0, s1) if s1 > s0 else torch.empty((0, w.cols), dtype=TORCH_DTYPES[w.dtype])
+                if not allow_non_finite and (bad := count_non_finite(raw, w.dtype)):
+                    raise _non_finite_error(w.info, bad)
+            if threaded:
+                q = torch.empty((t1 - t0, cut.out_cols), dtype=FP8_DTYPE)
+                s = torch.empty((-(-(t1 - t0) // WEIGHT_BLOCK), -(-cut.out_cols // WEIGHT_BLOCK)), dtype=torch.float32)
+                running.append((t0, q, s, [_strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt)
+                                           for r in range(0, t1 - t0, WEIGHT_BLOCK)]))
+                if len(running) == 2:
+                    yield from _finish_chunk(task, running.pop(0), scale_rows)
+                continue
             f = torch.zeros((t1 - t0, cut.out_cols), dtype=torch.float32, device=device)
             if plain:  # the source's own bytes go to the device, half the float32 traffic; upcast there
                 f[: s1 - s0, : cut.c1 - cut.c0] = raw.to(device)[:, cut.c0 : cut.c1]
@@ -300,8 +332,20 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
                 _check_finite(rows, w.info, allow_non_finite)
                 f[: s1 - s0, : cut.c1 - cut.c0] = rows[:, cut.c0 : cut.c1].to(device)
             q, s = quantize_block_fp8(f, scale_fmt=task.scale_fmt)
-            q, s = q.cpu(), s.cpu()
-        yield Write(task.weight.tensor, task.weight.offset + t0 * cut.out_cols, q)
-        scale_rows.append(s)
+            yield from _finish_chunk(task, (t0, q.cpu(), s.cpu(), []), scale_rows)
+        while running:
+            yield from _finish_chunk(task, running.pop(0), scale_rows)
+    finally:
+        for chunk in running:  # left early (an error): no job may still read a buffer the next read reuses
+            for job in chunk[3]:
+                job.exception()
     if task.scale is not None:
         yield Write(task.scale.tensor, task.scale.offset, torch.cat(scale_rows))
+
+
+def _finish_chunk(task: ProjectionTask, chunk, scale_rows: list) -> Iterator[Piece]:
+    t0, q, s, jobs = chunk
+    for job in jobs:
+        job.result()
+    yield Write(task.weight.tensor, task.weight.offset + t0 * task.cut.out_cols, q)
+    scale_rows.append(s)
