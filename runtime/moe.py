@@ -79,7 +79,12 @@ class ExpertWeights:
 
     @property
     def num_experts(self) -> int:
-        """E + S."""
+        """E + S (the same as :attr:`num_slots`; kept for existing callers)."""
+        return self.w13.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """E routed + S shared experts: the number of expert slots the kernels index."""
         return self.w13.shape[0]
 
     @property

@@ -101,15 +101,15 @@ def _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, NE, EM, fill_per,
+def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, num_slots, EM, fill_per,
                   HAS_NVALID: tl.constexpr, NEP: tl.constexpr, CHUNK: tl.constexpr):
     """Large T, step 1 of 2: histogram of chunk ``c`` into ``counts[c]``; sentinel fill of a slice of sorted_ids."""
     c = tl.program_id(0)
     n_pairs = _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + p, mask=p < numel, other=-1).to(tl.int32)
-    ok = (p < n_pairs) & (e >= 0) & (e < NE)
-    tl.store(counts_ptr + c * NEP + tl.arange(0, NEP), tl.histogram(tl.where(ok, e, NE), NEP))
+    ok = (p < n_pairs) & (e >= 0) & (e < num_slots)
+    tl.store(counts_ptr + c * NEP + tl.arange(0, NEP), tl.histogram(tl.where(ok, e, num_slots), NEP))
     lo = c * fill_per
     hi = tl.minimum(lo + fill_per, EM)
     for start in range(lo, hi, CHUNK):
@@ -120,7 +120,7 @@ def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, NE, EM
 @triton.jit
 def _align_kernel(
     ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, cursor_ptr,
-    numel, KS, NE, max_blocks, EM, n_chunks,
+    numel, KS, num_slots, max_blocks, EM, n_chunks,
     HAS_NVALID: tl.constexpr, NEP: tl.constexpr, NCP: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
     BB: tl.constexpr, SINGLE: tl.constexpr,
 ):
@@ -135,20 +135,20 @@ def _align_kernel(
         for start in range(0, numel, CHUNK):
             p = start + offs
             e = tl.load(ids_ptr + p, mask=p < numel, other=-1).to(tl.int32)
-            ok = (p < n_pairs) & (e >= 0) & (e < NE)
-            counts += tl.histogram(tl.where(ok, e, NE), NEP)
+            ok = (p < n_pairs) & (e >= 0) & (e < num_slots)
+            counts += tl.histogram(tl.where(ok, e, num_slots), NEP)
         before = tl.zeros([NEP], tl.int32)
     else:
         rows = tl.arange(0, NCP)
         allc = tl.load(counts_ptr + rows[:, None] * NEP + bins[None, :], mask=rows[:, None] < n_chunks, other=0)
         counts = tl.sum(allc, axis=0)
         before = tl.sum(tl.where(rows[:, None] < c, allc, 0), axis=0)
-    padded = tl.where(bins < NE, (counts + BM - 1) // BM * BM, 0)
+    padded = tl.where(bins < num_slots, (counts + BM - 1) // BM * BM, 0)
     end = tl.cumsum(padded, axis=0)
     tl.store(cursor_ptr + c * NEP + bins, end - padded + before)
     if c == 0:
         tl.store(total_ptr, tl.sum(padded, axis=0))
-    end = tl.where(bins < NE, end, 1 << 30)
+    end = tl.where(bins < num_slots, end, 1 << 30)
     per = tl.cdiv(max_blocks, tl.num_programs(0))
     b_hi = tl.minimum(c * per + per, max_blocks)
     for b0 in range(c * per, b_hi, BB):
@@ -169,7 +169,7 @@ def _align_kernel(
     for start in range(lo, hi, CHUNK):
         p = start + offs
         e = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)
-        ok = (p < n_pairs) & (p < hi) & (e >= 0) & (e < NE)
+        ok = (p < n_pairs) & (p < hi) & (e >= 0) & (e < num_slots)
         dst = tl.atomic_add(cursor_ptr + c * NEP + tl.where(ok, e, 0), tl.full([CHUNK], 1, tl.int32), mask=ok)
         tl.store(sorted_ptr + dst, p, mask=ok)
 
@@ -320,7 +320,7 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, NE, c_split_stride,
+def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, num_slots, c_split_stride,
                 KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr,
                 INTERP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -334,7 +334,7 @@ def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, NE, c_split_stride,
     if live:
         for s in tl.static_range(KS):
             e = tl.load(ids_ptr + t * KS + s)
-            if (e >= 0) & (e < NE):
+            if (e >= 0) & (e < num_slots):
                 for p in tl.static_range(SPLITS):
                     acc += tl.load(c_ptr + p * c_split_stride + (t * KS + s) * H + offs, mask=mask, other=0.0).to(tl.float32)
     _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)
@@ -353,7 +353,7 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
     dev = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else None
     wname = str(experts.w13.dtype).replace("torch.", "")
-    cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_experts, experts.hidden_size,
+    cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_slots, experts.hidden_size,
                                 experts.intermediate_size, slots_per_token, experts.is_fp8, dev, wname)
     cfg = dict(cfg)
     if tile_config:
@@ -372,10 +372,12 @@ def _alloc(shape, dtype, like):
 
 
 def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
-    """Triton fused MoE; same contract as :func:`runtime.moe.fused_moe` (which checks the arguments)."""
+    """Triton fused MoE: the same arguments, result and errors as :func:`runtime.moe.fused_moe` (which
+    checks shapes and dtypes before calling this), with ``tile_config`` overriding the tuned tiles
+    (:func:`resolve_tile_config`)."""
     T, H = x.shape
     KS = ids.shape[1]
-    num_slots, I = experts.num_experts, experts.intermediate_size
+    num_slots, I = experts.num_slots, experts.intermediate_size
     fp8 = experts.is_fp8
     if out is None:
         out = _alloc((T, H), x.dtype, x)

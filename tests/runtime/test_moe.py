@@ -238,3 +238,13 @@ def test_tile_tables_are_packaged_and_read():
         cfg, src = moe_tiles.tile_config(3, int(dims["slots"]), int(dims["hidden"]), int(dims["intermediate"]),
                                          int(dims["slots_per_token"]), True, table["device"])
         assert src.startswith("table ") and key in src
+
+
+def test_tile_tables_are_package_data():
+    """A non-editable install carries runtime/configs/*.json (pyproject package-data)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        text = f.read()
+    assert '[tool.setuptools.package-data]' in text and 'runtime = ["configs/*.json"]' in text
