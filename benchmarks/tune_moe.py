@@ -31,43 +31,48 @@ from runtime.moe_tiles import (builtin_tile_config, check_tile_config, dtype_tag
 
 ROT = 4
 TOL = 1e-2
-_PLAIN = dict(block_m=16, gemm1_fused_activation=False, gemm1_block_n=64, gemm1_split_k=1, gemm1_swap_ab=True,
-              gemm2_block_n=64, gemm2_split_k=1, gemm2_swap_ab=True, gemm1_stages=4, gemm2_stages=4, group_m=1,
-              quantize_input_first=False)
+_PQ = dict(quantize_input_first=True)
+_SWAP1 = dict(_PQ, block_m=16, gemm1_swap_ab=True, gemm1_stages=4)
 _EPQ = dict(gemm1_fused_activation=True, gemm1_block_n=128, quantize_in_epilogue=True, quantize_input_first=True,
             down_output_dtype="bfloat16", group_m=8)
+_EPQ_SWAP = dict(_EPQ, block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=64, gemm1_stages=4,
+                 gemm2_stages=4, group_m=1, down_output_dtype="float32")
+# Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
+# quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
+# 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower.
 CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
     "decode": {
         "builtin": {},
-        "plain-swap": _PLAIN,
-        "plain-swap-k1x2": dict(_PLAIN, gemm1_split_k=2),
-        "plain-swap-k1x2-k2x2": dict(_PLAIN, gemm1_split_k=2, gemm2_split_k=2),
-        "plain-swap-k1x4-k2x2-s3": dict(_PLAIN, gemm1_split_k=4, gemm2_split_k=2, gemm1_stages=3, gemm2_stages=3),
-        "paired-swap-k2x2": dict(block_m=16, gemm1_swap_ab=True, gemm1_stages=4, gemm2_block_n=64, gemm2_swap_ab=True,
-                                 gemm2_split_k=2, gemm2_stages=4),
+        "builtin-pq": _PQ,
+        "paired-swap-pq": _SWAP1,
+        "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
+        "plain-swap-pq": dict(_SWAP1, gemm1_fused_activation=False),
+        "epq-swap-pq": _EPQ_SWAP,
+        "epq-swap-pq-k2x2": dict(_EPQ_SWAP, gemm2_split_k=2),
     },
     "small": {
-        "builtin": {},
-        "plain-swap": _PLAIN,
-        "plain-swap-k1x2": dict(_PLAIN, gemm1_split_k=2),
-        "paired-swap": dict(block_m=16, gemm1_swap_ab=True, gemm2_block_n=64, gemm2_swap_ab=True),
-        "m16-epq-swap": dict(_EPQ, block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True, quantize_input_first=False,
-                             gemm2_block_n=64, down_output_dtype="float32", group_m=1),
+        "m16-epq-swap": dict(_EPQ_SWAP, quantize_input_first=False, gemm1_stages=3, gemm2_stages=3,
+                             down_output_dtype="bfloat16"),
+        "m16-epq-swap-pq": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, group_m=8),
+        "m16-epq-swap-pq-n2x128": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, gemm2_block_n=128, group_m=8),
+        "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
     },
     "mid": {
-        "builtin": {},
-        "m16-plain-swap-prequant": dict(_PLAIN, quantize_input_first=True, group_m=8),
-        "m16-epq-swap": dict(_EPQ, block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=64),
         "m32-epq-swap": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128),
-        "m64-epq": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=128, gemm2_warps=4),
+        "m32-epq-swap-s4": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
+                                gemm1_stages=4, gemm2_stages=4),
+        "m32-epq-swap-g32": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
+                                 group_m=32),
     },
     "prefill": {
-        "builtin": {},
         "m64-epq": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=128, gemm2_warps=4),
         "m64-epq-n2x256": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=256, gemm2_warps=8),
-        "m128-epq": dict(_EPQ, block_m=128, gemm1_warps=8, gemm2_block_n=128, gemm2_warps=8),
-        "m128-epq-s4": dict(_EPQ, block_m=128, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=128, gemm2_warps=8,
-                            gemm2_stages=4),
+        "m64-epq-s4-g16": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=128, gemm2_warps=4,
+                               gemm2_stages=4, group_m=16),
+        "m64-epq-w4": dict(_EPQ, block_m=64, gemm1_warps=4, gemm2_block_n=128, gemm2_warps=4, gemm2_stages=4,
+                           group_m=16),
+        "m64-epq-n2x256-s4": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8,
+                                  group_m=16),
     },
 }
 
