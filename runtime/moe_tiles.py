@@ -73,15 +73,14 @@ def builtin_tile_config(num_tokens: int, fp8: bool) -> dict:
                    gemm1_warps=4, gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1, gemm2_swap_ab=False,
                    gemm2_warps=4, gemm2_stages=3, group_m=1, quantize_input_first=False, quantize_in_epilogue=False,
                    down_output_dtype="float32")
-    else:
-        cfg = dict(block_m=64, gemm1_fused_activation=True, gemm1_block_n=64 if num_tokens <= 1024 else 128,
-                   gemm1_split_k=1, gemm1_swap_ab=False, gemm1_warps=4 if num_tokens <= 1024 else 8,
-                   gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1, gemm2_swap_ab=False, gemm2_warps=4,
-                   gemm2_stages=3, group_m=8, quantize_input_first=True, quantize_in_epilogue=False,
-                   down_output_dtype="float32")
+    else:  # GEMM1 writes FP8 h in its epilogue: no float32 h, no re-quantization per GEMM2 tile
+        cfg = dict(block_m=64, gemm1_fused_activation=True, gemm1_block_n=128, gemm1_split_k=1, gemm1_swap_ab=False,
+                   gemm1_warps=4 if num_tokens <= 1024 else 8, gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1,
+                   gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3, group_m=8, quantize_input_first=True,
+                   quantize_in_epilogue=True, down_output_dtype="bfloat16")
     if not fp8:
         cfg.update(gemm1_block_n=min(cfg["gemm1_block_n"], 64), gemm2_block_n=64, gemm1_stages=2, gemm2_stages=2,
-                   quantize_input_first=False)
+                   quantize_input_first=False, quantize_in_epilogue=False, down_output_dtype="float32")
     return cfg
 
 

@@ -108,7 +108,8 @@ def test_triton_matches_reference(case):
     out = torch.full((T, H), float("nan"), dtype=dt)
     fused_moe(x, ew, ids, w, backend="triton", tile_config=cfg, out=out)
     assert not torch.isnan(out).any()
-    assert rel(out, ref) < (1e-2 if dt == torch.float16 else 2e-3)  # output rounding of 16-bit types
+    # output rounding of 16-bit types; from T > 64 the per-slot GEMM2 outputs are bf16 too (two roundings)
+    assert rel(out, ref) < (1e-2 if dt == torch.float16 else 4e-3 if T > 64 else 2e-3)
 
 
 @needs_triton
