@@ -46,6 +46,8 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "builtin-pq": _PQ,
         "paired-swap-pq": _SWAP1,
         "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
+        "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
+                                       gemm2_stages=4),
         "plain-swap-pq": dict(_SWAP1, gemm1_fused_activation=False),
         "epq-swap-pq": _EPQ_SWAP,
         "epq-swap-pq-k2x2": dict(_EPQ_SWAP, gemm2_split_k=2),
@@ -56,6 +58,8 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "m16-epq-swap-pq": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, group_m=8),
         "m16-epq-swap-pq-n2x128": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, gemm2_block_n=128, group_m=8),
         "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
+        "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
+                                       gemm1_stages=3, group_m=8),
     },
     "mid": {
         "m32-epq-swap": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128),

@@ -29,6 +29,8 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``quantize_input_first``: FP8-quantize x in its own launch (else GEMM1 quantizes on load).
 - ``quantize_in_epilogue``: GEMM1 writes FP8 h and its scales (needs fused activation and
   ``gemm1_block_n == 128``), else h is float32 and GEMM2 quantizes on load.
+- ``quantize_hidden_first``: with fused activation and float32 h, FP8-quantize h in its own launch
+  so that GEMM2 reads FP8 from memory (what swapped GEMM2 operands need) instead of quantizing on load.
 - ``down_output_dtype``: ``"float32"`` or ``"bfloat16"`` for GEMM2's per-slot outputs.
 """
 
@@ -46,7 +48,8 @@ TILE_KEYS = {
     "block_m": int, "gemm1_fused_activation": bool, "gemm1_block_n": int, "gemm1_split_k": int,
     "gemm1_swap_ab": bool, "gemm1_warps": int, "gemm1_stages": int, "gemm2_block_n": int,
     "gemm2_split_k": int, "gemm2_swap_ab": bool, "gemm2_warps": int, "gemm2_stages": int,
-    "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "down_output_dtype": str,
+    "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "quantize_hidden_first": bool,
+    "down_output_dtype": str,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
@@ -72,15 +75,16 @@ def builtin_tile_config(num_tokens: int, fp8: bool) -> dict:
         cfg = dict(block_m=16, gemm1_fused_activation=True, gemm1_block_n=64, gemm1_split_k=1, gemm1_swap_ab=False,
                    gemm1_warps=4, gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1, gemm2_swap_ab=False,
                    gemm2_warps=4, gemm2_stages=3, group_m=1, quantize_input_first=False, quantize_in_epilogue=False,
-                   down_output_dtype="float32")
+                   quantize_hidden_first=False, down_output_dtype="float32")
     else:  # GEMM1 writes FP8 h in its epilogue: no float32 h, no re-quantization per GEMM2 tile
         cfg = dict(block_m=64, gemm1_fused_activation=True, gemm1_block_n=128, gemm1_split_k=1, gemm1_swap_ab=False,
                    gemm1_warps=4 if num_tokens <= 1024 else 8, gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1,
                    gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3, group_m=8, quantize_input_first=True,
-                   quantize_in_epilogue=True, down_output_dtype="bfloat16")
+                   quantize_in_epilogue=True, quantize_hidden_first=False, down_output_dtype="bfloat16")
     if not fp8:
         cfg.update(gemm1_block_n=min(cfg["gemm1_block_n"], 64), gemm2_block_n=64, gemm1_stages=2, gemm2_stages=2,
-                   quantize_input_first=False, quantize_in_epilogue=False, down_output_dtype="float32")
+                   quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,
+                   down_output_dtype="float32")
     return cfg
 
 
@@ -103,6 +107,8 @@ def check_tile_config(cfg: Mapping[str, Any]) -> None:
         raise ValueError("gemm1_split_k > 1 needs gemm1_fused_activation=False (SwiGLU needs the full sum)")
     if cfg.get("quantize_in_epilogue") and not (cfg.get("gemm1_fused_activation", True) and cfg.get("gemm1_block_n") == 128):
         raise ValueError("quantize_in_epilogue needs gemm1_fused_activation and gemm1_block_n == 128 (one 1x128 group per tile)")
+    if cfg.get("quantize_hidden_first") and not cfg.get("gemm1_fused_activation", True):
+        raise ValueError("quantize_hidden_first needs gemm1_fused_activation (plain GEMM1 writes pre-activation sums)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -360,9 +360,12 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
         check_tile_config(tile_config)
         cfg.update(tile_config)
     if not experts.is_fp8:
-        cfg.update(gemm1_swap_ab=False, gemm2_swap_ab=False, quantize_input_first=False, quantize_in_epilogue=False)
+        cfg.update(gemm1_swap_ab=False, gemm2_swap_ab=False, quantize_input_first=False, quantize_in_epilogue=False,
+                   quantize_hidden_first=False)
     if not cfg["gemm1_fused_activation"] or cfg["gemm1_block_n"] != 128:
         cfg["quantize_in_epilogue"] = False
+    if not cfg["gemm1_fused_activation"] or cfg["quantize_in_epilogue"]:
+        cfg["quantize_hidden_first"] = False
     check_tile_config(cfg)
     return cfg
 
@@ -451,17 +454,23 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
         BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
     )
+    h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
+    if cfg["quantize_hidden_first"]:
+        hq = _alloc((numel, I), FP8_DTYPE, x)
+        h_s = _alloc((numel, gi), torch.float32, x)
+        _quant_kernel[(triton.cdiv(numel, 32), gi)](h, hq, h_s, numel, I, h.stride(1), 1, h_s.stride(0),
+                                                    BR=32, INTERP=interp, num_warps=4)
+        h, h_quant_mode = hq, 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
     BN2 = cfg["gemm2_block_n"]
     grid2 = ((EM // BM) * triton.cdiv(H, BN2), split2)
-    a2_mode = 1 if quant_h else (0 if fused_act else 2)
     _moe_gemm_kernel[grid2](
         h, h_s, w2, s2, c, c, sorted_ids, expert_ids, total, w_c, *act,
         H, I, numel, EM // BM, H, 0, numel * N1, numel * H,
-        N1, 1, h_s.stride(0) if quant_h else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
+        N1, 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
         H, 0,
-        A_DIV=1, A_MODE=a2_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
+        A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
         BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
     )

@@ -147,6 +147,8 @@ DECODE_SPLIT = dict(block_m=16, gemm1_fused_activation=False, gemm1_block_n=64, 
 VARIANTS = {
     "paired-swap": dict(block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True),
     "paired-swap-prequant": dict(block_m=16, gemm1_swap_ab=True, quantize_input_first=True, gemm2_block_n=64),
+    "hidden-quant-first": dict(block_m=16, gemm1_swap_ab=True, quantize_input_first=True, quantize_hidden_first=True,
+                               gemm2_block_n=64, gemm2_swap_ab=True, gemm2_split_k=2),
     "plain-split": DECODE_SPLIT,
     "plain-split3-noswap": dict(DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=3, gemm1_swap_ab=False, gemm2_swap_ab=False),
     "plain-nosplit-prequant": dict(DECODE_SPLIT, gemm1_split_k=1, gemm2_split_k=1, quantize_input_first=True),
