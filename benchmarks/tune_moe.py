@@ -81,6 +81,18 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
 }
 
 
+def from_results(results_path, table_dir):
+    """Write the table from a results file of an earlier run (its fastest passing config per cell)."""
+    with open(results_path) as f:
+        res = json.load(f)
+    shapes = read_table(table_dir, res["info"]["device"])
+    for r in res["rows"]:
+        H, I, E, S, K = MODELS[r["model"]][:5]
+        if r.get("best"):
+            shapes.setdefault(shape_key(E + S, H, I, K + S), {})[str(r["T"])] = r["ours"][r["best"]]["config"]
+    write_table(table_dir, res["info"], shapes, print)
+
+
 def band(T: int) -> str:
     return "decode" if T <= 8 else "small" if T <= 64 else "mid" if T <= 1024 else "prefill"
 
@@ -148,8 +160,17 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log):
     return row
 
 
+def read_table(table_dir, device):
+    """The shapes of an existing table for this device (entries not re-tuned in this run are kept)."""
+    path = os.path.join(table_dir, table_file_name(device, dtype_tag(True)))
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("shapes", {})
+
+
 def write_table(table_dir, info, shapes, log):
-    first = next(iter(shapes.values()), {})
+    first = shapes.get(shape_key(257, 7168, 2048, 9)) or next(iter(shapes.values()), {})
     doc = dict(device=info["device"], dtype=dtype_tag(True), triton=info["triton"], torch=info["torch"],
                date=info["date"], generated_by="benchmarks/tune_moe.py", shapes=shapes, default=first)
     os.makedirs(table_dir, exist_ok=True)
@@ -168,12 +189,16 @@ def main():
     ap.add_argument("--results-out", default=None)
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--peer-dir", default=None)
+    ap.add_argument("--fresh", action="store_true", help="start a new table instead of updating the existing one")
+    ap.add_argument("--from-results", default=None, help="only write the table from an earlier --results-out file")
     args = ap.parse_args()
+    if args.from_results:
+        return from_results(args.from_results, args.table_out)
     log = lambda s: print(s, flush=True)  # noqa: E731
     peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
     info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     log(f"{info}; peer: {'yes' if peer_mod else 'no'}")
-    rows, shapes = [], {}
+    rows, shapes = [], ({} if args.fresh else read_table(args.table_out, info["device"]))
     for name in args.models.split(","):
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
         cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
