@@ -89,26 +89,28 @@ def _route_kernel(
             gpacked = tl.where(hit, NEG, gpacked)
         minf = tl.full([GP, GSP], float("-inf"), tl.float32)
         packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
-    # K picks; each marks its experts with the slot it fills, so the outputs are scattered straight
-    # from the tile (no gather of the chosen logits after the picks).
-    slot = tl.full([GP, GSP], -1, tl.int32)
+    ids = tl.zeros([KSP], tl.int32)
     for k in tl.static_range(K):
         pk = tl.max(tl.max(packed, axis=1), axis=0)
-        hit = packed == pk
-        slot = tl.where(hit, k, slot)
-        packed = tl.where(hit, NEG, packed)
-    chosen = slot >= 0
-    w = tl.where(chosen, s, 0.0)
+        packed = tl.where(packed == pk, NEG, packed)
+        ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+    # Weights from the unbiased scores of the chosen experts, recomputed with the same operations.
+    zk = tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        w = tl.exp(zk - zmax) / denom
+    else:
+        w = 1.0 / (1.0 + tl.exp(-zk))
+    w = tl.where(offs_k < K, w, 0.0)
     if RENORM:
-        total = tl.sum(tl.sum(w, axis=1), axis=0)
+        total = tl.sum(w, axis=0)
         w = w / (total + 1e-20)
     w = w * rsf
-    tl.store(ids_ptr + row * (K + S) + slot, e_idx, mask=chosen)
-    tl.store(w_ptr + row * (K + S) + slot, w, mask=chosen)
     if S > 0:
         shared = offs_k >= K
-        tl.store(out_ids, (E + offs_k - K).to(tl.int32), mask=shared & kmask)
-        tl.store(out_w, tl.full([KSP], 1.0, tl.float32), mask=shared & kmask)
+        ids = tl.where(shared, E + offs_k - K, ids)
+        w = tl.where(shared, 1.0, w)
+    tl.store(out_ids, ids, mask=kmask)
+    tl.store(out_w, w, mask=kmask)
 
 
 @functools.lru_cache(maxsize=None)
