@@ -160,11 +160,15 @@ VARIANTS = {
 }
 
 
+SMALL, LARGER = (9, 256, 256, 5, 3), (7, 384, 384, 37, 4)
+VARIANT_CASES = [(v, SMALL) for v in VARIANTS] + [(v, LARGER) for v in ("plain-split", "epilogue-quant", "hidden-quant-first")]
+
+
 @needs_triton
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("NE,H,I,T,KS", [(9, 256, 256, 5, 3), (7, 384, 384, 37, 4)])
-def test_tile_variants_match_reference(variant, NE, H, I, T, KS):
+@pytest.mark.parametrize("variant,shape", VARIANT_CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
+def test_tile_variants_match_reference(variant, shape):
     """E+S = 9 and 7 (not powers of two); I of two 128-groups and of three."""
+    NE, H, I, T, KS = shape
     g = torch.Generator().manual_seed(NE * 1000 + T)
     ew = random_experts(NE, H, I, fp8=True, oai=NE == 7, gen=g)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
