@@ -33,6 +33,7 @@ from runtime.layout import (
 
 from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
 from ..errors import ConversionError
+from runtime.families import router_tensor_names
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header
 
 
@@ -80,7 +81,7 @@ def verify_output(out_dir: str | Path, *, checksums: bool = False, progress: boo
     except LayoutError as e:  # pragma: no cover - check_converted_checkpoint read it already
         raise _err(str(e), root / CONFIG_NAME) from None
     for layer, names in sorted(checked.moe_layers.items()):
-        _check_layer_shapes(layer, names, block, tensors)
+        _check_layer_shapes(layer, names, block, tensors, checked.config)
 
     # The manifest: every shard, its size, and with checksums its sha256.
     manifest_path = root / MANIFEST_NAME
@@ -156,17 +157,19 @@ def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple
         raise _err(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[scale_name(weight.name)].file, scale_name(weight.name))
 
 
-def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo]) -> None:
+def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo],
+                        config: dict) -> None:
     E, n, I = block.num_routed_experts, block.num_experts, block.expert_intermediate_size
-    router = tensors.get(names.router_weight())
+    router_name, bias_names = router_tensor_names(config, names.block_prefix)  # under the family's own names
+    router = tensors.get(router_name)
     if router is None:
-        raise _err(f"MoE layer {layer} has no router", INDEX_NAME, names.router_weight())
+        raise _err(f"MoE layer {layer} has no router", INDEX_NAME, router_name)
     if len(router.shape) != 2 or router.shape[0] != E:
         raise _err(f"has shape {list(router.shape)}, expected [{E}, H] ({E} routed experts)", router.file, router.name)
     if router.dtype != "F32":
         raise _err(f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name)
     H = router.shape[1]
-    for b in names.bias_candidates():
+    for b in bias_names:
         if b in tensors:
             _want(tensors, b, (E,), None, "one selection bias per routed expert")
     for p in names.gemm1_params():
