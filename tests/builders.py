@@ -55,6 +55,14 @@ NEW_FAMILIES = {
         **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
         first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16, index_topk=4,
         indexer_types=(["full", "shared"] * L)[:L], **over), "GlmMoeDsaForCausalLM"),
+    # GLM-5.3: swiglu_limit 0.3 bites (tiny random gate and up outputs have std ~0.5); one indexed-attention layer.
+    "glm5_next": (lambda T, moe, I, E, W, L, over: T.Glm5NextConfig(
+        text_config=dict(**moe, **{**MLA, "qk_rope_head_dim": 0}, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E,
+                         n_shared_experts=(W or 2 * I) // I, routed_scaling_factor=2.5, mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                         layer_types=(["linear_attention", "full_attention"] * L)[:L], index_n_heads=2, index_head_dim=16,
+                         index_topk=16, index_kpool=4, linear_head_dim=16, linear_num_heads=2, swiglu_limit=0.3, pad_token_id=None,
+                         **over),
+        vision_config=_vision(projection_intermediate_size=64)), "Glm5NextForConditionalGeneration"),
     "afmoe": (lambda T, moe, I, E, W, L, over: T.AfmoeConfig(
         **moe, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I, head_dim=32,
         num_dense_layers=1, route_scale=2.0, global_attn_every_n_layers=2, sliding_window=8, **over), "AfmoeForCausalLM"),

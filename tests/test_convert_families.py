@@ -36,6 +36,8 @@ CASES = {
     "afmoe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.0, True)),
     "hy_v3": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.826, True)),
     "hunyuan_v1_moe": dict(kw=dict(experts=7), E=7, I=32, W=32, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    # GLM-5.3 clamps routed and shared experts at swiglu_limit before the activation: every slot gets that limit.
+    "glm5_next": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.5, True), limit=0.3),
 }
 assert set(CASES) == set(FAMILIES) | set(NEW_FAMILIES)
 
@@ -134,7 +136,8 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
         if block.activation == "swiglu_oai":
             assert torch.allclose(alpha, torch.full((E + S,), 1.702)) and torch.all(beta == 1.0) and torch.all(limit == 7.0)
         else:
-            assert torch.all(alpha == 1.0) and torch.all(beta == 0.0) and torch.all(torch.isinf(limit))
+            assert torch.all(alpha == 1.0) and torch.all(beta == 0.0)
+            assert torch.equal(limit, torch.full((E + S,), case.get("limit", math.inf), dtype=torch.float32))
         if names.storage != "stacked":
             assert f"{names.experts_prefix}.{E + S}.{PER_EXPERT_NAMES[names.storage][0]}.weight" not in out
         else:

@@ -4,6 +4,7 @@ hybrid attention), each against a tiny checkpoint built by the family's own tran
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -73,8 +74,9 @@ def test_glm4v_compressed_tensors_source(tmp_path):
     assert verify_against(out_dir, src_dir).passed
 
 
-def test_glm4v_vision_tower_copied_unchanged(tmp_path):
-    src_dir = build_checkpoint("glm4v_moe", tmp_path / "src", experts=6)
+@pytest.mark.parametrize("family", ["glm4v_moe", "glm5_next"])
+def test_vision_tower_copied_unchanged(family, tmp_path):
+    src_dir = build_checkpoint(family, tmp_path / "src", experts=6)
     out_dir = tmp_path / "out"
     convert_checkpoint(src_dir, out_dir, progress=False)
     src, out = load_all(src_dir), load_all(out_dir)
@@ -87,7 +89,7 @@ def test_glm4v_vision_tower_copied_unchanged(tmp_path):
     assert "lm_head" in cfg["quantization_config"]["modules_to_not_convert"]
 
 
-@pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear"])
+@pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear", "glm5_next"])
 @pytest.mark.parametrize("other_linear", ["keep", "fp8"])
 def test_hybrid_attention_copied(family, other_linear, tmp_path):
     """Linear-attention layers (short convolutions, decay parameters) are copied byte for byte; with
@@ -104,3 +106,21 @@ def test_hybrid_attention_copied(family, other_linear, tmp_path):
             continue
         if other_linear == "keep" or k in conv or v.dim() != 2:
             assert same_bytes(out[k], v), k
+
+
+def test_glm5_next_clamp_bites(tmp_path):
+    """The tiny GLM-5.3's swiglu_limit changes its MoE output: the per-slot limits are doing work, not decoration."""
+    from runtime import FusedSharedMoE
+
+    src_dir = build_checkpoint("glm5_next", tmp_path / "src", experts=6)
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, ConvertOptions(precision="source"), progress=False)
+    moe = FusedSharedMoE.from_checkpoint(out_dir, 1)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    moe.experts = moe.experts.to("cpu")
+    with torch.no_grad():
+        clamped = moe(x.to(moe.experts.w13.dtype)).float()
+        import dataclasses
+        moe.experts = dataclasses.replace(moe.experts, gemm1_clamp_limit=torch.full_like(moe.experts.gemm1_clamp_limit, math.inf))
+        free = moe(x.to(moe.experts.w13.dtype)).float()
+    assert ((clamped - free).norm() / free.norm()).item() > 0.05
