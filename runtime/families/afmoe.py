@@ -19,4 +19,5 @@ class Afmoe(DeepSeekStyleFamily):
     }
     config_defaults = {"n_shared_experts": 2, "first_k_dense_replace": 1}
     fixed = {"scoring": "sigmoid", "n_group": 1, "renormalize": True}  # AfmoeTokenChoiceRouter
+    router_in_model_dtype = True  # AfmoeTokenChoiceRouter: self.gate(x) in the model dtype, then float32
     transformers = TransformersClasses("AfmoeConfig", "AfmoeForCausalLM")

@@ -99,6 +99,7 @@ class MoEArchitecture:
     activation_params: ActivationParams
     names: MoENames = MoENames()
     expects_bias: bool = True  # False: the family has no selection bias, so its absence is no news
+    router_in_model_dtype: bool = False  # the family's reference computes router logits in the model's dtype, not float32
 
     @property
     def layer_prefix(self) -> str:
@@ -337,6 +338,7 @@ class DeepSeekStyleFamily(Family):
     config_defaults: ClassVar[Mapping[str, Any]] = {}
     fixed: ClassVar[Mapping[str, Any]] = {}
     text_config_key: ClassVar[str | None] = None
+    router_in_model_dtype: ClassVar[bool] = False
 
     @classmethod
     def key(cls, cfg: Mapping, fact: str) -> str:
@@ -403,4 +405,5 @@ class DeepSeekStyleFamily(Family):
             activation_params=params,
             names=cls.names_for(config),
             expects_bias=cls.expects_bias,
+            router_in_model_dtype=cls.router_in_model_dtype,
         )

@@ -24,6 +24,7 @@ class HunyuanV1Moe(DeepSeekStyleFamily):
     fixed = {"scoring": "softmax", "n_group": 1, "renormalize": True, "routed_scaling_factor": 1.0, "has_bias": False,
              "n_shared_experts": 1}
     expects_bias = False
+    router_in_model_dtype = True  # HunYuanMoEV1Gate scores in float32 only when wg itself is float32
     transformers = TransformersClasses("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM")
 
     @classmethod
