@@ -123,7 +123,15 @@ def test_more_experts_than_config(src, tmp_path):
     ("qwen2_moe", "per-token sigmoid gate"),
     ("qwen3_next", "per-token sigmoid gate"),
     ("llama4", "scales the expert input"),
-    ("mixtral", "not supported; supported: deepseek_v2, deepseek_v3"),
+    ("qwen4_exp", "per-token sigmoid gate"),
+    ("qwen4_exp_text", "per-token sigmoid gate"),
+    ("nemotron_h", "ReLU² MLPs"),
+    ("nemotron_h", "latent space"),
+    ("longcat_flash", "zero-computation experts"),
+    ("longcat_flash", "no shared expert"),
+    ("mimo_v2_flash", "no shared expert"),
+    ("gpt_oss", "no shared expert"),
+    ("mixtral", "not supported; supported: afmoe, bailing_hybrid, deepseek_v2, deepseek_v3"),
 ])
 def test_refused_model_types(src, tmp_path, model_type, reason):
     cfg = json.loads((src / "config.json").read_text())
@@ -138,3 +146,28 @@ def test_minimax_m3_without_shared_width_is_refused(tmp_path):
     cfg["shared_intermediate_size"] = 0
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "no shared expert")
+
+
+def test_latent_routed_experts_refused_in_any_family(src, tmp_path):
+    """The general rule: routed experts in a latent space narrower than the hidden size, whatever the model_type."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_latent_size"] = cfg["hidden_size"] // 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "moe_latent_size", "latent space", "narrower than the hidden size")
+
+
+def test_hy_v3_with_mlp_bias_is_refused(tmp_path):
+    src = build_checkpoint("hy_v3", tmp_path / "src", experts=6, mlp_bias=True)
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "mlp_bias", "no bias terms")
+
+
+def test_hunyuan_per_layer_expert_counts_must_agree(tmp_path):
+    src = build_checkpoint("hunyuan_v1_moe", tmp_path / "src", experts=7)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts"] = [7, 7, 5]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "num_experts", "one E and one top-k per checkpoint")
+    cfg["num_experts"] = [7, 7, 7]  # every layer agrees: converted as E = 7
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, output = run_convert(src, tmp_path / "out2")
+    assert code == 0, output

@@ -118,6 +118,10 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         source_quantization += ", routed experts MXFP4 (found in the tensors)"
     if arch.routing.has_bias and not routing.has_bias and arch.expects_bias:
         parts.notes.append("no e_score_correction_bias in the checkpoint: routing without a selection bias")
+    router_dtypes = {inputs.tensors[lp.block_prefix + "." + arch.names.router].dtype for lp in layer_plans}
+    if arch.router_in_model_dtype and router_dtypes - {"F32"}:
+        parts.notes.append(f"{arch.family} computes its router logits in the model's dtype ({', '.join(sorted(router_dtypes))}); the fused "
+                           "router scores in float32 from the exactly upcast weight, so the two differ by that rounding only")
 
     plan_other_tensors(inputs, parts)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from runtime.families import router_tensor_names
 from runtime.layout import CONFIG_KEY, ExpertTensorNames, FusedSharedExperts, LayoutError, moe_layer_tensors, read_config_block, scale_grid, scale_name
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, open_regular, read_header, read_small_file
 
@@ -163,17 +164,19 @@ def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple
         raise _fail(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[scale_name(weight.name)].file, scale_name(weight.name))
 
 
-def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo]) -> None:
+def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo],
+                        config: dict) -> None:
     E, n, I = block.num_routed_experts, block.num_experts, block.expert_intermediate_size
-    router = tensors.get(names.router_weight())
+    router_name, bias_names = router_tensor_names(config, names.block_prefix)  # under the family's own names
+    router = tensors.get(router_name)
     if router is None:
-        raise _fail(f"MoE layer {layer} has no router", INDEX_NAME, names.router_weight())
+        raise _fail(f"MoE layer {layer} has no router", INDEX_NAME, router_name)
     if len(router.shape) != 2 or router.shape[0] != E:
         raise _fail(f"has shape {list(router.shape)}, expected [{E}, H] ({E} routed experts)", router.file, router.name)
     if router.dtype != "F32":
         raise _fail(f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name)
     H = router.shape[1]
-    for b in names.bias_candidates():
+    for b in bias_names:
         if b in tensors:
             _want(tensors, b, (E,), None, "one selection bias per routed expert")
     for p in names.gemm1_params():
@@ -356,7 +359,7 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
         if layer not in layers:
             raise _fail(f"{root}: MoE layer {layer} (listed in {CONFIG_KEY}.moe_layers) has no converted expert tensors "
                         f"(no ...layers.{layer}...experts.gemm1_alpha)")
-        _check_layer_shapes(layer, layers[layer], block, tensors)
+        _check_layer_shapes(layer, layers[layer], block, tensors, config)
     extra = sorted(set(layers) - listed)
     if extra:
         raise _fail(f"{root}: layers {extra} have converted expert tensors but {CONFIG_KEY}.moe_layers does not list them")
