@@ -74,6 +74,19 @@ def test_fp8_weight_without_scale(src, tmp_path):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name, "FP8 weight without its scale")
 
 
+def test_mxfp8_scales_are_recognised_and_refused(src, tmp_path):
+    """MXFP8 (U8 power-of-two scales per 1x32 group under a weight_scale_inv name) is never read as 128x128 blocks."""
+    to_fp8_block(src)
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+
+    def to_mx(t):
+        rows, cols = t[name].shape
+        t[name + "_scale_inv"] = torch.full((rows, -(-cols // 32)), 127, dtype=torch.uint8)
+    mutate(src, to_mx)
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name + "_scale_inv", "MXFP8", "not supported yet",
+                   "expected F32 128x128 block scales")
+
+
 def test_shared_and_routed_formats_differ(src, tmp_path):
     to_fp8_block(src)
     sh = "model.layers.1.mlp.shared_experts"
