@@ -128,11 +128,6 @@ def dequantize_fp8(wq: torch.Tensor, scale: torch.Tensor, block: int = WEIGHT_BL
     return dequantize_block_fp8(wq, s, block)
 
 
-def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Values of ``x`` (already within +-448) rounded to the e4m3 grid, kept in float32."""
-    return x.to(FP8_DTYPE).to(torch.float32)
-
-
 def quantize_activations(x: torch.Tensor, group: int = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token-group (1 x ``group``) FP8 quantization of activations ``x [T, H]``.
 

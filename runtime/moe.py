@@ -114,18 +114,6 @@ class ExpertWeights:
                        gemm1_clamp_limit=f(self.gemm1_clamp_limit))
 
     @classmethod
-    def from_per_expert(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
-                        gate_scale=None, up_scale=None, down_scale=None, **gemm1) -> "ExpertWeights":
-        """From per-expert ``[I, H]``, ``[I, H]``, ``[H, I]`` tensors (and their block scales)."""
-        w13 = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate, up)])
-        w2 = torch.stack(list(down))
-        s13 = s2 = None
-        if gate_scale is not None:
-            s13 = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate_scale, up_scale)])
-            s2 = torch.stack(list(down_scale))
-        return cls(w13, w2, s13, s2, **gemm1)
-
-    @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu") -> "ExpertWeights":
         """Load one MoE layer's experts from a converted checkpoint folder."""
         return _Checkpoint(path).experts(layer, device)

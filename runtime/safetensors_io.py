@@ -106,10 +106,6 @@ class TensorInfo:
     nbytes: int
 
     @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
-
-    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 

@@ -42,10 +42,6 @@ def planned_header(shard: PlannedShard) -> bytes:
     return build_header([(t.name, t.dtype, t.shape) for t in shard.tensors], SHARD_METADATA)[0]
 
 
-def planned_file_size(shard: PlannedShard, header: bytes | None = None) -> int:
-    return len(header if header is not None else planned_header(shard)) + shard.nbytes
-
-
 class ShardWriter:
     """One safetensors file being written. Knows every tensor's place before any data arrives.
 
@@ -344,16 +340,6 @@ def stage_copy(src: Path, path: Path) -> Path:
     finally:
         os.close(sfd)
     return tmp
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file under a temporary name, fsync it, then rename it into place."""
-    tmp = stage_bytes(path, data)
-    try:
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(e, path) from None
 
 
 def fsync_dir(path: Path) -> None:
