@@ -491,6 +491,7 @@ class ExpertTensorNames:
     def gemm1_params(self) -> tuple[str, str, str]:
         return gemm1_param_names(self.experts_prefix)
 
+
 _GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
 
 
