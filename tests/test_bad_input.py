@@ -131,6 +131,19 @@ def test_more_experts_than_config(src, tmp_path):
     assert_refused(code, output, tmp_path / "out", "model.layers.1.mlp.gate.weight", "expected [6, H]")
 
 
+def test_expert_beyond_the_config_is_refused(src, tmp_path):
+    """An expert id >= E under a MoE block (router and config agree on E = 8) is named, with the count the config gives."""
+    extra = "model.layers.2.mlp.experts.8.up_proj.weight"
+    mutate(src, lambda t: t.__setitem__(extra, t["model.layers.2.mlp.experts.0.up_proj.weight"].clone()))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", extra, "config.json says 8 routed experts, but the checkpoint has expert 8")
+
+
+def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
+    extra = "model.layers.1.mlp.router_temperature"
+    mutate(src, lambda t: t.__setitem__(extra, torch.ones(1, dtype=torch.bfloat16)))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", extra, "unexpected tensor in MoE layer 1")
+
+
 @pytest.mark.parametrize("model_type,reason", [
     ("minimax_m2", "has no shared expert"),
     ("qwen2_moe", "per-token sigmoid gate"),

@@ -25,7 +25,7 @@ from ..errors import ConversionError
 from ..files import CONFIG_NAME
 from ..source.checkpoint import SourceCheckpoint
 from .context import PlanInputs, PlanParts
-from .moe_layer import Geometry, layers_with_experts, plan_moe_layer
+from .moe_layer import Geometry, check_nothing_else_in_moe_blocks, layers_with_experts, plan_moe_layer
 from .options import DEFAULT_MAX_SHARD_SIZE, OTHER_LINEAR, PRECISIONS, ConvertOptions
 from .other_tensors import plan_other_tensors
 from .output_config import output_config
@@ -103,6 +103,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         layer_plans.append(lp)
         if not lp.is_hash:  # hash-routed layers are bias-free; has_bias describes the score-routed ones
             bias_seen.append(has_bias)
+    check_nothing_else_in_moe_blocks(inputs, parts, layer_plans, E)
     if any(bias_seen) and not all(bias_seen):
         missing = [lp.layer for lp, b in zip((lp for lp in layer_plans if not lp.is_hash), bias_seen) if not b]
         raise inputs.error(f"some MoE layers have an e_score_correction_bias and layers {missing} do not")

@@ -171,9 +171,10 @@ def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[li
     for name, fname in weight_map.items():
         if not isinstance(fname, str) or not fname:
             raise ConversionError(f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name)
-        if fname.startswith("/") or ".." in Path(fname).parts:
-            raise ConversionError(f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=name)
         by_file.setdefault(fname, []).append(name)
+    for fname, names in by_file.items():  # once per shard, not per tensor
+        if fname.startswith("/") or ".." in Path(fname).parts:
+            raise ConversionError(f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=names[0])
     tensors: dict[str, TensorInfo] = {}
     shard_files = []
     for fname in sorted(by_file):
