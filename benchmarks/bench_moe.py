@@ -1,168 +1,157 @@
-"""Fused MoE benchmark on random FP8 block weights: fused (all K+S slots, E+S experts, one pass)
-against unfused (K routed slots through the same kernels, then the shared expert as its own dense
-FP8 MLP, added after), with bytes, achieved bandwidth against a measured copy, and TFLOP/s.
+"""Fused MoE benchmark on random FP8 block weights: ``fused_moe`` with the tuned tile tables, against
+the peer (vLLM's Triton fused MoE, from the peer harness when present), with bytes, achieved
+bandwidth against a copy measured in the same run, and TFLOP/s.
 
-    python3 benchmarks/bench_moe.py [--out results.json] [--models DeepSeek-V3,...] [--tokens 1,8,...]
+    PYTHONPATH=. python3 benchmarks/bench_moe.py [--out results.json] [--models DeepSeek-V3,...]
+        [--tokens 1,8,...] [--peer-configs tune_results.json] [--no-peer] [--unfused]
 
 Each time is the median per call of a CUDA graph that replays ROT calls on different routings
-(so the same experts are not re-read from L2).
+(so the same experts are not re-read from L2). Every side is checked against the PyTorch
+reference before it is timed. The peer runs with its default config and every shipped H200 table
+(both activation paths), or, with ``--peer-configs``, with the best config and path recorded per
+cell by ``benchmarks/tune_moe.py``. ``--unfused`` adds the same kernels on the K routed slots plus
+the shared expert as its own dense MLP, added after.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "runtime"))
-from rt_helpers import MODELS, random_fp8_experts  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (MODELS, TOKENS, copy_bandwidth, find_peer_dir, graph_time_us, load_peer,  # noqa: E402
+                    random_fp8_experts, versions)
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
+from runtime.moe_triton import resolve_tile_config  # noqa: E402
 
-TOKENS = [1, 8, 64, 512, 4096]
 ROT = 4
+TOL_OURS = 1e-2
 
 
-def graph_time_us(fn, reps, trials=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    return sorted(res)[len(res) // 2]
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
 
 
-def copy_bandwidth():
-    """Device-to-device copy of 2 GiB (bytes read + written) three ways after a warm-up:
-    ``copy_`` eagerly, ``copy_`` in a graph, and an SM copy kernel (``torch.add(src, 0)``) in a graph."""
-    n = 2 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    sf, df = src.view(torch.float32), dst.view(torch.float32)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(20):  # bring the clocks up
-        a @ a
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        dst.copy_(src)
-    e1.record()
-    torch.cuda.synchronize()
-    res = {"copy_eager": 2 * n / (e0.elapsed_time(e1) * 1e-4)}
-    res["copy_graph"] = 2 * n / (graph_time_us(lambda: [dst.copy_(src) for _ in range(10)], 10) * 1e-6)
-    res["add_graph"] = 2 * n / (graph_time_us(lambda: [torch.add(sf, 0, out=df) for _ in range(10)], 10) * 1e-6)
-    del src, dst, a
-    return res
-
-
-SWEEP = {
-    "decode": [{}, dict(BN1=32), dict(BN1=32, stages1=5, stages2=5), dict(BN2=64), dict(BN1=128, stages1=3),
-               dict(stages1=3, stages2=3), dict(BN1=32, BN2=64), dict(warps2=8, BN2=256, stages2=3),
-               dict(BN1=32, stages1=3, stages2=3), dict(BN1=32, stages1=3, BN2=64, stages2=3)],
-    "mid": [{}, dict(BM=64, BN1=128, warps1=8, GROUP_M=8), dict(BM=16, prequant=False, stages1=4, stages2=4),
-            dict(BM=32, GROUP_M=1), dict(BM=64, BN1=64, warps1=4), dict(BM=32, BN1=128, warps1=8)],
-}
-
-
-def sweep(name, tokens):
-    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
-    cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
-    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
-    for T in tokens:
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        sets = [route(torch.randn(T, E, device="cuda"), None, cfg) for _ in range(ROT)]
-        out = torch.empty_like(x)
-        for ov in SWEEP["decode" if T <= 64 else "mid"]:
-            try:
-                t = graph_time_us(lambda: [fused_moe(x, ew, i, w, config=ov, out=out) for i, w in sets], ROT)
-                print(f"sweep {name} T={T} {json.dumps(ov)}: {t:.1f} us", flush=True)
-            except Exception as e:  # a config that does not compile or fit
-                print(f"sweep {name} T={T} {json.dumps(ov)}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
-    del ew
-    torch.cuda.empty_cache()
+def peer_candidates(peer_mod, ew, T, KS, recorded):
+    """(act path, label, config) to time for the peer in this cell."""
+    if recorded:
+        return [(recorded["act"], recorded["label"], recorded["config"])]
+    out = []
+    for act in ("fused", "unfused"):
+        out += [(act, label, c) for label, c in peer_mod.sweep_candidates(peer_mod.Peer(ew, act), T, KS)]
+    return out
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--sweep", action="store_true", help="time a few tile configs (fused only) and exit")
-    ap.add_argument("--config", default=None, help="JSON tile override, e.g. '{\"BN1\": 32}'")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--tile-config", default=None, help="JSON tile override for ours, e.g. '{\"gemm2_split_k\": 2}'")
+    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--peer-dir", default=None)
+    ap.add_argument("--peer-configs", default=None, help="tune_moe.py results: time only the peer's best per cell")
+    ap.add_argument("--unfused", action="store_true")
     args = ap.parse_args()
-    override = json.loads(args.config) if args.config else None
-    if args.sweep:
-        for name in args.models.split(","):
-            sweep(name, [int(t) for t in args.tokens.split(",")])
-        return
+    override = json.loads(args.tile_config) if args.tile_config else None
+    peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
+    recorded = {}
+    if args.peer_configs:
+        with open(args.peer_configs) as f:
+            for r in json.load(f)["rows"]:
+                if r.get("peer_best"):
+                    recorded[(r["model"], r["T"])] = r["peer"][r["peer_best"]]
+    info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     copies = copy_bandwidth()
     bw = max(copies.values())
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth (TB/s): "
-          + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items()) + f"; using the best, {bw / 1e12:.2f}")
-    print(f"{'model':12} {'T':>5} | {'fused us':>9} {'unfused us':>10} {'x':>5} | {'MB':>8} {'TB/s':>5} {'%copy':>5} | {'TFLOP/s':>7}")
+    print(f"{info}; copy bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items())
+          + f"; using the best, {bw / 1e12:.2f}; peer: {'yes' if peer_mod else 'no'}", flush=True)
     rows = []
     for name in args.models.split(","):
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
         cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
         ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
-        routed, shared = ew.subset(0, E), ew.subset(E, E + S)
         per_expert = ew.w13[0].numel() + ew.w2[0].numel() + 4 * (ew.w13_scale[0].numel() + ew.w2_scale[0].numel())
         for T in map(int, args.tokens.split(",")):
-            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            sets = [route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg) for _ in range(ROT)]
+            gen = torch.Generator(device="cuda").manual_seed(1000 + T)
+            x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+            bias = torch.randn(E, device="cuda", generator=gen) * 0.05
+            sets = [route(torch.randn(T, E, device="cuda", generator=gen), bias, cfg) for _ in range(ROT)]
+            ids0, w0 = sets[0]
+            ref = fused_moe(x, ew, ids0, w0, backend="torch")
             out = torch.empty_like(x)
-            sh_ids = torch.arange(E, E + S, device="cuda", dtype=torch.int32).repeat(T, 1) - E
-            sh_w = torch.ones(T, S, device="cuda")
-
-            def fused():
-                for ids, w in sets:
-                    fused_moe(x, ew, ids, w, config=override, out=out)
-
-            def unfused():
-                for ids, w in sets:
-                    y = fused_moe(x, routed, ids[:, :K].contiguous(), w[:, :K].contiguous(), config=override)
-                    y += fused_moe(x, shared, sh_ids, sh_w, config=override)
-
-            tf = graph_time_us(fused, ROT)
-            tu = graph_time_us(unfused, ROT)
-            experts = sum(torch.unique(ids).numel() for ids, _ in sets) / ROT
+            y = torch.full_like(x, float("nan"))
+            fused_moe(x, ew, ids0, w0, tile_config=override, out=y)
+            torch.cuda.synchronize()
+            err = rel(y, ref)
+            r = dict(model=name, T=T, rel_ours=err, ok=bool(err < TOL_OURS and not torch.isnan(y).any()),
+                     tiles=resolve_tile_config(T, ew, K + S, x.device, override))
+            tf = graph_time_us(lambda: [fused_moe(x, ew, i, w, tile_config=override, out=out) for i, w in sets],
+                               ROT, args.trials)
+            experts = sum(torch.unique(i).numel() for i, _ in sets) / ROT
             nbytes = experts * per_expert + 2 * x.numel() * x.element_size()
             flops = 2 * T * (K + S) * 3 * H * I
-            r = dict(model=name, T=T, fused_us=tf, unfused_us=tu, speedup=tu / tf, experts=experts, bytes=nbytes,
-                     tbps=nbytes / (tf * 1e-6) / 1e12, pct_copy=100 * nbytes / (tf * 1e-6) / bw,
-                     tflops=flops / (tf * 1e-6) / 1e12, unfused_tflops=flops / (tu * 1e-6) / 1e12)
+            r.update(ours_us=tf, experts=experts, bytes=nbytes, floor_us=nbytes / bw * 1e6,
+                     pct_copy=100 * nbytes / (tf * 1e-6) / bw, tflops=flops / (tf * 1e-6) / 1e12)
+            if args.unfused:
+                routed, shared = ew.subset(0, E), ew.subset(E, E + S)
+                sh_ids = torch.arange(S, device="cuda", dtype=torch.int32).repeat(T, 1)
+                sh_w = torch.ones(T, S, device="cuda")
+
+                def unfused():
+                    for ids, w in sets:
+                        yy = fused_moe(x, routed, ids[:, :K].contiguous(), w[:, :K].contiguous(), tile_config=override)
+                        yy += fused_moe(x, shared, sh_ids, sh_w, tile_config=override)
+
+                r["unfused_us"] = graph_time_us(unfused, ROT, args.trials)
+            if peer_mod is not None:
+                peer_times = {}
+                for act, label, c in peer_candidates(peer_mod, ew, T, K + S, recorded.get((name, T))):
+                    peer = peer_mod.Peer(ew, act)
+                    yp = torch.full_like(x, float("nan"))
+                    peer(x, ids0, w0, out=yp, config=c)
+                    torch.cuda.synchronize()
+                    perr = rel(yp, ref)
+                    if not perr < peer_mod.TOL_PEER or torch.isnan(yp).any():
+                        print(f"  peer {act} {label}: CHECK FAILED rel {perr:.2e}", flush=True)
+                        continue
+                    peer_times[f"{act} {label}"] = (graph_time_us(lambda: [peer(x, i, w, out=out, config=c)
+                                                                           for i, w in sets], ROT, args.trials), perr)
+                if peer_times:
+                    best = min(peer_times, key=lambda k: peer_times[k][0])
+                    tp = peer_times[best][0]
+                    r.update(peer_us=tp, peer_config=best, rel_peer=peer_times[best][1], peer_over_ours=tp / tf,
+                             peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw, peer_all={k: v[0] for k, v in peer_times.items()})
             rows.append(r)
-            print(f"{name:12} {T:5d} | {tf:9.1f} {tu:10.1f} {tu / tf:5.2f} | {nbytes / 1e6:8.1f} {r['tbps']:5.2f} "
-                  f"{r['pct_copy']:5.1f} | {r['tflops']:7.1f}", flush=True)
-        del ew, routed, shared
+            print(f"{name:12} {T:5d} | ours {tf:8.1f} us ({r['pct_copy']:5.1f}% copy, {r['tflops']:6.1f} TFLOP/s, "
+                  f"rel {err:.1e}{'' if r['ok'] else ' CHECK FAILED'})"
+                  + (f" | peer {r['peer_us']:8.1f} us ({r['peer_pct_copy']:5.1f}% copy) peer/ours {r['peer_over_ours']:.3f}"
+                     f" [{r['peer_config']}]" if "peer_us" in r else "")
+                  + (f" | unfused {r['unfused_us']:8.1f} us" if "unfused_us" in r else "")
+                  + f" | floor {r['floor_us']:.1f} us", flush=True)
+        del ew
         torch.cuda.empty_cache()
+    print("\n| model | T | ours us | peer us | peer/ours | ours % copy | peer % copy | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['T']} | {r['ours_us']:.1f} | {r.get('peer_us', float('nan')):.1f} | "
+              f"{r.get('peer_over_ours', float('nan')):.3f} | {r['pct_copy']:.1f} | {r.get('peer_pct_copy', float('nan')):.1f} "
+              f"| {r['tflops']:.1f} |")
+    fails = [f"{r['model']} T={r['T']}" for r in rows if not r["ok"]]
+    print(f"checks: {len(rows) - len(fails)} passed, {len(fails)} failed {fails if fails else ''}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, copies=copies, rows=rows), f, indent=1)
+            json.dump(dict(info=info, copy_bw=bw, copies=copies, rows=rows), f, indent=1, default=str)
+    return 1 if fails else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,13 +14,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import eager_time_us, graph_time_us, versions  # noqa: E402
+
 from runtime import RoutingConfig, route  # noqa: E402
 
 MODELS = {
     "DeepSeek-V3": RoutingConfig(256, 8, 1, "sigmoid", 8, 4, True, 2.5),
     "GLM-4.5": RoutingConfig(160, 8, 1, "sigmoid", 1, 1, True, 2.5),
     "MiniMax-M3": RoutingConfig(128, 4, 1, "sigmoid", 1, 1, True, 1.0),
+    "Kimi-K2": RoutingConfig(384, 8, 1, "sigmoid", 1, 1, True, 2.827),
 }
 TOKENS = [1, 8, 64, 512, 4096]
 REPS = 200
@@ -46,53 +49,12 @@ def transformers_route(router_logits, bias, cfg):
     return topk_weights, topk_indices
 
 
-def time_graph(fn, reps=REPS, trials=5):
-    """Median per-call device time (us) of ``reps`` calls captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(res)[len(res) // 2]
-
-
-def time_eager(fn, reps=REPS, trials=5):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(res)[len(res) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(versions())
     print(f"{'model':12} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5} | {'triton eager':>12} {'torch eager':>11} {'x':>5}")
     for name, cfg in MODELS.items():
         for T in TOKENS:
@@ -102,15 +64,15 @@ def main():
             w = torch.empty(T, cfg.num_slots, dtype=torch.float32, device="cuda")
             f_tr = lambda: route(logits, bias, cfg, out=(ids, w))  # noqa: E731
             f_pt = lambda: transformers_route(logits, bias, cfg)  # noqa: E731
-            r = dict(model=name, T=T, triton_graph_us=time_graph(f_tr), torch_graph_us=time_graph(f_pt),
-                     triton_eager_us=time_eager(f_tr), torch_eager_us=time_eager(f_pt))
+            r = dict(model=name, T=T, triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1), torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1),
+                     triton_eager_us=eager_time_us(f_tr, REPS), torch_eager_us=eager_time_us(f_pt, REPS))
             rows.append(r)
             print(f"{name:12} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
                   f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f} | {r['triton_eager_us']:12.2f} "
                   f"{r['torch_eager_us']:11.2f} {r['torch_eager_us'] / r['triton_eager_us']:5.1f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(dict(info=versions(), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

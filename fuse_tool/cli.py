@@ -232,19 +232,19 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, max_moe_err, max_logits_err, min_top1, quiet):
     """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest; with --against, numerically against its source."""
-    from .verify.checksums import verify_output
+    from .verify.integrity import check_output
 
     try:
         if against is not None:
             from .verify.numerics import require_transformers
 
             require_transformers()  # before the structural check: say at once what to install
-        r = verify_output(out_dir, checksums=checksums, progress=not quiet)
+        r = check_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
         _fail(e)
-    what = f"sha256 of {r.files} files ({r.shards} shards, {r.total_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
+    what = f"sha256 of {r.files_checked} files ({len(r.shards)} shards, {r.shard_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
-    click.echo(f"ok: {out_dir}: {r.tensors} tensors in {r.shards} shards; {what}")
+    click.echo(f"ok: {out_dir}: {len(r.tensors)} tensors in {len(r.shards)} shards; {what}")
     if against is not None:
         from .verify.numerics import run_verify_cli
 

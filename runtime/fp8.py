@@ -39,6 +39,34 @@ def ue8m0_round_up(scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(scale), exponent)
 
 
+def block_scales(amax: torch.Tensor, scale_fmt: str = "float") -> torch.Tensor:
+    """Dequantization scales ``max(amax, tiny) / 448`` of block maxima, in float32.
+
+    A true IEEE division by a tensor on the same device: CUDA turns a division by a
+    Python scalar into a multiplication by its reciprocal, which may differ in the last
+    bit, and the output of a conversion must not depend on where its math ran.
+    """
+    s = torch.clamp(amax.to(torch.float32), min=FLOAT32_TINY)
+    s = torch.div(s, torch.full_like(s, FP8_MAX))
+    return ue8m0_round_up(s) if scale_fmt == "ue8m0" else s
+
+
+def quantize_blocks_(wp: torch.Tensor, scale_fmt: str = "float", block: int = WEIGHT_BLOCK, absbuf: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale a float32 ``wp [..., R*block, C*block]`` in place to FP8 range, block by block; returns its scales.
+
+    ``wp`` then holds ``W / scale`` within +-448 (true division, so exact on every
+    device), ready for the e4m3 cast (round-to-nearest-even). ``absbuf`` (``wp``'s
+    shape, float32) saves an allocation when strips are quantized one after another.
+    """
+    lead = wp.shape[:-2]
+    R, C = wp.shape[-2] // block, wp.shape[-1] // block
+    blocks = wp.view(*lead, R, block, C, block)
+    mag = torch.abs(wp, out=absbuf) if absbuf is not None else wp.abs()
+    scale_inv = block_scales(mag.view(*lead, R, block, C, block).amax(dim=(-3, -1)), scale_fmt)
+    blocks.div_(scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return scale_inv
+
+
 def quantize_block_fp8(
     w: torch.Tensor, block: int = WEIGHT_BLOCK, scale_fmt: str = "float"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,22 +74,17 @@ def quantize_block_fp8(
 
     ``scale_inv = max(amax, tiny) / 448``; ``Wq = cast(W / scale_inv)`` with
     round-to-nearest-even and saturation at +-448. ``scale_fmt="ue8m0"`` rounds the
-    scales up to powers of two first (DeepSeek-V3.1 style).
+    scales up to powers of two first (DeepSeek-V3.1 style). Every step is exact IEEE
+    arithmetic, so CPU and CUDA give the same bytes.
     """
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS}, got {scale_fmt!r}")
     rows, cols = w.shape[-2:]
-    lead = w.shape[:-2]
     wp = _pad_to_blocks(w.to(torch.float32), block)
-    R, C = wp.shape[-2] // block, wp.shape[-1] // block
-    blocks = wp.reshape(*lead, R, block, C, block)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale_inv = torch.clamp(amax, min=FLOAT32_TINY) / FP8_MAX
-    if scale_fmt == "ue8m0":
-        scale_inv = ue8m0_round_up(scale_inv)
-    q = blocks / scale_inv[..., :, None, :, None]
-    q = q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    q = q.reshape(*lead, R * block, C * block)[..., :rows, :cols].contiguous()
+    if wp.data_ptr() == w.data_ptr() or not wp.is_contiguous():
+        wp = wp.clone(memory_format=torch.contiguous_format)  # scaled in place below: never the caller's tensor
+    scale_inv = quantize_blocks_(wp, scale_fmt, block)
+    q = wp.to(FP8_DTYPE)[..., :rows, :cols].contiguous()
     return q, scale_inv.contiguous()
 
 
@@ -105,11 +128,6 @@ def dequantize_fp8(wq: torch.Tensor, scale: torch.Tensor, block: int = WEIGHT_BL
     return dequantize_block_fp8(wq, s, block)
 
 
-def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Values of ``x`` (already within +-448) rounded to the e4m3 grid, kept in float32."""
-    return x.to(FP8_DTYPE).to(torch.float32)
-
-
 def quantize_activations(x: torch.Tensor, group: int = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token-group (1 x ``group``) FP8 quantization of activations ``x [T, H]``.
 
@@ -122,6 +140,6 @@ def quantize_activations(x: torch.Tensor, group: int = WEIGHT_BLOCK) -> tuple[to
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
     g = xf.reshape(T, -1, group)
-    scales = torch.clamp(g.abs().amax(dim=-1), min=FLOAT32_TINY) / FP8_MAX
+    scales = block_scales(g.abs().amax(dim=-1))
     q = (g / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(T, -1)[:, :H].contiguous(), scales

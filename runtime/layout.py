@@ -500,13 +500,6 @@ class ExpertTensorNames:
     def gemm1_params(self) -> tuple[str, str, str]:
         return gemm1_param_names(self.experts_prefix)
 
-    def router_weight(self) -> str:
-        return f"{self.block_prefix}.gate.weight"
-
-    def bias_candidates(self) -> tuple[str, str]:
-        """The selection bias sits under the gate (DeepSeek, GLM, transformers) or beside it (MiniMax release)."""
-        return (f"{self.block_prefix}.gate.e_score_correction_bias", f"{self.block_prefix}.e_score_correction_bias")
-
 
 _GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
 # MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``), numbered num_hidden_layers + N (LAYOUT section 2).

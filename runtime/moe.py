@@ -87,7 +87,12 @@ class ExpertWeights:
 
     @property
     def num_experts(self) -> int:
-        """E + S."""
+        """E + S (the same as :attr:`num_slots`; kept for existing callers)."""
+        return self.w13.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """E routed + S shared experts: the number of expert slots the kernels index."""
         return self.w13.shape[0]
 
     @property
@@ -113,18 +118,6 @@ class ExpertWeights:
         return replace(self, w13=f(self.w13), w2=f(self.w2), w13_scale=f(self.w13_scale), w2_scale=f(self.w2_scale),
                        gemm1_alpha=f(self.gemm1_alpha), gemm1_beta=f(self.gemm1_beta),
                        gemm1_clamp_limit=f(self.gemm1_clamp_limit))
-
-    @classmethod
-    def from_per_expert(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
-                        gate_scale=None, up_scale=None, down_scale=None, **gemm1) -> "ExpertWeights":
-        """From per-expert ``[I, H]``, ``[I, H]``, ``[H, I]`` tensors (and their block scales)."""
-        w13 = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate, up)])
-        w2 = torch.stack(list(down))
-        s13 = s2 = None
-        if gate_scale is not None:
-            s13 = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate_scale, up_scale)])
-            s2 = torch.stack(list(down_scale))
-        return cls(w13, w2, s13, s2, **gemm1)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu") -> "ExpertWeights":
@@ -202,17 +195,35 @@ def fused_moe(
     weights: torch.Tensor,
     num_valid_tokens: torch.Tensor | None = None,
     backend: str | None = None,
-    config: Mapping[str, Any] | None = None,
+    tile_config: Mapping[str, Any] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over all K+S slots, in one pass.
+    """Fused MoE forward over every slot: ``y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
 
-    ``x`` ``[T, H]`` bf16/fp16/fp32; ``ids`` ``[T, K+S]`` integer (ids outside ``[0, E+S)``,
-    e.g. -1, are skipped); ``weights`` ``[T, K+S]`` float32. With FP8 experts the activations
-    are quantized per 1x128 token group (dynamic) before each GEMM. Rows at or past
-    ``num_valid_tokens`` (one-element device tensor) come out as zeros. ``backend``:
-    None/"auto", "triton" or "torch"; ``config`` overrides the Triton tile choice;
-    ``out`` is an optional preallocated ``[T, H]`` result of x's dtype.
+    Each expert is ``down(SwiGLU(gate(x), up(x)))`` with its own SwiGLU(-OAI) parameters (LAYOUT
+    section 3). With FP8 experts the activations are quantized per 1x128 group (dynamic scales)
+    before each GEMM, as the reference :mod:`runtime.moe_reference` does.
+
+    Args:
+        x: ``[T, H]`` activations, bfloat16, float16 or float32.
+        experts: the layer's ``num_slots`` = E routed + S shared experts (:class:`ExpertWeights`).
+        ids: ``[T, K+S]`` integer slot ids per token (as :func:`runtime.route` returns, int32);
+            ids outside ``[0, num_slots)``, e.g. -1, are skipped.
+        weights: ``[T, K+S]`` float32 weight of each slot (shared slots: 1).
+        num_valid_tokens: optional one-element integer tensor on x's device; rows at or past it
+            come out as zeros and cost no GEMM work (for CUDA graphs captured at a fixed T).
+        backend: ``None``/``"auto"`` (Triton on CUDA, else PyTorch), ``"triton"`` or ``"torch"``.
+        tile_config: Triton tile overrides on top of the tuned table for this GPU (keys in
+            :mod:`runtime.moe_tiles`); ignored by the PyTorch backend.
+        out: optional preallocated contiguous ``[T, H]`` result of x's dtype.
+
+    Returns:
+        ``[T, H]`` tensor of x's dtype (``out`` when given).
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit, an ``out`` of the wrong shape or dtype, or an
+            unknown or impossible ``tile_config``.
+        RuntimeError: ``backend="triton"`` without Triton and CUDA tensors (or TRITON_INTERPRET=1).
     """
     if x.dim() != 2 or x.shape[1] != experts.hidden_size:
         raise ValueError(f"x must be [T, {experts.hidden_size}], got {tuple(x.shape)}")
@@ -223,11 +234,13 @@ def fused_moe(
     if resolve_backend(backend, x, experts.w13) == "triton":
         from .moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, config, out)
+        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, tile_config, out)
     from .moe_reference import fused_moe_reference
 
     y = fused_moe_reference(x, experts, ids, weights, num_valid_tokens)
     if out is not None:
+        if out.shape != y.shape or out.dtype != y.dtype:
+            raise ValueError("out must be a [T, H] tensor of x's dtype")
         out.copy_(y)
         return out
     return y

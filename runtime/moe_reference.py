@@ -32,13 +32,14 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, alpha, beta, limit, post_clamp: boo
 
 
 def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
-    """Reference fused MoE; same contract as :func:`runtime.moe.fused_moe`."""
+    """Reference fused MoE in float32, expert by expert; same arguments, result and errors as
+    :func:`runtime.moe.fused_moe` (which checks the arguments) without its ``tile_config``/``out``."""
     T, H = x.shape
-    NE, I = experts.num_experts, experts.intermediate_size
+    num_slots, I = experts.num_slots, experts.intermediate_size
     fp8 = experts.is_fp8
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     ids = ids.to(torch.int64)
-    ok = (ids >= 0) & (ids < NE)
+    ok = (ids >= 0) & (ids < num_slots)
     if num_valid_tokens is not None:
         nv = num_valid_tokens.reshape(-1)[0].to(x.device)
         ok &= (torch.arange(T, device=x.device) < nv)[:, None]

@@ -1,19 +1,30 @@
-"""Triton fused MoE over all E+S experts: align, grouped GEMM1 + SwiGLU, grouped GEMM2 + weights, slot sum.
+"""Triton fused MoE over all E+S slots: align, grouped GEMM1 + SwiGLU, grouped GEMM2 + weights, slot sum.
 
-Launches (every size and histogram by E+S; no host sync, no data-dependent shapes, so the
-whole forward can be captured in a CUDA graph):
+Launches (every size fixed by T, K+S and E+S; no host sync, no data-dependent shapes, so the whole
+forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing between replays):
 
-1. ``_align_kernel`` (one program): histogram of the valid (token, slot) pairs per expert,
-   buckets padded to BLOCK_M, ``sorted_ids`` (pair index or the sentinel ``T*(K+S)``), one
-   expert id per M block and the padded total.
-2. optional ``_quant_kernel``: 1x128 FP8 quantization of x (large T; at decode GEMM1
-   quantizes its A tile on load instead, same formula).
-3. ``_moe_gemm_kernel`` GATED: per M block of one expert, gate and up tiles side by side,
-   ``acc += dot(a_fp8, b_fp8) * a_scale * b_scale`` per 128-wide K block in float32, then the
-   per-expert SwiGLU(-OAI) epilogue; writes h ``[T*(K+S), I]`` float32.
-4. optional ``_quant_kernel`` of h (large T), else GEMM2 quantizes on load.
-5. ``_moe_gemm_kernel`` GEMM2: ``[.., I] x [H, I]^T``, times the routing weight.
-6. ``_sum_kernel``: sum over the K+S slots per token, cast to x's dtype, zeros for padding rows.
+1. Alignment. Small T: ``_align_kernel`` alone, one program. Large T: ``_count_kernel`` (one
+   program per chunk of pairs: its histogram, and the sentinel fill of ``sorted_ids``), then
+   ``_align_kernel`` with one program per chunk (each scatters its own chunk). Result: the valid
+   (token, slot) pairs bucketed by slot, buckets padded to ``block_m``, one slot id per M block and
+   the padded total.
+2. Optional ``_quant_kernel``: 1x128 FP8 quantization of x (else GEMM1 quantizes its A tile on load,
+   with the same formula).
+3. ``_moe_gemm_kernel`` for GEMM1, either
+
+   - fused activation: gate and up tiles of one slot side by side in one program,
+     ``acc += dot(a_fp8, b_fp8) * a_scale * b_scale`` per 128-wide K block in float32, then the
+     slot's SwiGLU(-OAI) in the epilogue; h is written float32, or FP8 with its 1x128 scales when
+     the tile is one 128-column group wide (``quantize_in_epilogue``); or
+   - plain: the ``2I`` gate and up rows as ordinary columns, optionally split over K; float32
+     partial sums ``[split, pairs, 2I]``, SwiGLU applied by GEMM2 when it loads them.
+4. ``_moe_gemm_kernel`` for GEMM2: ``[.., I] x [H, I]^T`` times the routing weight, optionally
+   split over K into partial outputs.
+5. ``_sum_kernel``: sum over the K+S slots (and GEMM2's K splits) per token, cast to x's dtype,
+   zeros for rows at or past ``num_valid_tokens``.
+
+Either GEMM can swap its operands (``dot(W^T, A^T)``), so that the weight tile fills the MMA's
+M dimension when ``block_m`` is small. Tile choices come from :mod:`runtime.moe_tiles`.
 """
 
 from __future__ import annotations
@@ -26,8 +37,12 @@ import triton.language as tl
 
 from ._backend import interpreting, next_pow2
 from .fp8 import FP8_DTYPE
+from .moe_tiles import check_tile_config, tile_config as lookup_tile_config
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SINGLE_ALIGN_MAX_PAIRS = 2048  # up to this many (token, slot) pairs one align program is fastest
+ALIGN_CHUNK = 2048
 
 
 @triton.jit
@@ -61,41 +76,101 @@ def _quant_fp8(a, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _align_kernel(
-    ids_ptr, nvalid_ptr, sorted_ptr, expert_ids_ptr, total_ptr, cursor_ptr,
-    numel, KS, NE, max_blocks, EM,
-    HAS_NVALID: tl.constexpr, NEP: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr,
-):
+def _swiglu(g, u, alpha, beta, lim):
+    """LAYOUT section 3: ``min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + beta)``."""
+    g = tl.minimum(g, lim)
+    u = tl.minimum(tl.maximum(u, -lim), lim)
+    return g * tl.sigmoid(alpha * g) * (u + beta)
+
+
+@triton.jit
+def _store_cast(ptrs, v, mask, INTERP: tl.constexpr):
+    """Store float32 ``v`` in the pointer's element type (bf16 rounded to nearest under the interpreter)."""
+    if INTERP:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            v = _round_bf16(v)
+    tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID: tl.constexpr):
     n_pairs = numel
     if HAS_NVALID:
         n_pairs = tl.minimum(numel, tl.load(nvalid_ptr).to(tl.int32) * KS)
+    return n_pairs
+
+
+@triton.jit
+def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, num_slots, EM, fill_per,
+                  HAS_NVALID: tl.constexpr, NEP: tl.constexpr, CHUNK: tl.constexpr):
+    """Large T, step 1 of 2: histogram of chunk ``c`` into ``counts[c]``; sentinel fill of a slice of sorted_ids."""
+    c = tl.program_id(0)
+    n_pairs = _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + p, mask=p < numel, other=-1).to(tl.int32)
+    ok = (p < n_pairs) & (e >= 0) & (e < num_slots)
+    tl.store(counts_ptr + c * NEP + tl.arange(0, NEP), tl.histogram(tl.where(ok, e, num_slots), NEP))
+    lo = c * fill_per
+    hi = tl.minimum(lo + fill_per, EM)
+    for start in range(lo, hi, CHUNK):
+        q = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + q, tl.full([CHUNK], 0, tl.int32) + numel, mask=q < hi)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, cursor_ptr,
+    numel, KS, num_slots, max_blocks, EM, n_chunks,
+    HAS_NVALID: tl.constexpr, NEP: tl.constexpr, NCP: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
+    BB: tl.constexpr, SINGLE: tl.constexpr,
+):
+    """Bucket the valid pairs by slot. SINGLE: one program does everything; else program ``c`` reads
+    every chunk's histogram, writes its share of the block -> slot table and scatters chunk ``c``."""
+    c = tl.program_id(0)
+    n_pairs = _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID)
     offs = tl.arange(0, CHUNK)
     bins = tl.arange(0, NEP)
-    counts = tl.zeros([NEP], tl.int32)
-    for start in range(0, numel, CHUNK):
-        p = start + offs
-        e = tl.load(ids_ptr + p, mask=p < numel, other=-1).to(tl.int32)
-        ok = (p < n_pairs) & (e >= 0) & (e < NE)
-        counts += tl.histogram(tl.where(ok, e, NE), NEP)
-    padded = tl.where(bins < NE, (counts + BM - 1) // BM * BM, 0)
+    if SINGLE:
+        counts = tl.zeros([NEP], tl.int32)
+        for start in range(0, numel, CHUNK):
+            p = start + offs
+            e = tl.load(ids_ptr + p, mask=p < numel, other=-1).to(tl.int32)
+            ok = (p < n_pairs) & (e >= 0) & (e < num_slots)
+            counts += tl.histogram(tl.where(ok, e, num_slots), NEP)
+        before = tl.zeros([NEP], tl.int32)
+    else:
+        rows = tl.arange(0, NCP)
+        allc = tl.load(counts_ptr + rows[:, None] * NEP + bins[None, :], mask=rows[:, None] < n_chunks, other=0)
+        counts = tl.sum(allc, axis=0)
+        before = tl.sum(tl.where(rows[:, None] < c, allc, 0), axis=0)
+    padded = tl.where(bins < num_slots, (counts + BM - 1) // BM * BM, 0)
     end = tl.cumsum(padded, axis=0)
-    tl.store(cursor_ptr + bins, end - padded)
-    tl.store(total_ptr, tl.sum(padded, axis=0))
-    end = tl.where(bins < NE, end, 1 << 30)
-    for b0 in range(0, max_blocks, BB):
+    tl.store(cursor_ptr + c * NEP + bins, end - padded + before)
+    if c == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    end = tl.where(bins < num_slots, end, 1 << 30)
+    per = tl.cdiv(max_blocks, tl.num_programs(0))
+    b_hi = tl.minimum(c * per + per, max_blocks)
+    for b0 in range(c * per, b_hi, BB):
         blk = b0 + tl.arange(0, BB)
-        pos = blk * BM
-        e_of = tl.sum((end[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + blk, e_of, mask=blk < max_blocks)
-    for start in range(0, EM, CHUNK):
-        p = start + offs
-        tl.store(sorted_ptr + p, tl.full([CHUNK], 0, tl.int32) + numel, mask=p < EM)
+        e_of = tl.sum((end[None, :] <= (blk * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, e_of, mask=blk < b_hi)
+    if SINGLE:
+        for start in range(0, EM, CHUNK):
+            p = start + offs
+            tl.store(sorted_ptr + p, tl.full([CHUNK], 0, tl.int32) + numel, mask=p < EM)
     tl.debug_barrier()
-    for start in range(0, numel, CHUNK):
+    if SINGLE:
+        lo = 0
+        hi = numel
+    else:
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, numel)
+    for start in range(lo, hi, CHUNK):
         p = start + offs
-        e = tl.load(ids_ptr + p, mask=p < numel, other=-1).to(tl.int32)
-        ok = (p < n_pairs) & (e >= 0) & (e < NE)
-        dst = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), tl.full([CHUNK], 1, tl.int32), mask=ok)
+        e = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)
+        ok = (p < n_pairs) & (p < hi) & (e >= 0) & (e < num_slots)
+        dst = tl.atomic_add(cursor_ptr + c * NEP + tl.where(ok, e, 0), tl.full([CHUNK], 1, tl.int32), mask=ok)
         tl.store(sorted_ptr + dst, p, mask=ok)
 
 
@@ -114,19 +189,27 @@ def _quant_kernel(a_ptr, q_ptr, s_ptr, R, K, stride_ar, stride_ak, stride_sr,
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr,
     sorted_ptr, expert_ids_ptr, total_ptr, topk_w_ptr,
     alpha_ptr, beta_ptr, limit_ptr,
-    N, K, numel, EM, up_off, up_scale_off,
+    N, K, numel, num_pid_m, up_row, up_scale_row, a_split_stride, c_split_stride,
     stride_am, stride_ak, stride_asm,
     stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-    stride_cm,
-    A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr, W_FP8: tl.constexpr,
-    A_PREQUANT: tl.constexpr, INTERP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    stride_cm, stride_csm,
+    A_DIV: tl.constexpr, A_MODE: tl.constexpr, A_SPLITS: tl.constexpr, GATED: tl.constexpr,
+    QUANT_OUT: tl.constexpr, MUL_W: tl.constexpr, W_FP8: tl.constexpr, INTERP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
+
+    A_MODE 0: A rows are float (x or h), quantized on load; 1: A is FP8 with 1x128 scales;
+    2: A is float32 partial sums ``[A_SPLITS, pairs, 2K]`` of gate | up, summed and put through the
+    slot's SwiGLU on load. GATED: gate rows ``n`` and up rows ``up_row + n`` of B in one program,
+    SwiGLU epilogue. QUANT_OUT: the epilogue writes FP8 and one scale per row (BN == 128).
+    """
     pid = tl.program_id(0)
-    num_pid_m = EM // BM
+    split = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
     group = pid // (GROUP_M * num_pid_n)
     first_m = group * GROUP_M
@@ -142,71 +225,104 @@ def _moe_gemm_kernel(
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BK)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a_base = a_ptr + a_row[:, None] * stride_am
     b_base = b_ptr + e * stride_be
-    bg_ptrs = b_base + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
-    bu_ptrs = b_base + (up_off + offs_n[None, :]).to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
-    if W_FP8:
-        sg_ptrs = b_scale_ptr + e * stride_bse + (offs_n // 128) * stride_bsn
-        su_ptrs = b_scale_ptr + e * stride_bse + (up_scale_off + offs_n // 128) * stride_bsn
-    acc_g = tl.zeros([BM, BN], tl.float32)
-    acc_u = tl.zeros([BM, BN], tl.float32)
-    for kb in range(0, tl.cdiv(K, BK)):
-        k_mask = offs_k < K - kb * BK
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    bg_rows = b_base + offs_n[None, :].to(tl.int64) * stride_bn
+    bu_rows = b_base + (up_row + offs_n[None, :]).to(tl.int64) * stride_bn
+    sg_ptrs = b_scale_ptr + e * stride_bse + tl.where(offs_n < up_row, offs_n // 128,
+                                                      up_scale_row + (offs_n - up_row) // 128) * stride_bsn
+    su_ptrs = b_scale_ptr + e * stride_bse + (up_scale_row + offs_n // 128) * stride_bsn
+    if A_MODE == 2 or GATED:
+        alpha = tl.load(alpha_ptr + e)
+        beta = tl.load(beta_ptr + e)
+        lim = tl.load(limit_ptr + e)
+    if SWAP:
+        acc_g = tl.zeros([BN, BM], tl.float32)
+        acc_u = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+    k_steps = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * per_split
+    k_hi = tl.minimum(k_lo + per_split, k_steps)
+    for kb in range(k_lo, k_hi):
+        offs_k = kb * BK + tl.arange(0, BK)
+        k_mask = offs_k < K
+        amask = m_mask[:, None] & k_mask[None, :]
+        if A_MODE == 1:
+            a = tl.load(a_base + offs_k[None, :] * stride_ak, mask=amask, other=0.0)
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
+        else:
+            if A_MODE == 2:
+                g = tl.zeros([BM, BK], tl.float32)
+                u = tl.zeros([BM, BK], tl.float32)
+                for s in tl.static_range(A_SPLITS):
+                    g += tl.load(a_base + s * a_split_stride + offs_k[None, :] * stride_ak, mask=amask, other=0.0)
+                    u += tl.load(a_base + s * a_split_stride + (K + offs_k[None, :]) * stride_ak, mask=amask, other=0.0)
+                af = _swiglu(g, u, alpha, beta, lim)
+            else:
+                af = tl.load(a_base + offs_k[None, :] * stride_ak, mask=amask, other=0.0).to(tl.float32)
+            if W_FP8:
+                a, a_s = _quant_fp8(af, INTERP)
+            elif INTERP:
+                # The interpreter mishandles bf16 dots and casts: emulate them in float32.
+                if DOT_DTYPE == tl.bfloat16:
+                    a = _round_bf16(af)
+                else:
+                    a = af.to(DOT_DTYPE).to(tl.float32)
+            else:
+                a = af.to(DOT_DTYPE)
         bmask = k_mask[:, None] & n_mask[None, :]
-        bg = tl.load(bg_ptrs, mask=bmask, other=0.0)
+        bg = tl.load(bg_rows + offs_k[:, None] * stride_bk, mask=bmask, other=0.0)
         if GATED:
-            bu = tl.load(bu_ptrs, mask=bmask, other=0.0)
+            bu = tl.load(bu_rows + offs_k[:, None] * stride_bk, mask=bmask, other=0.0)
         if W_FP8:
-            if A_PREQUANT:
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
+            kscale = ((kb * BK) // 128) * stride_bsk
+            sg = tl.load(sg_ptrs + kscale, mask=n_mask, other=0.0)
+            if SWAP:
+                acc_g += tl.dot(tl.trans(bg), tl.trans(a)) * sg[:, None] * a_s[None, :]
             else:
-                a, a_s = _quant_fp8(a.to(tl.float32), INTERP)
-            kscale = (kb * BK) // 128
-            sg = tl.load(sg_ptrs + kscale * stride_bsk, mask=n_mask, other=0.0)
-            acc_g += tl.dot(a, bg) * a_s[:, None] * sg[None, :]
+                acc_g += tl.dot(a, bg) * a_s[:, None] * sg[None, :]
             if GATED:
-                su = tl.load(su_ptrs + kscale * stride_bsk, mask=n_mask, other=0.0)
-                acc_u += tl.dot(a, bu) * a_s[:, None] * su[None, :]
+                su = tl.load(su_ptrs + kscale, mask=n_mask, other=0.0)
+                if SWAP:
+                    acc_u += tl.dot(tl.trans(bu), tl.trans(a)) * su[:, None] * a_s[None, :]
+                else:
+                    acc_u += tl.dot(a, bu) * a_s[:, None] * su[None, :]
         elif INTERP:
-            # The interpreter mishandles bf16 dots and casts: emulate them in float32.
-            a = a.to(tl.float32)
-            if DOT_DTYPE == tl.bfloat16:
-                a = _round_bf16(a)
-            else:
-                a = a.to(DOT_DTYPE).to(tl.float32)
             acc_g = tl.dot(a, bg.to(tl.float32), acc_g)
             if GATED:
                 acc_u = tl.dot(a, bu.to(tl.float32), acc_u)
         else:
-            a = a.to(DOT_DTYPE)
             acc_g = tl.dot(a, bg, acc_g)
             if GATED:
                 acc_u = tl.dot(a, bu, acc_u)
-        a_ptrs += BK * stride_ak
-        bg_ptrs += BK * stride_bk
-        bu_ptrs += BK * stride_bk
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        if GATED:
+            acc_u = tl.trans(acc_u)
     if GATED:
-        alpha = tl.load(alpha_ptr + e)
-        beta = tl.load(beta_ptr + e)
-        lim = tl.load(limit_ptr + e)
-        g = tl.minimum(acc_g, lim)
-        u = tl.minimum(tl.maximum(acc_u, -lim), lim)
-        out = g * tl.sigmoid(alpha * g) * (u + beta)
+        out = _swiglu(acc_g, acc_u, alpha, beta, lim)
     else:
         out = acc_g
     if MUL_W:
         w = tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)
         out = out * w[:, None]
-    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+    c_ptrs = c_ptr + split * c_split_stride + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    cmask = m_mask[:, None] & n_mask[None, :]
+    if QUANT_OUT:
+        q, s = _quant_fp8(out, INTERP)
+        tl.store(c_ptrs, q, mask=cmask)
+        tl.store(c_scale_ptr + pair.to(tl.int64) * stride_csm + pid_n, s, mask=m_mask)
+    else:
+        _store_cast(c_ptrs, out, cmask, INTERP)
 
 
 @triton.jit
-def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, NE,
-                KS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr, INTERP: tl.constexpr):
+def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, num_slots, c_split_stride,
+                KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr,
+                INTERP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     mask = offs < H
@@ -218,29 +334,39 @@ def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, NE,
     if live:
         for s in tl.static_range(KS):
             e = tl.load(ids_ptr + t * KS + s)
-            if (e >= 0) & (e < NE):
-                acc += tl.load(c_ptr + (t * KS + s) * H + offs, mask=mask, other=0.0)
-    if INTERP:
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            acc = _round_bf16(acc)
-    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if (e >= 0) & (e < num_slots):
+                for p in tl.static_range(SPLITS):
+                    acc += tl.load(c_ptr + p * c_split_stride + (t * KS + s) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)
 
 
 @functools.lru_cache(maxsize=None)
-def moe_config(T: int, NE: int, H: int, I: int, KS: int, fp8: bool, device: str) -> dict:
-    """Tile choice, cached by everything that changes it: token bucket, E+S, H, I, K+S, dtype, device.
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
-    Picked from a sweep on an H200 (docs/benchmarks.md): at decode 3 stages beat 4 (more CTAs resident
-    per SM), BN1=64 paired gate/up tiles beat 32 and 128.
-    """
-    if T <= 64:
-        cfg = dict(BM=16, BN1=64, BN2=128, warps1=4, stages1=3, warps2=4, stages2=3, GROUP_M=1, prequant=False)
-    elif T <= 1024:
-        cfg = dict(BM=64, BN1=64, BN2=128, warps1=4, stages1=3, warps2=4, stages2=3, GROUP_M=8, prequant=True)
-    else:
-        cfg = dict(BM=64, BN1=128, BN2=128, warps1=8, stages1=3, warps2=4, stages2=3, GROUP_M=8, prequant=True)
-    if not fp8:
-        cfg.update(BN1=min(cfg["BN1"], 64), BN2=64, stages1=2, stages2=2, prequant=False)
+
+def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: torch.device,
+                        tile_config: dict | None = None) -> dict:
+    """The tile config one call of :func:`fused_moe_triton` runs with: the tuned table for this GPU
+    and shape (``runtime/configs/``), else the built-in default, then ``tile_config`` on top.
+    Raises ``ValueError`` for unknown keys or impossible combinations (:func:`moe_tiles.check_tile_config`)."""
+    dev = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else None
+    wname = str(experts.w13.dtype).replace("torch.", "")
+    cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_slots, experts.hidden_size,
+                                experts.intermediate_size, slots_per_token, experts.is_fp8, dev, wname)
+    cfg = dict(cfg)
+    if tile_config:
+        check_tile_config(tile_config)
+        cfg.update(tile_config)
+    if not experts.is_fp8:
+        cfg.update(gemm1_swap_ab=False, gemm2_swap_ab=False, quantize_input_first=False, quantize_in_epilogue=False,
+                   quantize_hidden_first=False)
+    if not cfg["gemm1_fused_activation"] or cfg["gemm1_block_n"] != 128:
+        cfg["quantize_in_epilogue"] = False
+    if not cfg["gemm1_fused_activation"] or cfg["quantize_in_epilogue"]:
+        cfg["quantize_hidden_first"] = False
+    check_tile_config(cfg)
     return cfg
 
 
@@ -248,11 +374,13 @@ def _alloc(shape, dtype, like):
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
-def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, config=None, out=None):
-    """Triton fused MoE; same contract as :func:`runtime.moe.fused_moe`."""
+def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
+    """Triton fused MoE: the same arguments, result and errors as :func:`runtime.moe.fused_moe` (which
+    checks shapes and dtypes before calling this), with ``tile_config`` overriding the tuned tiles
+    (:func:`resolve_tile_config`)."""
     T, H = x.shape
     KS = ids.shape[1]
-    NE, I = experts.num_experts, experts.intermediate_size
+    num_slots, I = experts.num_slots, experts.intermediate_size
     fp8 = experts.is_fp8
     if out is None:
         out = _alloc((T, H), x.dtype, x)
@@ -260,29 +388,40 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, config=Non
         raise ValueError("out must be a contiguous [T, H] tensor of x's dtype")
     if T == 0:
         return out
-    dev = str(x.device.type) + (torch.cuda.get_device_name(x.device) if x.is_cuda else "")
-    cfg = dict(moe_config(_bucket(T), NE, H, I, KS, fp8, dev))
-    if config:
-        cfg.update(config)
-    BM = cfg["BM"]
+    cfg = resolve_tile_config(T, experts, KS, x.device, tile_config)
+    BM = cfg["block_m"]
     interp = interpreting()
     ids_c = ids.to(torch.int32).contiguous()
     w_c = weights.to(torch.float32).contiguous()
     numel = T * KS
-    max_blocks = (numel + min(numel, NE) * (BM - 1)) // BM
+    max_blocks = (numel + min(numel, num_slots) * (BM - 1)) // BM
     EM = max_blocks * BM
     sorted_ids = _alloc((EM,), torch.int32, x)
     expert_ids = _alloc((max_blocks,), torch.int32, x)
     total = _alloc((1,), torch.int32, x)
-    NEP = next_pow2(NE + 1)
-    cursor = _alloc((NEP,), torch.int32, x)
+    NEP = next_pow2(num_slots + 1)
     has_nv = num_valid_tokens is not None
     nv = num_valid_tokens if has_nv else total
-    _align_kernel[(1,)](ids_c, nv, sorted_ids, expert_ids, total, cursor, numel, KS, NE, max_blocks, EM,
-                        HAS_NVALID=has_nv, NEP=NEP, BM=BM, CHUNK=1024 if numel > 256 else 256, BB=64 if NEP <= 256 else 32,
-                        num_warps=4)
-    prequant = fp8 and cfg["prequant"]
+    BB = 64 if NEP <= 256 else 32
+    if numel <= SINGLE_ALIGN_MAX_PAIRS:
+        cursor = _alloc((NEP,), torch.int32, x)
+        _align_kernel[(1,)](ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
+                            max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
+                            CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
+    else:
+        n_chunks = triton.cdiv(numel, ALIGN_CHUNK)
+        counts = _alloc((n_chunks, NEP), torch.int32, x)
+        cursor = _alloc((n_chunks, NEP), torch.int32, x)
+        _count_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
+                                   triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK,
+                                   num_warps=4)
+        _align_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
+                                   max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
+                                   BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
+    prequant = fp8 and cfg["quantize_input_first"]
     dot_dtype = _TL_DTYPES[experts.w13.dtype] if not fp8 else tl.float32
+    BK = 128 if fp8 else 64
+    gi = triton.cdiv(I, 128)
     a, a_s = x, x
     if prequant:
         a = _alloc((T, H), FP8_DTYPE, x)
@@ -292,46 +431,50 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, config=Non
     w13, w2 = experts.w13, experts.w2
     s13 = experts.w13_scale if fp8 else w13
     s2 = experts.w2_scale if fp8 else w2
-    h = _alloc((numel, I), torch.float32, x)
-    BN1 = cfg["BN1"]
-    grid1 = (max_blocks * triton.cdiv(I, BN1),)
+    sstr = lambda s: (s.stride(0), s.stride(1), s.stride(2)) if fp8 else (0, 0, 0)  # noqa: E731
+    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
+    fused_act = cfg["gemm1_fused_activation"]
+    quant_h = cfg["quantize_in_epilogue"]
+    split1 = 1 if fused_act else cfg["gemm1_split_k"]
+    N1 = I if fused_act else 2 * I
+    if quant_h:
+        h = _alloc((numel, I), FP8_DTYPE, x)
+        h_s = _alloc((numel, gi), torch.float32, x)
+    else:
+        h = _alloc((split1, numel, N1), torch.float32, x)
+        h_s = h
+    BN1 = cfg["gemm1_block_n"]
+    grid1 = ((EM // BM) * triton.cdiv(N1, BN1), split1)
     _moe_gemm_kernel[grid1](
-        a, a_s, w13, s13, h, sorted_ids, expert_ids, total, w_c,
-        experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit,
-        I, H, numel, EM, I, triton.cdiv(I, 128),
-        a.stride(0), a.stride(1), a_s.stride(0),
-        w13.stride(0), w13.stride(1), w13.stride(2),
-        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, s13.stride(2) if fp8 else 0,
-        h.stride(0),
-        A_DIV=KS, GATED=True, MUL_W=False, W_FP8=fp8, A_PREQUANT=prequant, INTERP=interp, DOT_DTYPE=dot_dtype,
-        BM=BM, BN=BN1, BK=128 if fp8 else 64, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["warps1"], num_stages=cfg["stages1"],
+        a, a_s, w13, s13, h, h_s, sorted_ids, expert_ids, total, w_c, *act,
+        N1, H, numel, EM // BM, I, gi, 0, numel * N1,
+        a.stride(0), a.stride(1), a_s.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), *sstr(s13),
+        N1, h_s.stride(0) if quant_h else 0,
+        A_DIV=KS, A_MODE=1 if prequant else 0, A_SPLITS=1, GATED=fused_act, QUANT_OUT=quant_h, MUL_W=False,
+        W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
+        BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
     )
-    a2, a2_s = h, h
-    if prequant:
-        a2 = _alloc((numel, I), FP8_DTYPE, x)
-        a2_s = _alloc((numel, triton.cdiv(I, 128)), torch.float32, x)
-        _quant_kernel[(triton.cdiv(numel, 32), triton.cdiv(I, 128))](h, a2, a2_s, numel, I, h.stride(0), h.stride(1),
-                                                                     a2_s.stride(0), BR=32, INTERP=interp, num_warps=4)
-    c = _alloc((numel, H), torch.float32, x)
-    BN2 = cfg["BN2"]
-    grid2 = (max_blocks * triton.cdiv(H, BN2),)
+    h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
+    if cfg["quantize_hidden_first"]:
+        hq = _alloc((numel, I), FP8_DTYPE, x)
+        h_s = _alloc((numel, gi), torch.float32, x)
+        _quant_kernel[(triton.cdiv(numel, 32), gi)](h, hq, h_s, numel, I, h.stride(1), 1, h_s.stride(0),
+                                                    BR=32, INTERP=interp, num_warps=4)
+        h, h_quant_mode = hq, 1
+    split2 = cfg["gemm2_split_k"]
+    c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
+    BN2 = cfg["gemm2_block_n"]
+    grid2 = ((EM // BM) * triton.cdiv(H, BN2), split2)
     _moe_gemm_kernel[grid2](
-        a2, a2_s, w2, s2, c, sorted_ids, expert_ids, total, w_c,
-        experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit,
-        H, I, numel, EM, 0, 0,
-        a2.stride(0), a2.stride(1), a2_s.stride(0),
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, s2.stride(2) if fp8 else 0,
-        c.stride(0),
-        A_DIV=1, GATED=False, MUL_W=True, W_FP8=fp8, A_PREQUANT=prequant, INTERP=interp, DOT_DTYPE=dot_dtype,
-        BM=BM, BN=BN2, BK=128 if fp8 else 64, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["warps2"], num_stages=cfg["stages2"],
+        h, h_s, w2, s2, c, c, sorted_ids, expert_ids, total, w_c, *act,
+        H, I, numel, EM // BM, H, 0, numel * N1, numel * H,
+        N1, 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
+        H, 0,
+        A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
+        W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
+        BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
     )
     BH = min(1024, next_pow2(H))
-    _sum_kernel[(T, triton.cdiv(H, BH))](c, ids_c, out, nv, H, NE, KS=KS, HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
+    _sum_kernel[(T, triton.cdiv(H, BH))](c, ids_c, out, nv, H, num_slots, numel * H, KS=KS, SPLITS=split2,
+                                         HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
     return out
-
-
-def _bucket(T: int) -> int:
-    return next_pow2(T)

@@ -106,10 +106,6 @@ class TensorInfo:
     nbytes: int
 
     @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
-
-    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -182,11 +178,13 @@ class _DuplicateKey(ValueError):
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: find which key repeats (a plain dict() is the fast path for big headers)
+        seen: set = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
     return out
 
 

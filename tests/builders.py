@@ -25,6 +25,56 @@ MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_di
 FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "minimax_m3_text", "minimax_m3_vl")
 
 
+def _vision(**kw):
+    return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2, image_size=8, **kw)
+
+
+# Families of 2026, one entry each: (tiny config from (T, moe kwargs, inter, experts, shared_width, layers, overrides), model class name).
+# Odd geometry: E = 6 or 7 (not a power of two), two shared slots where the family allows it, non-default rsf.
+NO_SPECIAL_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+NEW_FAMILIES = {
+    "dots1": (lambda T, moe, I, E, W, L, over: T.Dots1Config(
+        **moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I, head_dim=32,
+        first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=2.5, **over), "Dots1ForCausalLM"),
+    "bailing_hybrid": (lambda T, moe, I, E, W, L, over: T.BailingHybridConfig(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, n_shared_experts=(W or 2 * I) // I, head_dim=32,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, layer_group_size=2, num_nextn_predict_layers=0,
+        **NO_SPECIAL_TOKENS, **over), "BailingHybridForCausalLM"),
+    "kimi_linear": (lambda T, moe, I, E, W, L, over: T.KimiLinearConfig(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, n_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.446,
+        linear_attn_config=dict(head_dim=16, num_heads=2, short_conv_kernel_size=4, full_attn_layers=[L], kda_layers=list(range(1, L))),
+        **NO_SPECIAL_TOKENS, **over), "KimiLinearForCausalLM"),
+    "glm4v_moe": (lambda T, moe, I, E, W, L, over: T.Glm4vMoeConfig(
+        text_config=dict(**moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+                         head_dim=32, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 3, 3]),
+                         **over),
+        vision_config=_vision()), "Glm4vMoeForConditionalGeneration"),
+    "glm_moe_dsa_indexer": (lambda T, moe, I, E, W, L, over: T.GlmMoeDsaConfig(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16, index_topk=4,
+        indexer_types=(["full", "shared"] * L)[:L], **over), "GlmMoeDsaForCausalLM"),
+    # GLM-5.3: swiglu_limit 0.3 bites (tiny random gate and up outputs have std ~0.5); one indexed-attention layer.
+    "glm5_next": (lambda T, moe, I, E, W, L, over: T.Glm5NextConfig(
+        text_config=dict(**moe, **{**MLA, "qk_rope_head_dim": 0}, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E,
+                         n_shared_experts=(W or 2 * I) // I, routed_scaling_factor=2.5, mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                         layer_types=(["linear_attention", "full_attention"] * L)[:L], index_n_heads=2, index_head_dim=16,
+                         index_topk=16, index_kpool=4, linear_head_dim=16, linear_num_heads=2, swiglu_limit=0.3, pad_token_id=None,
+                         **over),
+        vision_config=_vision(projection_intermediate_size=64)), "Glm5NextForConditionalGeneration"),
+    "afmoe": (lambda T, moe, I, E, W, L, over: T.AfmoeConfig(
+        **moe, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I, head_dim=32,
+        num_dense_layers=1, route_scale=2.0, global_attn_every_n_layers=2, sliding_window=8, **over), "AfmoeForCausalLM"),
+    "hy_v3": (lambda T, moe, I, E, W, L, over: T.HYV3Config(
+        **moe, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I, head_dim=32,
+        mlp_layer_types=["dense"] + ["sparse"] * (L - 1), router_scaling_factor=2.826, **over), "HYV3ForCausalLM"),
+    "hunyuan_v1_moe": (lambda T, moe, I, E, W, L, over: T.HunYuanMoEV1Config(
+        **{k: v for k, v in moe.items() if k != "num_experts_per_tok"}, moe_topk=2, intermediate_size=I, num_experts=E, head_dim=32,
+        **over), "HunYuanMoEV1ForCausalLM"),
+}
+
+
 def build_config(family: str, *, hidden: int = 64, inter: int = 32, experts: int = 8, layers: int = 3, shared_width: int | None = None, **over):
     """A tiny config of the family; ``shared_width`` picks W (n_shared_experts * I, or MiniMax's own width)."""
     import transformers as T
@@ -50,6 +100,8 @@ def build_config(family: str, *, hidden: int = 64, inter: int = 32, experts: int
         cfg = T.GlmMoeDsaConfig(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
                                 n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=2.5,
                                 index_n_heads=2, index_head_dim=16, index_topk=4, **over)
+    elif family in NEW_FAMILIES:
+        cfg = NEW_FAMILIES[family][0](T, moe, inter, experts, shared_width, layers, over)
     elif family in ("minimax_m3_text", "minimax_m3_vl"):
         from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as C
 
@@ -79,6 +131,8 @@ def model_class(family: str):
     if family == "minimax_m3_vl":
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
         return MiniMaxM3SparseForConditionalGeneration
+    if family in NEW_FAMILIES:
+        return getattr(T, NEW_FAMILIES[family][1])
     return {
         "deepseek_v2": T.DeepseekV2ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
         "glm4_moe_lite": T.Glm4MoeLiteForCausalLM, "glm_moe_dsa": T.GlmMoeDsaForCausalLM,
@@ -94,7 +148,7 @@ def randomize_(model, seed: int = 0) -> None:
                 continue
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "e_score_correction_bias" in name:
+            elif "e_score_correction_bias" in name or "expert_bias" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))

@@ -74,6 +74,19 @@ def test_fp8_weight_without_scale(src, tmp_path):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name, "FP8 weight without its scale")
 
 
+def test_mxfp8_scales_are_recognised_and_refused(src, tmp_path):
+    """MXFP8 (U8 power-of-two scales per 1x32 group under a weight_scale_inv name) is never read as 128x128 blocks."""
+    to_fp8_block(src)
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+
+    def to_mx(t):
+        rows, cols = t[name].shape
+        t[name + "_scale_inv"] = torch.full((rows, -(-cols // 32)), 127, dtype=torch.uint8)
+    mutate(src, to_mx)
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name + "_scale_inv", "MXFP8", "not supported yet",
+                   "expected F32 128x128 block scales")
+
+
 def test_shared_and_routed_formats_differ(src, tmp_path):
     to_fp8_block(src)
     sh = "model.layers.1.mlp.shared_experts"
@@ -118,12 +131,33 @@ def test_more_experts_than_config(src, tmp_path):
     assert_refused(code, output, tmp_path / "out", "model.layers.1.mlp.gate.weight", "expected [6, H]")
 
 
+def test_expert_beyond_the_config_is_refused(src, tmp_path):
+    """An expert id >= E under a MoE block (router and config agree on E = 8) is named, with the count the config gives."""
+    extra = "model.layers.2.mlp.experts.8.up_proj.weight"
+    mutate(src, lambda t: t.__setitem__(extra, t["model.layers.2.mlp.experts.0.up_proj.weight"].clone()))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", extra, "config.json says 8 routed experts, but the checkpoint has expert 8")
+
+
+def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
+    extra = "model.layers.1.mlp.router_temperature"
+    mutate(src, lambda t: t.__setitem__(extra, torch.ones(1, dtype=torch.bfloat16)))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", extra, "unexpected tensor in MoE layer 1")
+
+
 @pytest.mark.parametrize("model_type,reason", [
     ("minimax_m2", "has no shared expert"),
     ("qwen2_moe", "per-token sigmoid gate"),
     ("qwen3_next", "per-token sigmoid gate"),
     ("llama4", "scales the expert input"),
-    ("mixtral", "not supported; supported: deepseek_v2, deepseek_v3"),
+    ("qwen4_exp", "per-token sigmoid gate"),
+    ("qwen4_exp_text", "per-token sigmoid gate"),
+    ("nemotron_h", "ReLU² MLPs"),
+    ("nemotron_h", "latent space"),
+    ("longcat_flash", "zero-computation experts"),
+    ("longcat_flash", "no shared expert"),
+    ("mimo_v2_flash", "no shared expert"),
+    ("gpt_oss", "no shared expert"),
+    ("mixtral", "not supported; supported: afmoe, bailing_hybrid, deepseek_v2, deepseek_v3"),
 ])
 def test_refused_model_types(src, tmp_path, model_type, reason):
     cfg = json.loads((src / "config.json").read_text())
@@ -138,3 +172,28 @@ def test_minimax_m3_without_shared_width_is_refused(tmp_path):
     cfg["shared_intermediate_size"] = 0
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "no shared expert")
+
+
+def test_latent_routed_experts_refused_in_any_family(src, tmp_path):
+    """The general rule: routed experts in a latent space narrower than the hidden size, whatever the model_type."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_latent_size"] = cfg["hidden_size"] // 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "moe_latent_size", "latent space", "narrower than the hidden size")
+
+
+def test_hy_v3_with_mlp_bias_is_refused(tmp_path):
+    src = build_checkpoint("hy_v3", tmp_path / "src", experts=6, mlp_bias=True)
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "mlp_bias", "no bias terms")
+
+
+def test_hunyuan_per_layer_expert_counts_must_agree(tmp_path):
+    src = build_checkpoint("hunyuan_v1_moe", tmp_path / "src", experts=7)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts"] = [7, 7, 5]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "num_experts", "one E and one top-k per checkpoint")
+    cfg["num_experts"] = [7, 7, 7]  # every layer agrees: converted as E = 7
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, output = run_convert(src, tmp_path / "out2")
+    assert code == 0, output

@@ -9,10 +9,11 @@ import struct
 import pytest
 import torch
 
-from builders import FAMILIES, build_checkpoint, load_all
+from builders import FAMILIES, NEW_FAMILIES, build_checkpoint, load_all
 from checks import assert_fp8_close, config_block, dequant, index_of
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
+from runtime.families import describe_model, router_tensor_names
 from runtime.layout import PER_EXPERT_NAMES, moe_layer_tensors, scale_name
 
 # (family, build kwargs, E, I, W): W != I covers split slots (V2) and padded slots (MiniMax 48 over 32).
@@ -25,8 +26,20 @@ CASES = {
     "glm_moe_dsa": dict(kw={}, E=8, I=32, W=32),
     "minimax_m3_text": dict(kw=dict(shared_width=48), E=8, I=32, W=48),
     "minimax_m3_vl": dict(kw=dict(shared_width=80), E=8, I=32, W=80),
+    # The 2026 families: E not a power of two, two shared slots (W = 2I) where the family has n_shared_experts, and the
+    # routing each family's transformers router computes: (scoring, top_k, n_group, topk_group, renormalize, rsf, has_bias).
+    "dots1": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, False, 2.5, True)),
+    "bailing_hybrid": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
+    "kimi_linear": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.446, True)),
+    "glm4v_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
+    "glm_moe_dsa_indexer": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.5, True)),
+    "afmoe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.0, True)),
+    "hy_v3": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.826, True)),
+    "hunyuan_v1_moe": dict(kw=dict(experts=7), E=7, I=32, W=32, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    # GLM-5.3 clamps routed and shared experts at swiglu_limit before the activation: every slot gets that limit.
+    "glm5_next": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.5, True), limit=0.3),
 }
-assert set(CASES) == set(FAMILIES)
+assert set(CASES) == set(FAMILIES) | set(NEW_FAMILIES)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +48,9 @@ def sources(tmp_path_factory):
     return {f: build_checkpoint(f, root / f, **c["kw"]) for f, c in CASES.items()}
 
 
-def shared_source(src: dict, block: str, W: int):
-    """(gate [W,H], up [W,H], down [H,W]) of a source shared MLP, separate or concatenated."""
-    sh = f"{block}.shared_experts"
+def shared_source(src: dict, block: str, W: int, shared: str = "shared_experts"):
+    """(gate [W,H], up [W,H], down [H,W]) of a source shared MLP (named ``shared`` in its block), separate or concatenated."""
+    sh = f"{block}.{shared}"
     if f"{sh}.gate_up_proj.weight" in src:
         gu = src[f"{sh}.gate_up_proj.weight"].float()
         return gu[:W], gu[W:], src[f"{sh}.down_proj.weight"].float()
@@ -97,6 +110,10 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
     assert set(index["weight_map"]) == set(out)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
     cfg = json.loads((out_dir / "config.json").read_text())
+    names_table = describe_model(cfg).names
+    if "routing" in case:
+        r = block.routing
+        assert (r.scoring, r.top_k, r.n_group, r.topk_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == case["routing"]
     assert ("quantization_config" in cfg) == (precision == "fp8")
     if precision == "fp8":
         assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
@@ -106,21 +123,27 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
 
     for L, names in layers.items():
         blk = names.block_prefix
-        assert not any(k.startswith(blk + ".shared_experts") for k in out), "no shared-expert tensors remain"
-        assert out[names.router_weight()].dtype == torch.float32
-        assert torch.equal(out[names.router_weight()], src[names.router_weight()].float())
+        assert not any(k.startswith(f"{blk}.{names_table.shared}.") for k in out), "no shared-expert tensors remain"
+        router, biases = router_tensor_names(cfg, blk)
+        assert out[router].dtype == torch.float32
+        assert torch.equal(out[router], src[router].float())
+        bias = [b for b in biases if b in src]
+        assert bool(bias) == block.routing.has_bias
+        for b in bias:
+            assert torch.equal(out[b], src[b]) and out[b].abs().max() > 0, "the selection bias is copied unchanged (and not zero)"
         alpha, beta, limit = (out[n] for n in names.gemm1_params())
         assert alpha.shape == beta.shape == limit.shape == (E + S,)
         if block.activation == "swiglu_oai":
             assert torch.allclose(alpha, torch.full((E + S,), 1.702)) and torch.all(beta == 1.0) and torch.all(limit == 7.0)
         else:
-            assert torch.all(alpha == 1.0) and torch.all(beta == 0.0) and torch.all(torch.isinf(limit))
+            assert torch.all(alpha == 1.0) and torch.all(beta == 0.0)
+            assert torch.equal(limit, torch.full((E + S,), case.get("limit", math.inf), dtype=torch.float32))
         if names.storage != "stacked":
             assert f"{names.experts_prefix}.{E + S}.{PER_EXPERT_NAMES[names.storage][0]}.weight" not in out
         else:
             assert out[names.stacked()[0]].shape[0] == E + S
 
-        sg, su, sd = shared_source(src, blk, W)
+        sg, su, sd = shared_source(src, blk, W, names_table.shared)
         wants = [routed_source(src, blk, e) for e in range(E)]
         for j in range(S):
             a, b = j * I, min((j + 1) * I, W)

@@ -25,6 +25,8 @@ EXPECTED = {
     "glm-5.1": (256, 1, 2048, range(3, 78), [78], 59_870, "BF16"),
     "glm-5.1-fp8": (256, 1, 2048, range(3, 78), [78], 119_028, "fp8-block"),
     "minimax-m3": (128, 1, 3072, range(3, 60), [], 23_416, "BF16"),
+    # GLM-5.2: indexer tensors only on the layers indexer_types calls "full" (and MTP layer 78); the rest is GLM-5.1's.
+    "glm-5.2": (256, 1, 2048, range(3, 78), [78], 59_585, "BF16"),
 }
 REFUSED = {
     "minimax-m2.5": "has no shared expert",
@@ -95,3 +97,16 @@ def test_refused_real_layouts(name, skeleton_root, tmp_path):
     assert r.exit_code == 1
     assert REFUSED[name] in r.output and "Traceback" not in r.output
     assert not out.exists()
+
+
+def test_glm_5_2_indexer_only_where_the_config_says(skeleton_root):
+    """Layers whose indexer_types is "shared" have no indexer tensors; the plan copies the indexers that exist, as they are."""
+    import json
+
+    path = build_skeleton("glm-5.2", skeleton_root / "glm-5.2-indexer")
+    types = json.loads((path / "config.json").read_text())["indexer_types"]
+    plan = plan_conversion(path)
+    out = {t.name: t for s in plan.shards for t in s.tensors}
+    with_indexer = {int(n.split(".")[2]) for n in out if ".self_attn.indexer." in n}
+    assert with_indexer == {i for i, t in enumerate(types) if t == "full"} | {78}
+    assert all(out[n].dtype == "BF16" for n in out if ".indexer.weights_proj." in n), "weights_proj stays unquantized"

@@ -26,15 +26,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import HubError
-from ..files import CONFIG_NAME, INDEX_NAME, MODEL_CARD_NAME
+from ..errors import HubError, VerifyError
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_CARD_NAME
 from .model_card import human_bytes, render_model_card
 from .timeouts import bound_hub_requests
 from ..verify.integrity import (
-    MANIFEST_FILE,
-    ConvertedCheckpoint,
-    IncompleteCheckpointError,
-    check_converted_checkpoint,
+    CheckedOutput,
+    check_output,
     list_checkpoint_files,
     sha256_file,
 )
@@ -47,7 +45,7 @@ SOURCE_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.
 UPLOAD_IGNORE_PATTERNS = [".cache/*", "*/.cache/*", ".git/*", "*/.git/*"]
 
 # Uploaded in a last commit, after every weight file is on the Hub.
-LAST_FILES = (CONFIG_NAME, INDEX_NAME, MANIFEST_FILE, MODEL_CARD_NAME)
+LAST_FILES = (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_CARD_NAME)
 
 NO_TOKEN_MESSAGE = "no Hugging Face token: set HF_TOKEN or run `hf auth login`"
 
@@ -394,8 +392,8 @@ def push_checkpoint(
     revision = _validate_revision(revision)
     root = Path(out_dir)
     try:
-        checked: ConvertedCheckpoint = check_converted_checkpoint(root)
-    except IncompleteCheckpointError as e:
+        checked: CheckedOutput = check_output(root, require_manifest=False)
+    except VerifyError as e:
         raise HubError(f"not pushing, OUT_DIR is not a complete converted checkpoint: {e}") from None
     ep = _endpoint(endpoint)
     if _offline():
@@ -495,5 +493,4 @@ __all__ = [
     "push_checkpoint",
     "resolve_model_source",
     "verify_remote",
-    "MANIFEST_FILE",
 ]

@@ -25,7 +25,7 @@ from ..errors import ConversionError
 from ..files import CONFIG_NAME
 from ..source.checkpoint import SourceCheckpoint
 from .context import PlanInputs, PlanParts
-from .moe_layer import Geometry, layers_with_experts, plan_moe_layer
+from .moe_layer import Geometry, check_nothing_else_in_moe_blocks, layers_with_experts, plan_moe_layer
 from .options import DEFAULT_MAX_SHARD_SIZE, OTHER_LINEAR, PRECISIONS, ConvertOptions
 from .other_tensors import plan_other_tensors
 from .output_config import output_config
@@ -103,6 +103,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         layer_plans.append(lp)
         if not lp.is_hash:  # hash-routed layers are bias-free; has_bias describes the score-routed ones
             bias_seen.append(has_bias)
+    check_nothing_else_in_moe_blocks(inputs, parts, layer_plans, E)
     if any(bias_seen) and not all(bias_seen):
         missing = [lp.layer for lp, b in zip((lp for lp in layer_plans if not lp.is_hash), bias_seen) if not b]
         raise inputs.error(f"some MoE layers have an e_score_correction_bias and layers {missing} do not")
@@ -118,6 +119,10 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         source_quantization += ", routed experts MXFP4 (found in the tensors)"
     if arch.routing.has_bias and not routing.has_bias and arch.expects_bias:
         parts.notes.append("no e_score_correction_bias in the checkpoint: routing without a selection bias")
+    router_dtypes = {inputs.tensors[lp.block_prefix + "." + arch.names.router].dtype for lp in layer_plans}
+    if arch.router_in_model_dtype and router_dtypes - {"F32"}:
+        parts.notes.append(f"{arch.family} computes its router logits in the model's dtype ({', '.join(sorted(router_dtypes))}); the fused "
+                           "router scores in float32 from the exactly upcast weight, so the two differ by that rounding only")
 
     plan_other_tensors(inputs, parts)
 

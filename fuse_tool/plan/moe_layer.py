@@ -221,13 +221,6 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
         v = values[pname.rsplit(".", 1)[1]]
         parts.groups.append(Group([OutputTensor(pname, "F32", (num_slots,))], [ConstantTask((v,) * num_slots, Target(pname))], order))
 
-    # Anything else under the MoE block is not something the layout knows.
-    for name in inputs.tensors:
-        if name.startswith(P + ".") and name not in parts.consumed:
-            m = re.match(re.escape(X) + r"\.(\d+)\.", name)
-            if m and int(m.group(1)) >= g.E:
-                raise inputs.error(f"config.json says {g.E} routed experts, but the checkpoint has expert {m.group(1)}", name)
-            raise inputs.error(f"unexpected tensor in MoE layer {layer} (not an expert, shared expert, router or bias)", name)
     return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash), has_bias
 
 
@@ -245,3 +238,23 @@ def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g
     parts.consumed.add(info.name)
     parts.groups.append(Group([OutputTensor(info.name, info.dtype, info.shape)], [CopyTask(info, Target(info.name))], (str(info.file), info.offset)))
     return True
+
+
+def check_nothing_else_in_moe_blocks(inputs: PlanInputs, parts: PlanParts, layers: list[LayerPlan], num_routed_experts: int) -> None:
+    """Every tensor under a planned MoE block must have been placed: anything else is not something the layout knows.
+
+    One pass over the names (a block prefix has a fixed number of dots per storage), not one per layer.
+    """
+    blocks = {lp.block_prefix: lp.layer for lp in layers}
+    depths = {p.count(".") + 1 for p in blocks}
+    for name in inputs.tensors:
+        if name in parts.consumed:
+            continue
+        pieces = name.split(".")
+        for depth in depths:
+            block = ".".join(pieces[:depth])
+            if block in blocks and len(pieces) > depth:
+                m = re.match(re.escape(block) + r"\.experts\.(\d+)\.", name)
+                if m and int(m.group(1)) >= num_routed_experts:
+                    raise inputs.error(f"config.json says {num_routed_experts} routed experts, but the checkpoint has expert {m.group(1)}", name)
+                raise inputs.error(f"unexpected tensor in MoE layer {blocks[block]} (not an expert, shared expert, router or bias)", name)

@@ -43,16 +43,28 @@ def _plan_linear(inputs: PlanInputs, parts: PlanParts, name: str, sw: SourceWeig
     parts.groups.append(Group(tensors, [task], order))
 
 
+def _is_scale_name(name: str, tensors) -> bool:
+    """Whether ``name`` is a quantization scale: ``<weight>_scale_inv``, ``<weight>_scale`` (the weight in the checkpoint,
+    or named ``...weight``, so an orphan scale is still reported) or ``input_scale``; a model parameter that merely ends in
+    ``_scale`` (GLM-5.3's hyper-connection ``hc_attn_scale``) is an ordinary tensor."""
+    if name.endswith(CT_INPUT_SCALE):
+        return True
+    for suffix in (scale_name(""), CT_SCALE_SUFFIX):
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            return base in tensors or base.endswith("weight")
+    return False
+
+
 def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
     """Place every source tensor no MoE layer consumed; a scale left without its weight is an error."""
     arch = inputs.arch
     decoder_layers = set(range(arch.num_hidden_layers)) | set(arch.mtp_layers)
-    scale_suffixes = (scale_name(""), CT_SCALE_SUFFIX, CT_INPUT_SCALE)
     e8m0 = arch.names.scale_storage == "e8m0"  # scales are F8_E8M0 "<module>.scale" (names like hc_head_scale are not scales)
     for name, info in inputs.tensors.items():
         if name in parts.consumed:
             continue
-        if (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale")) if e8m0 else name.endswith(scale_suffixes):
+        if (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale")) if e8m0 else _is_scale_name(name, inputs.tensors):
             continue  # claimed by their weight below; leftovers are checked at the end
         m = LAYER_RE.match(name)
         in_decoder = bool(m and m.group("prefix") == arch.layer_prefix and int(m.group("layer")) in decoder_layers)

@@ -110,6 +110,9 @@ def _scale_of(inputs: PlanInputs, parts: PlanParts, name: str, info: TensorInfo)
         s = tensors[scale_name(name)]
         parts.consumed.add(s.name)
         want = (*lead, *scale_grid(rows, cols))
+        if s.dtype in ("U8", "F8_E8M0") and s.shape == (*lead, rows, -(-cols // 32)):
+            raise inputs.error(f"is {s.dtype} {list(s.shape)}: one power-of-two scale per 1x32 group of {list(info.shape)}, an MXFP8 "
+                               f"source, which is not supported yet (expected F32 128x128 block scales {list(want)})", s.name)
         if s.shape != want:
             raise inputs.error(f"has shape {list(s.shape)}, expected {list(want)} (128x128 blocks of {list(info.shape)})", s.name)
         if s.dtype != "F32":

@@ -41,7 +41,7 @@ class SourceCheckpoint:
         root = Path(root)
         if not root.is_dir():
             raise ConversionError("not a directory (expected a Hugging Face model folder)", file=root)
-        inside = _Containment(root)
+        inside = Containment(root)
         config_path = root / CONFIG_NAME
         if not config_path.exists():
             raise ConversionError("no config.json: not a Hugging Face model folder", file=root)
@@ -89,7 +89,7 @@ def is_tool_name(name: str) -> bool:
     return name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME) or is_temporary_name(name)
 
 
-class _Containment:
+class Containment:
     """Where the model's files may resolve: the model folder, or for a Hugging Face cache
     snapshot (``.../models--owner--name/snapshots/<rev>``) the repo's cache folder, whose
     ``blobs/`` hold the snapshot's files."""
@@ -118,7 +118,7 @@ class _Containment:
             )
 
 
-def _files_to_copy(root: Path, weight_files: set[Path], inside: _Containment) -> tuple[list[Path], list[tuple[str, str]]]:
+def _files_to_copy(root: Path, weight_files: set[Path], inside: Containment) -> tuple[list[Path], list[tuple[str, str]]]:
     """The files copied into the output beside the converted weights, and those skipped (with why)."""
     copy: list[Path] = []
     skipped: list[tuple[str, str]] = []
@@ -157,7 +157,7 @@ def _files_to_copy(root: Path, weight_files: set[Path], inside: _Containment) ->
     return copy, skipped
 
 
-def _read_indexed(root: Path, index_path: Path, inside: _Containment) -> tuple[list[Path], dict[str, TensorInfo]]:
+def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[list[Path], dict[str, TensorInfo]]:
     try:
         index = json.loads(read_small_file(index_path, "a safetensors index"))
         weight_map = index["weight_map"]
@@ -171,9 +171,10 @@ def _read_indexed(root: Path, index_path: Path, inside: _Containment) -> tuple[l
     for name, fname in weight_map.items():
         if not isinstance(fname, str) or not fname:
             raise ConversionError(f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name)
-        if fname.startswith("/") or ".." in Path(fname).parts:
-            raise ConversionError(f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=name)
         by_file.setdefault(fname, []).append(name)
+    for fname, names in by_file.items():  # once per shard, not per tensor
+        if fname.startswith("/") or ".." in Path(fname).parts:
+            raise ConversionError(f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=names[0])
     tensors: dict[str, TensorInfo] = {}
     shard_files = []
     for fname in sorted(by_file):

@@ -1,8 +1,22 @@
-"""Is a folder a complete converted checkpoint? (LAYOUT.md sections 1, 2, 6.)
+"""Is a folder a complete, intact converted checkpoint? One checker, used by ``verify``, ``push`` and the tests.
 
-Reads only ``config.json``, the index, the optional manifest and the safetensors
-*headers* (8-byte little-endian length + JSON); never tensor data, so it is cheap
-on a checkpoint of hundreds of gigabytes. Used before a push and after a conversion.
+:func:`check_output` reads ``config.json``, the index, the manifest and every shard's safetensors
+*header* (never tensor data, unless ``checksums`` asks for a sha256 of every file), and raises a
+:class:`~fuse_tool.errors.VerifyError` (one line naming the file and the tensor) on the first problem:
+
+1. No conversion is running or unfinished there (lock held, journal, ``.partial``/``.done``, other
+   writers' ``.tmp``/``.incomplete`` files).
+2. ``config.json`` holds a valid ``fused_shared_experts`` block; the index (or one
+   ``model.safetensors``) agrees with the shard headers (every tensor the index places in a shard is
+   there, nothing else is, ``total_size``); headers parsed strictly (``runtime.safetensors_io``).
+3. Every MoE layer of ``moe_layers`` is there and follows the layout: expert shapes ``[I, H]`` /
+   ``[H, I]`` (stacked ``[E+S, 2I, H]`` / ``[E+S, H, I]``), one dtype for every expert, FP8 weights
+   with a float32 ``_scale_inv`` of the 128x128 grid, the router ``[E, H]`` float32, the bias
+   ``[E]``, ``gemm1_*`` float32 ``[E+S]``; no layer has converted experts that the block omits.
+4. The manifest lists every file the conversion wrote (version 2; version 1 listed the shards)
+   with its size, and each is a regular file of that size; with ``checksums`` every listed file is
+   re-read and its sha256 compared, so an edited config.json is caught. A version 1 manifest cannot
+   vouch for config.json: with ``checksums`` it is refused.
 """
 
 from __future__ import annotations
@@ -12,39 +26,29 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from ..errors import ConversionError, FuseSharedError
-from runtime.safetensors_io import open_regular, read_header, read_small_file
+from tqdm import tqdm
+
+from runtime.families import router_tensor_names
 from runtime.layout import (
-    CONFIG_KEY,
-    ExpertTensorNames,
-    FusedSharedExperts,
-    LayoutError,
-    converted_moe_layers,
-    read_config_block,
+    CONFIG_KEY, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor, converted_moe_layers, read_config_block, scale_grid,
 )
+from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, open_regular, read_header, read_small_file
 
-from ..files import CONFIG_NAME as CONFIG_FILE, INDEX_NAME as INDEX_FILE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME as MANIFEST_FILE, SINGLE_NAME as SINGLE_FILE, PARTIAL_SUFFIX, DONE_SUFFIX
+from ..errors import FuseSharedError, VerifyError
+from ..source.checkpoint import Containment
+from ..files import (
+    CONFIG_NAME, DONE_SUFFIX, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION, PARTIAL_SUFFIX, SINGLE_NAME,
+)
 
 # Folders that are never part of a checkpoint (huggingface_hub keeps upload state in .cache/huggingface).
 _SKIP_DIRS = {".git", ".cache"}
 
 
-class IncompleteCheckpointError(ValueError):
-    """OUT_DIR is not a complete converted checkpoint. The message is one line and names the file."""
-
-
 @dataclass(frozen=True)
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ConvertedCheckpoint:
-    """What check_converted_checkpoint found in a complete converted checkpoint."""
+class CheckedOutput:
+    """What :func:`check_output` found in a complete converted checkpoint."""
 
     path: Path
     config: dict[str, Any]
@@ -52,23 +56,21 @@ class ConvertedCheckpoint:
     weight_map: dict[str, str]  # tensor name -> shard file name
     shards: tuple[str, ...]  # shard file names, sorted
     total_size: int  # sum of tensor bytes, equal to the index's metadata.total_size
-    index_file: str | None  # INDEX_FILE, or None for a single model.safetensors
+    index_file: str | None  # INDEX_NAME, or None for a single model.safetensors
     moe_layers: dict[int, ExpertTensorNames]
     manifest: dict[str, Any] | None = None
     files: dict[str, int] = field(default_factory=dict)  # every file of the folder (posix relpath) -> size
-    tensors: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+    files_checked: int = 0  # files the manifest lists, found with their sizes (and sha256 with checksums)
+    bytes_hashed: int = 0  # bytes re-read for sha256 (0 without checksums)
 
     @property
-    def num_files(self) -> int:
-        return len(self.files)
-
-    @property
-    def bytes_on_disk(self) -> int:
-        return sum(self.files.values())
+    def shard_bytes(self) -> int:
+        return sum(self.files.get(s, 0) for s in self.shards)
 
 
-def _fail(msg: str) -> IncompleteCheckpointError:
-    return IncompleteCheckpointError(" ".join(msg.split()))
+def _fail(msg: str, file: Path | str | None = None, tensor: str | None = None) -> VerifyError:
+    return VerifyError(" ".join(msg.split()), file=file, tensor=tensor)
 
 
 def _load_json(path: Path, what: str) -> Any:
@@ -103,24 +105,19 @@ def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
     return files
 
 
-# The converter's temporaries (fuse_tool.files) and ``.<name>.tmp...`` of other writers.
-CONVERTER_LOCK = LOCK_NAME
-CONVERTER_JOURNAL = JOURNAL_NAME
-
-
 def is_temporary_name(name: str) -> bool:
     """A file left by an unfinished write: ``.<name>.tmp...``, ``.<name>.partial``, ``.<name>.done``,
     the converter's lock or resume journal, ``*.incomplete``."""
     base = name.rsplit("/", 1)[-1]
-    if base in (CONVERTER_LOCK, CONVERTER_JOURNAL) or base.endswith(".incomplete"):
+    if base in (LOCK_NAME, JOURNAL_NAME) or base.endswith(".incomplete"):
         return True
     return base.startswith(".") and (".tmp" in base or base.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)))
 
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse a safetensors header without reading tensor data.
 
-    Returns ``(tensors, metadata)``. Raises IncompleteCheckpointError if the shard is
+    Returns ``(tensors, metadata)``. Raises VerifyError if the shard is
     missing, its header unreadable, or a tensor's byte range lies beyond the end of the
     file (a truncated shard). The parsing is the converter's own (``safetensors_io.read_header``).
     """
@@ -134,54 +131,137 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEn
         if "past the end" in detail:
             raise _fail(f"{path}: shard is truncated ({detail})") from None
         raise _fail(f"{path}: shard header unreadable ({detail})") from None
-    return {name: TensorEntry(i.dtype, i.shape, i.nbytes) for name, i in infos.items()}, metadata
+    return infos, metadata
 
 
-def _check_moe_layer(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: Mapping[str, TensorEntry], where: str) -> None:
-    n = block.num_experts
+def _check_not_in_progress(root: Path) -> None:
+    from ..convert import output_locked
+
+    if output_locked(root):
+        raise _fail("a fuse-shared convert is writing into this folder right now", root)
+    if (root / JOURNAL_NAME).exists():
+        raise _fail(f"{JOURNAL_NAME} is present: the conversion did not finish; rerun convert with --resume", root)
+    for p in sorted(root.iterdir()):
+        if p.name == LOCK_NAME:
+            raise _fail("converter lock file: a conversion did not finish, or is still running; rerun convert with --resume", p)
+        if p.name.startswith(".") and p.name.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)):
+            raise _fail("leftover temporary file: the conversion did not finish; rerun convert with --resume", p)
+
+
+def _want(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] | None, why: str) -> TensorInfo:
+    t = tensors.get(name)
+    if t is None:
+        raise _fail(f"is missing ({why})", INDEX_NAME, name)
+    if t.shape != shape:
+        raise _fail(f"has shape {list(t.shape)}, expected {list(shape)} ({why})", t.file, name)
+    if dtypes is not None and t.dtype not in dtypes:
+        raise _fail(f"has dtype {t.dtype}, expected {' or '.join(dtypes)} ({why})", t.file, name)
+    return t
+
+
+def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple[int, ...], storage: str = "f32") -> None:
+    """An FP8 weight's 128x128 block scales: float32 ``<weight>_scale_inv``, or (``storage="e8m0"``, DeepSeek-V4)
+    one-byte ``F8_E8M0`` ``<module>.scale``; a float weight has neither."""
+    name, dtype = block_scale_tensor(weight.name, storage)
+    if weight.dtype == FP8_DTYPE_CODE:
+        _want(tensors, name, grid, (dtype,), f"128x128 block scales of {list(weight.shape)}")
+    elif name in tensors:
+        raise _fail(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[name].file, name)
+
+
+def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo],
+                        config: dict) -> None:
+    E, n, I = block.num_routed_experts, block.num_experts, block.expert_intermediate_size
+    router_name, bias_names = router_tensor_names(config, names.block_prefix)  # under the family's own names
+    router = tensors.get(router_name)
+    if router is None:
+        raise _fail(f"MoE layer {layer} has no router", INDEX_NAME, router_name)
+    if len(router.shape) != 2 or router.shape[0] != E:
+        raise _fail(f"has shape {list(router.shape)}, expected [{E}, H] ({E} routed experts)", router.file, router.name)
+    if router.dtype != "F32":
+        raise _fail(f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name)
+    H = router.shape[1]
+    for b in bias_names:
+        if b in tensors:
+            _want(tensors, b, (E,), None, "one selection bias per routed expert")
+    table = tensors.get(names.hash_table())
+    if layer in block.routing.hash_layers:  # LAYOUT v2 section 5: the token table, K routed ids per token
+        K = block.routing.top_k
+        if table is None or len(table.shape) != 2 or table.shape[1] != K or table.dtype not in ("I64", "I32"):
+            raise _fail(f"MoE layer {layer} is hash-routed (routing.hash_layers) and needs its token table, int64 [vocab, {K}]"
+                        + ("" if table is None else f"; found {table.dtype} {list(table.shape)}"), INDEX_NAME, names.hash_table())
+    elif table is not None:
+        raise _fail(f"is a hash-routing table, but layer {layer} is not in routing.hash_layers", table.file, table.name)
     for p in names.gemm1_params():
-        t = tensors.get(p)
-        if t is None:
-            raise _fail(f"{where}: MoE layer {layer} lacks {p}")
-        if t.shape != (n,):
-            raise _fail(f"{where}: {p} has shape {list(t.shape)}, expected [{n}] (E+S = {block.num_routed_experts}+{block.num_fused_shared_experts})")
+        _want(tensors, p, (n,), ("F32",), f"one value per expert, E+S = {E}+{block.num_fused_shared_experts}")
+    dtypes = set()
     if names.storage == "stacked":
-        weights = list(names.stacked())
-        for w in weights:
-            t = tensors.get(w)
-            if t is None:
-                raise _fail(f"{where}: MoE layer {layer} lacks {w}")
-            if not t.shape or t.shape[0] != n:
-                raise _fail(f"{where}: {w} has {t.shape[0] if t.shape else 0} experts, expected E+S = {n}")
+        gu, dn = names.stacked()
+        g = _want(tensors, gu, (n, 2 * I, H), None, f"E+S = {n} experts of gate and up rows [2I, H]")
+        d = _want(tensors, dn, (n, H, I), None, f"E+S = {n} experts of [H, I]")
+        r, c = scale_grid(I, H)
+        _check_scale(tensors, g, (n, 2 * r, c), names.scale_storage)
+        _check_scale(tensors, d, (n, *scale_grid(H, I)), names.scale_storage)
+        dtypes = {g.dtype, d.dtype}
     else:
-        weights = []
         for e in range(n):
-            for w in names.per_expert(e):
-                if w not in tensors:
-                    kind = "routed" if e < block.num_routed_experts else "fused shared"
-                    raise _fail(f"{where}: MoE layer {layer} lacks {w} ({kind} expert {e} of E+S = {n})")
-                weights.append(w)
-    for w in weights:
-        if tensors[w].dtype.startswith("F8_") and names.scale(w) not in tensors:
-            raise _fail(f"{where}: FP8 weight {w} has no {names.scale(w)}")
+            kind = f"{'routed' if e < E else 'fused shared'} expert {e} of E+S = {n}"
+            for w, shape in zip(names.per_expert(e), ((I, H), (I, H), (H, I))):
+                t = _want(tensors, w, shape, None, kind)
+                _check_scale(tensors, t, scale_grid(*shape), names.scale_storage)
+                dtypes.add(t.dtype)
+        for name in tensors:
+            if name.startswith(names.experts_prefix + "."):
+                rest = name[len(names.experts_prefix) + 1 :].split(".", 1)[0]
+                if rest.isdigit() and int(rest) >= n:
+                    raise _fail(f"expert {rest} is beyond E+S = {n}", tensors[name].file, name)
+    if len(dtypes) > 1:
+        raise _fail(f"MoE layer {layer}: experts are stored in more than one dtype ({sorted(dtypes)})", INDEX_NAME, names.experts_prefix)
 
 
-def _check_manifest(root: Path, manifest: Any, files: Mapping[str, int], verify_checksums: bool) -> None:
-    where = root / MANIFEST_FILE
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
-        raise _fail(f"{where}: not a manifest (expected an object with a 'files' object)")
-    for name, info in manifest.get("files", {}).items():
-        if name not in files:
-            raise _fail(f"{root / name}: listed in {MANIFEST_FILE} but missing")
-        want = info.get("size") if isinstance(info, dict) else None
-        if want is not None and not (isinstance(want, int) and not isinstance(want, bool)):
-            raise _fail(f"{where}: the size recorded for {name!r} is {want!r}, expected a whole number of bytes")
-        if want is not None and want != files[name]:
-            raise _fail(f"{root / name}: size {files[name]} differs from {want} recorded in {MANIFEST_FILE}")
-        if verify_checksums and isinstance(info, dict) and info.get("sha256"):
-            got = sha256_file(root / name)
-            if got != info["sha256"]:
-                raise _fail(f"{root / name}: sha256 {got[:12]}... differs from {str(info['sha256'])[:12]}... recorded in {MANIFEST_FILE}")
+def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dict, dict[str, dict], list[str]]:
+    """The manifest's entries, checked: every file it must list is listed with a size and sha256, every listed file is a
+    regular file of that size. Returns the manifest, its entries and the names to hash (the shards first)."""
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise _fail(f"no {MANIFEST_NAME}: not written by fuse-shared convert, or the conversion did not finish", root)
+    try:
+        manifest = json.loads(read_small_file(path, "a fuse-shared manifest"))
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("files is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+        raise _fail(f"not a valid manifest ({e})", path) from None
+    version = manifest.get("manifest_version", 1)
+    if version not in (1, MANIFEST_VERSION):
+        raise _fail(f"manifest_version {version!r}: this fuse-shared reads versions 1 and {MANIFEST_VERSION}", path)
+    if version == 1 and checksums:
+        raise _fail(f"written by an older fuse-shared that listed only the shards: --checksums cannot vouch for {CONFIG_NAME}, "
+                   "the index and the tokenizer files; convert again for a complete manifest (verify without --checksums "
+                   "still checks the shards)", path)
+    required = list(shards) + ([CONFIG_NAME, INDEX_NAME] if version == MANIFEST_VERSION else [])
+    for name in required:
+        entry = files.get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+            raise _fail(f"the file is not listed in {MANIFEST_NAME} with a size and sha256 (expected every file the conversion wrote)",
+                       root / name)
+    listed = list(shards) + sorted(set(files) - set(shards))
+    inside = Containment(root)  # a Hub-cache snapshot's files are symlinks into its repo's blobs/
+    for name in listed:
+        entry = files[name]
+        if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name):
+            raise _fail(f"lists {name!r}, which is not a file name in the output folder", path)
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+            raise _fail(f"the entry for {name!r} is {entry!r}, expected {{size: a whole number of bytes, sha256: a hex digest}}", path)
+        p = root / name
+        outside = inside.target(p) if p.is_symlink() else None
+        if outside is not None or not p.is_file():
+            what = f"a symlink to {str(outside)!r}, outside the folder" if outside else "missing" if not p.exists() else "not a regular file"
+            raise _fail(f"is {what}, but {MANIFEST_NAME} lists it as a file the conversion wrote", p)
+        size = p.stat().st_size
+        if size != entry["size"]:
+            raise _fail(f"size {size} differs from {entry['size']} recorded in {MANIFEST_NAME}", p)
+    return manifest, files, listed
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
@@ -192,55 +272,69 @@ def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
     return h.hexdigest()
 
 
-def check_converted_checkpoint(out_dir: str | os.PathLike, *, verify_checksums: bool = False) -> ConvertedCheckpoint:
-    """Check that ``out_dir`` is a complete converted checkpoint, reading only headers.
+def _sha256(path: Path, bar) -> str:
+    h = hashlib.sha256()
+    with open_regular(path, "a safetensors file", buffering=0) as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
 
-    Raises IncompleteCheckpointError (one-line message naming the file) on: no config.json
-    or no valid fused_shared_experts block; no index (and no single model.safetensors); a
-    shard named by the index missing, unreadable, truncated, or lacking tensors the index
-    assigns to it; metadata.total_size not equal to the tensor bytes in the headers; leftover
-    temporary files; a MoE layer of ``moe_layers`` without its expert tensors; a file whose
-    size differs from fuse_shared_manifest.json (sha256 too with ``verify_checksums``).
+
+def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progress: bool = False,
+                 require_manifest: bool = True) -> CheckedOutput:
+    """Check that ``out_dir`` is a complete, intact converted checkpoint (module docstring, steps 1-4).
+
+    Args:
+        out_dir: the folder ``fuse-shared convert`` wrote.
+        checksums: also re-read every file the manifest lists and compare its sha256.
+        progress: a progress bar while hashing.
+        require_manifest: refuse a folder without ``fuse_shared_manifest.json`` (``verify``); ``push``
+            also accepts a hand-assembled folder that has none.
+    Returns:
+        CheckedOutput: what was found, for the model card and the upload.
+    Raises:
+        VerifyError: the first problem, one line naming the file (and the tensor).
     """
     root = Path(out_dir)
     if not root.is_dir():
         raise _fail(f"{root}: not a folder")
+    _check_not_in_progress(root)
     files = list_checkpoint_files(root)
-
     for name in files:
         if is_temporary_name(name):
-            what = "converter lock" if name.rsplit("/", 1)[-1] == CONVERTER_LOCK else "leftover temporary file"
-            raise _fail(f"{root / name}: {what} (the conversion did not finish, or is still running)")
+            raise _fail(f"{root / name}: leftover temporary file (the conversion did not finish, or is still running)")
 
-    config = _load_json(root / CONFIG_FILE, CONFIG_FILE)
+    config = _load_json(root / CONFIG_NAME, CONFIG_NAME)
     if not isinstance(config, dict):
-        raise _fail(f"{root / CONFIG_FILE}: not a JSON object")
+        raise _fail(f"{root / CONFIG_NAME}: not a JSON object")
     try:
         block = read_config_block(config)
     except LayoutError as e:
-        raise _fail(f"{root / CONFIG_FILE}: {e}") from None
+        raise _fail(f"{root / CONFIG_NAME}: {e}") from None
 
-    if (root / INDEX_FILE).exists():
-        index_file: str | None = INDEX_FILE
-        index = _load_json(root / INDEX_FILE, "the index")
+    if os.path.lexists(root / INDEX_NAME):
+        index_file: str | None = INDEX_NAME
+        index = _load_json(root / INDEX_NAME, "the index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise _fail(f"{root / INDEX_FILE}: no weight_map")
+            raise _fail(f"{root / INDEX_NAME}: no weight_map")
         meta = index.get("metadata") or {}
         declared = meta.get("total_size") if isinstance(meta, dict) else None
-        if declared is None:
-            raise _fail(f"{root / INDEX_FILE}: no metadata.total_size")
-    elif (root / SINGLE_FILE).exists():
+        if not isinstance(declared, int) or isinstance(declared, bool):
+            raise _fail(f"{root / INDEX_NAME}: metadata.total_size is {declared!r}, expected the tensor bytes as an integer")
+    elif os.path.lexists(root / SINGLE_NAME):
         index_file, weight_map, declared = None, None, None
     else:
-        raise _fail(f"{root}: no {INDEX_FILE} (and no single {SINGLE_FILE})")
+        raise _fail(f"{root}: no {INDEX_NAME} (and no single {SINGLE_NAME})")
 
-    tensors: dict[str, TensorEntry] = {}
+    tensors: dict[str, TensorInfo] = {}
     if weight_map is None:
-        shards: tuple[str, ...] = (SINGLE_FILE,)
-        t, _ = read_safetensors_header(root / SINGLE_FILE)
+        shards: tuple[str, ...] = (SINGLE_NAME,)
+        t, metadata = read_safetensors_header(root / SINGLE_NAME)
+        _check_format(metadata, root / SINGLE_NAME)
         tensors.update(t)
-        weight_map = {k: SINGLE_FILE for k in t}
+        weight_map = {k: SINGLE_NAME for k in t}
     else:
         shards = tuple(sorted(set(map(str, weight_map.values()))))
         by_shard: dict[str, list[str]] = {s: [] for s in shards}
@@ -248,58 +342,64 @@ def check_converted_checkpoint(out_dir: str | os.PathLike, *, verify_checksums: 
             by_shard[str(shard)].append(tname)
         for shard in shards:
             if shard.startswith("/") or ".." in shard.split("/"):
-                raise _fail(f"{root / INDEX_FILE}: shard name {shard!r} points outside the folder")
+                raise _fail(f"{root / INDEX_NAME}: shard name {shard!r} points outside the folder")
             spath = root / shard
             if shard not in files:
                 if not os.path.lexists(spath):
-                    raise _fail(f"{spath}: shard named by {INDEX_FILE} is missing")
+                    raise _fail(f"{spath}: shard named by {INDEX_NAME} is missing")
                 read_safetensors_header(spath)  # says what it is: a FIFO, a device, a dangling link
-                raise _fail(f"{spath}: shard named by {INDEX_FILE} lies behind a symlinked folder, which is not followed")
-            t, _ = read_safetensors_header(spath)
+                raise _fail(f"{spath}: shard named by {INDEX_NAME} lies behind a symlinked folder, which is not followed")
+            t, metadata = read_safetensors_header(spath)
+            _check_format(metadata, spath)
             for tname in by_shard[shard]:
                 if tname not in t:
-                    raise _fail(f"{spath}: shard lacks tensor {tname} that {INDEX_FILE} assigns to it")
+                    raise _fail(f"{spath}: shard lacks tensor {tname} that {INDEX_NAME} assigns to it")
             for tname in t:
                 if weight_map.get(tname) != shard:
-                    raise _fail(f"{spath}: shard holds tensor {tname} that {INDEX_FILE} does not assign to it")
+                    raise _fail(f"{spath}: shard holds tensor {tname} that {INDEX_NAME} does not assign to it")
             tensors.update(t)
 
     total = sum(t.nbytes for t in tensors.values())
-    if declared is not None and int(declared) != total:
-        raise _fail(f"{root / INDEX_FILE}: metadata.total_size is {declared} but the shard headers hold {total} tensor bytes")
+    if declared is not None and declared != total:
+        raise _fail(f"{root / INDEX_NAME}: metadata.total_size is {declared} but the shard headers hold {total} tensor bytes")
 
-    where = str(root)
     try:
         layers = converted_moe_layers(tensors, config)
     except LayoutError as e:
-        raise _fail(f"{where}: {e}") from None
+        raise _fail(f"{root}: {e}") from None
     listed = set(block.moe_layers)
     for layer in sorted(listed):
         if layer not in layers:
-            raise _fail(
-                f"{where}: MoE layer {layer} (listed in {CONFIG_KEY}.moe_layers) has no converted expert tensors "
-                f"(no ...layers.{layer}...experts.gemm1_alpha)"
-            )
-        _check_moe_layer(layer, layers[layer], block, tensors, where)
+            raise _fail(f"{root}: MoE layer {layer} (listed in {CONFIG_KEY}.moe_layers) has no converted expert tensors "
+                        f"(no ...layers.{layer}...experts.gemm1_alpha)")
+        _check_layer_shapes(layer, layers[layer], block, tensors, config)
     extra = sorted(set(layers) - listed)
     if extra:
-        raise _fail(f"{where}: layers {extra} have converted expert tensors but {CONFIG_KEY}.moe_layers does not list them")
+        raise _fail(f"{root}: layers {extra} have converted expert tensors but {CONFIG_KEY}.moe_layers does not list them")
 
-    manifest = None
-    if MANIFEST_FILE in files:
-        manifest = _load_json(root / MANIFEST_FILE, MANIFEST_FILE)
-        _check_manifest(root, manifest, files, verify_checksums)
+    manifest, entries, to_hash = None, {}, []
+    if require_manifest or MANIFEST_NAME in files:
+        manifest, entries, to_hash = _check_manifest(root, list(shards), checksums)
+    hashed = 0
+    if checksums:
+        bar = tqdm(total=sum(entries[n]["size"] for n in to_hash), unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
+                   disable=not progress)
+        try:
+            for name in to_hash:
+                got, want = _sha256(root / name, bar), entries[name]["sha256"]
+                if got != want:
+                    raise _fail(f"sha256 {got} differs from {want} recorded in {MANIFEST_NAME}: the file is damaged or was edited", root / name)
+                hashed += entries[name]["size"]
+        finally:
+            bar.close()
 
-    return ConvertedCheckpoint(
-        path=root,
-        config=config,
-        block=block,
-        weight_map={str(k): str(v) for k, v in weight_map.items()},
-        shards=shards,
-        total_size=total,
-        index_file=index_file,
-        moe_layers=layers,
-        manifest=manifest,
-        files=files,
-        tensors=tensors,
+    return CheckedOutput(
+        path=root, config=config, block=block, weight_map={str(k): str(v) for k, v in weight_map.items()}, shards=shards,
+        total_size=total, index_file=index_file, moe_layers=layers, manifest=manifest, files=files, tensors=tensors,
+        files_checked=len(to_hash), bytes_hashed=hashed,
     )
+
+
+def _check_format(metadata: dict, path: Path) -> None:
+    if metadata.get("format") != "pt":
+        raise _fail(f"__metadata__ is {metadata!r}, expected {{'format': 'pt'}}", path)

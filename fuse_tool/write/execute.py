@@ -14,9 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from .. import __version__
@@ -26,20 +27,20 @@ from ..plan import ConversionPlan, PlannedShard
 from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .transform import CopyRange, finite_checker, run_task
-from .writer import SHARD_METADATA, ShardWriter, disk_error, fsync_dir, stage_bytes, stage_copy, sync_and_hash
+from .writer import SHARD_METADATA, ShardWriter, disk_error, fsync_dir, stage_bytes, stage_copy
 
 class ShardPipeline:
-    """Completed shards are flushed and hashed in a thread while the next one is written, then renamed to
-    .done and journalled: the main thread never waits for the disk, and nothing is .done before it is on disk."""
+    """Each shard is hashed while it is written and fsynced on its own thread (ShardWriter); once its
+    digest is ready it is renamed to .done and journalled, while the next shards are written: the main
+    thread never waits for the disk, and nothing is .done before it is on disk."""
 
     def __init__(self, out: Path, journal: Journal):
         self.out = out
         self.journal = journal
-        self.pool = ThreadPoolExecutor(max_workers=1)
         self.pending: list[tuple[str, int, Future]] = []
 
-    def submit(self, name: str, size: int) -> None:
-        self.pending.append((name, size, self.pool.submit(sync_and_hash, self.out / partial_name(name))))
+    def submit(self, name: str, size: int, digest: Future) -> None:
+        self.pending.append((name, size, digest))
         self.collect(block=False)
 
     def collect(self, block: bool) -> None:
@@ -58,7 +59,7 @@ class ShardPipeline:
             self.journal.save()
 
     def close(self, salvage: bool) -> None:
-        """Wait for the hashing thread; with ``salvage``, still keep what finished (a failure elsewhere is being raised):
+        """Wait for the hashing threads; with ``salvage``, still keep what finished (a failure elsewhere is being raised):
         each finished shard is renamed to .done even when the journal cannot be written (a full disk), and a
         later --resume adopts an unjournalled .done after checking it."""
         if salvage:
@@ -67,7 +68,11 @@ class ShardPipeline:
                     self.collect(block=True)
                 except Exception:  # noqa: BLE001 - the original error is the one to report
                     pass
-        self.pool.shutdown(wait=True)
+        for _, _, fut in self.pending:
+            try:
+                fut.result()  # the shard's file is closed once its thread is done
+            except Exception:  # noqa: BLE001
+                pass
 
 def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, out_dir: Path, device: str, progress: bool,
              allow_non_finite: bool, source_id: str) -> list[str]:
@@ -77,10 +82,13 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
     bar.update(sum(s.nbytes for s in plan.shards if s.filename in journal.completed))
     journal.save()  # before the first shard: any .done in OUT_DIR belongs to this fingerprint
     pipeline = ShardPipeline(out_dir, journal)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # the quantizer runs one thread per core itself (transform._strip_pool)
     try:
         for shard in todo:
-            write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite)
-            pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes)
+            digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite)
+            pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes, digest)
         pipeline.collect(block=True)
         pipeline.close(salvage=False)
         return finalize(plan, journal, out_dir, source_id)
@@ -93,11 +101,13 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         e.args = (with_resume_hint(str(e), journal, plan, is_transient(e)),)
         raise e from None
     finally:
+        torch.set_num_threads(threads)
         bar.close()
         for fd in source_fds.values():
             os.close(fd)
 
-def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool) -> None:
+def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool) -> Future:
+    """Write one shard; returns the Future of its sha256 (hashed as written, fsynced on the shard's own thread)."""
     writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)
     task = None
     try:
@@ -117,12 +127,13 @@ def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: d
                 else:
                     n = writer.write(piece.tensor, piece.offset, piece.data)
                 bar.update(n)
-        writer.finish(fsync=False)  # flushed on the pipeline thread before it becomes .done
+        return writer.finish()
     except BaseException as e:
         writer.abort()
         if isinstance(e, (FuseSharedError, KeyboardInterrupt)):
             raise
         raise unexpected_error(e, task, shard.filename, out_dir / partial_name(shard.filename)) from None
+
 
 def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan, transient: bool = True) -> str:
     out = journal.path.parent

@@ -226,10 +226,6 @@ class Journal:
         }
         _write_durably(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
 
-    def complete(self, name: str, size: int, sha256: str) -> None:
-        self.completed[name] = {"size": size, "sha256": sha256}
-        self.save()
-
     @staticmethod
     def written_names(path: Path) -> set[str] | None:
         """The final names an unfinished conversion writes, read leniently from its journal (any version);

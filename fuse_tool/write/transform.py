@@ -8,21 +8,25 @@ Each task yields ``Write`` (bytes for an output tensor at an offset) or ``CopyRa
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 
-from runtime.fp8 import FLOAT32_TINY, FP8_MAX, dequantize_block_fp8_rows, quantize_block_fp8, ue8m0_round_up
+from runtime.fp8 import FLOAT32_TINY, FP8_DTYPE, FP8_MAX, dequantize_block_fp8_rows, quantize_block_fp8, quantize_blocks_, ue8m0_round_up
 from runtime.layout import WEIGHT_BLOCK, scale_grid
 
 from ..errors import ConversionError
+from runtime.errors import CheckpointError
 from ..plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
 from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
 
 CHUNK_BYTES = 64 << 20
+QUANTIZE_CHUNK_BYTES = 16 << 20  # float32-equivalent rows quantized per chunk: several per expert, so reading and writing overlap the math
 
 
 @dataclass(frozen=True)
@@ -86,16 +90,16 @@ def _check_finite(t: torch.Tensor, info: TensorInfo, allow: bool) -> None:
 
 # Non-finite values by their bits: a value is NaN or Inf when its magnitude bits (sign cleared)
 # are at least these (exponent all ones; for E4M3, which has no Inf, only S.1111.111 is NaN;
-# E8M0 scales have only 0xFF). As signed integers, positive values compare directly; negative
-# values have the sign bit set, so as unsigned integers they are at least sign | limit. Two max
-# reductions over integer views find them at memory speed, without converting to float.
+# E8M0 scales have only 0xFF). Wide floats are first looked at through one min/max pass of
+# the float view (NaN propagates, Inf is the extreme), bytes through two integer maxima; only
+# data that fails counts its bad values, so clean data is read once or twice, never converted.
 _NON_FINITE_BITS = {
-    "F64": (np.int64, np.uint64, 0x7FF0000000000000),
-    "F32": (np.int32, np.uint32, 0x7F800000),
-    "F16": (np.int16, np.uint16, 0x7C00),
-    "BF16": (np.int16, np.uint16, 0x7F80),
-    "F8_E4M3": (np.int8, np.uint8, 0x7F),
-    "F8_E5M2": (np.int8, np.uint8, 0x7C),
+    "F64": (torch.int64, 0x7FF0000000000000),
+    "F32": (torch.int32, 0x7F800000),
+    "F16": (torch.int16, 0x7C00),
+    "BF16": (torch.int16, 0x7F80),
+    "F8_E4M3": (torch.int8, 0x7F),
+    "F8_E5M2": (torch.int8, 0x7C),
 }
 _FLOAT_VIEWS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -104,23 +108,37 @@ def checks_finite(dtype: str) -> bool:
     return dtype in _NON_FINITE_BITS or dtype == "F8_E8M0"
 
 
+def as_bytes_tensor(raw) -> torch.Tensor:
+    """A flat uint8 tensor over a buffer (no copy) or over a tensor's bytes."""
+    if isinstance(raw, torch.Tensor):
+        return raw.contiguous().view(torch.uint8).reshape(-1)
+    view = memoryview(raw).cast("B")
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
 def count_non_finite(raw, dtype: str) -> int:
     """NaN/Inf count in the raw little-endian bytes (a buffer or a uint8 tensor) of ``dtype``; 0 for integer dtypes."""
     if not checks_finite(dtype):
         return 0
-    if isinstance(raw, torch.Tensor):
-        raw = raw.contiguous().view(torch.uint8).reshape(-1).numpy()
-    u8 = np.frombuffer(raw, dtype=np.uint8)
-    if u8.size == 0:
+    u8 = as_bytes_tensor(raw)
+    if u8.numel() == 0:
         return 0
     if dtype == "F8_E8M0":
-        return int(np.count_nonzero(u8 == 0xFF)) if int(u8.max()) == 0xFF else 0
-    signed, unsigned, limit = _NON_FINITE_BITS[dtype]
-    s, u = u8.view(signed), u8.view(unsigned)
-    sign = 1 << (8 * s.itemsize - 1)
-    if int(s.max()) < limit and int(u.max()) < sign | limit:
+        return int((u8 == 0xFF).sum()) if int(u8.max()) == 0xFF else 0
+    signed, limit = _NON_FINITE_BITS[dtype]
+    if dtype in _FLOAT_VIEWS:
+        lo, hi = torch.aminmax(u8.view(_FLOAT_VIEWS[dtype]))
+        if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+            return 0
+    elif int(u8.view(torch.int8).max()) < limit and int(u8.max()) < 0x80 | limit:
         return 0
-    return int(np.count_nonzero((u & (sign - 1)) >= limit))
+    s = u8.view(signed)
+    mask = (1 << (8 * s.element_size() - 1)) - 1
+    return int((torch.bitwise_and(s, mask) >= limit).sum())
 
 
 def finite_checker(info: TensorInfo | None):
@@ -152,8 +170,8 @@ def _zero_block_scale(scale_fmt: str) -> float:
     return float(ue8m0_round_up(s) if scale_fmt == "ue8m0" else s)
 
 
-def _rows_per_chunk(row_bytes: int, multiple: int) -> int:
-    rows = max(1, CHUNK_BYTES // max(1, row_bytes))
+def _rows_per_chunk(row_bytes: int, multiple: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    rows = max(1, chunk_bytes // max(1, row_bytes))
     return max(multiple, rows // multiple * multiple)
 
 
@@ -205,23 +223,134 @@ def _region(task: ProjectionTask, allow_non_finite: bool = False) -> Iterator[Pi
         yield Write(task.scale.tensor, task.scale.offset, out_grid)
 
 
+_PLAIN = {"BF16", "F16", "F32"}  # float sources whose float32 values are exact: quantized strip by strip from their bytes
+_workers = threading.local()
+_pool: ThreadPoolExecutor | None = None
+
+
+def quantize_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _strip_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=quantize_threads(), thread_name_prefix="fuse-quantize")
+    return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads: it starts its own pool
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _workspace(cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's float32 strip and its |x| buffer (reused: fresh pages cost more than the math)."""
+    ws = getattr(_workers, "ws", None)
+    if ws is None or ws[0].shape[1] != cols:
+        ws = _workers.ws = (torch.empty((WEIGHT_BLOCK, cols), dtype=torch.float32), torch.empty((WEIGHT_BLOCK, cols), dtype=torch.float32))
+    return ws
+
+
+def _quantize_strip(raw: torch.Tensor, r: int, c0: int, c1: int, q: torch.Tensor, scale: torch.Tensor, scale_fmt: str) -> None:
+    """Output rows ``[r, r + 128)`` of a chunk: source rows ``raw[r:]``, columns ``[c0, c1)``, zero-padded."""
+    B = WEIGHT_BLOCK
+    rows, cols = min(B, q.shape[0] - r), q.shape[1]
+    ws, absbuf = _workspace(scale.shape[1] * B)
+    have = max(0, min(rows, raw.shape[0] - r))
+    if have < B or c1 - c0 < ws.shape[1]:
+        ws.zero_()
+    if have:
+        ws[:have, : c1 - c0].copy_(raw[r : r + have, c0:c1])
+    scale[r // B].copy_(quantize_blocks_(ws, scale_fmt, absbuf=absbuf)[0])
+    q[r : r + rows].copy_(ws[:rows, :cols])
+
+
+def _read_rows_into(m: Matrix, r0: int, r1: int, slot: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a source matrix in its own dtype, read into this thread's reusable buffer ``slot``
+    (fresh pages for every chunk cost more than the read)."""
+    n = (r1 - r0) * m.row_bytes
+    bufs = getattr(_workers, "reads", None)
+    if bufs is None:
+        bufs = _workers.reads = [bytearray(), bytearray()]
+    if len(bufs[slot]) < n:
+        bufs[slot] = bytearray(n)
+    view = memoryview(bufs[slot])[:n]
+    if n:
+        info = m.info
+        try:
+            fd = os.open(info.file, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [view], info.offset + m.offset + r0 * m.row_bytes)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
+        if got != n:  # the same words as runtime.safetensors_io.read_bytes
+            raise CheckpointError(f"short read: wanted {n} bytes at {info.offset + m.offset + r0 * m.row_bytes}, got {got} (file truncated?)", file=info.file, tensor=info.name)
+        return torch.frombuffer(view, dtype=TORCH_DTYPES[m.dtype]).reshape(r1 - r0, m.cols)
+    return torch.empty((0, m.cols), dtype=TORCH_DTYPES[m.dtype])
+
+
 def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Piece]:
-    """Dequantize (or upcast) a cut of the source to float32 and quantize it to FP8 128x128 blocks."""
+    """Dequantize (or upcast) a cut of the source to float32 and quantize it to FP8 128x128 blocks.
+
+    On the CPU, a float source is quantized in strips of 128 rows by a pool of threads (one per
+    core, torch's own threading off), each in a reused float32 buffer that stays in cache, while
+    this thread reads the next chunk and writes the last one. The math is the same everywhere
+    (runtime.fp8.quantize_blocks_), so the bytes do not depend on the path or the device."""
     sw, cut = task.source, task.cut
     w = sw.weight
     scales = _read_matrix_f32(sw.scale) if sw.scale is not None else None
-    step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK)
-    scale_rows = []
-    for t0 in range(0, cut.out_rows, step):
-        t1 = min(cut.out_rows, t0 + step)
-        f = torch.zeros((t1 - t0, cut.out_cols), dtype=torch.float32)
-        s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
-        if s1 > s0:
-            rows = _dequantized_rows(sw, s0, s1, scales)
-            _check_finite(rows, w.info, allow_non_finite)
-            f[: s1 - s0, : cut.c1 - cut.c0] = rows[:, cut.c0 : cut.c1]
-        q, s = quantize_block_fp8(f.to(device), scale_fmt=task.scale_fmt)
-        yield Write(task.weight.tensor, task.weight.offset + t0 * cut.out_cols, q.cpu())
-        scale_rows.append(s.cpu())
+    plain = sw.scale_kind is None and w.dtype in _PLAIN
+    threaded = plain and device == "cpu"
+    step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK, QUANTIZE_CHUNK_BYTES if threaded else CHUNK_BYTES)
+    scale_rows: list[torch.Tensor] = []
+    running: list = []  # (t0, q, s, jobs) of the chunk the pool is quantizing
+    try:
+        for k, t0 in enumerate(range(0, cut.out_rows, step)):
+            t1 = min(cut.out_rows, t0 + step)
+            s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
+            if plain:
+                raw = _read_rows_into(w, s0, s1, k % 2) if threaded else _read_rows(w, s0, s1) if s1 > s0 else torch.empty((0, w.cols), dtype=TORCH_DTYPES[w.dtype])
+                if not allow_non_finite and (bad := count_non_finite(raw, w.dtype)):
+                    raise _non_finite_error(w.info, bad)
+            if threaded:
+                q = torch.empty((t1 - t0, cut.out_cols), dtype=FP8_DTYPE)
+                s = torch.empty((-(-(t1 - t0) // WEIGHT_BLOCK), -(-cut.out_cols // WEIGHT_BLOCK)), dtype=torch.float32)
+                running.append((t0, q, s, [_strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt)
+                                           for r in range(0, t1 - t0, WEIGHT_BLOCK)]))
+                if len(running) == 2:
+                    yield from _finish_chunk(task, running.pop(0), scale_rows)
+                continue
+            f = torch.zeros((t1 - t0, cut.out_cols), dtype=torch.float32, device=device)
+            if plain:  # the source's own bytes go to the device, half the float32 traffic; upcast there
+                f[: s1 - s0, : cut.c1 - cut.c0] = raw.to(device)[:, cut.c0 : cut.c1]
+            elif s1 > s0:
+                rows = _dequantized_rows(sw, s0, s1, scales)
+                _check_finite(rows, w.info, allow_non_finite)
+                f[: s1 - s0, : cut.c1 - cut.c0] = rows[:, cut.c0 : cut.c1].to(device)
+            q, s = quantize_block_fp8(f, scale_fmt=task.scale_fmt)
+            yield from _finish_chunk(task, (t0, q.cpu(), s.cpu(), []), scale_rows)
+        while running:
+            yield from _finish_chunk(task, running.pop(0), scale_rows)
+    finally:
+        for chunk in running:  # left early (an error): no job may still read a buffer the next read reuses
+            for job in chunk[3]:
+                job.exception()
     if task.scale is not None:
         yield Write(task.scale.tensor, task.scale.offset, torch.cat(scale_rows))
+
+
+def _finish_chunk(task: ProjectionTask, chunk, scale_rows: list) -> Iterator[Piece]:
+    t0, q, s, jobs = chunk
+    for job in jobs:
+        job.result()
+    yield Write(task.weight.tensor, task.weight.offset + t0 * task.cut.out_cols, q)
+    scale_rows.append(s)

@@ -58,7 +58,9 @@ class TransformersClasses:
 
     ``renames``: ``(pattern, replacement)`` regexes applied in order to every on-disk tensor
     name to get the transformers module name. ``layers_path``: the decoder-layer ``ModuleList``.
-    ``text_config_key``: where a wrapper keeps the text model's config.
+    ``text_config_key``: where a wrapper keeps the text model's config. ``concats``: ``(module suffix, on-disk
+    suffixes)`` pairs of module tensors stored in parts and concatenated along dim 0 in that order (after renaming),
+    besides the shared MLP's ``gate_up_proj`` that every family may store as ``gate_proj`` + ``up_proj``.
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
     everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
@@ -69,6 +71,7 @@ class TransformersClasses:
     layers_path: str = "model.layers"
     renames: tuple[tuple[str, str], ...] = ()
     text_config_key: str | None = None
+    concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     mtp_moe_prefix: str | None = None
 
     @property
@@ -109,6 +112,7 @@ class MoEArchitecture:
     activation_params: ActivationParams
     names: MoENames = MoENames()
     expects_bias: bool = True  # False: the family has no selection bias, so its absence is no news
+    router_in_model_dtype: bool = False  # the family's reference computes router logits in the model's dtype, not float32
 
     @property
     def layer_prefix(self) -> str:
@@ -215,7 +219,25 @@ def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[
 
 def describe_model(config: Mapping) -> MoEArchitecture:
     """Pick the family for a config.json and let it describe the model (or refuse it)."""
-    return family_for(config).describe(config, model_type_of(config))
+    family = family_for(config)
+    if not issubclass(family, RefusedFamily):
+        refuse_latent_experts(config)
+    return family.describe(config, model_type_of(config))
+
+
+def refuse_latent_experts(config: Mapping) -> None:
+    """Any family: routed experts that run in a latent space narrower than the hidden size (``moe_latent_size``,
+    NemotronH style: a down-projection before the experts and an up-projection after) cannot share slots with a
+    shared expert that runs at the hidden size, so such a model is refused whatever its family."""
+    for cfg, where in ((config, "config.json"), (config.get("text_config"), "config.json text_config")):
+        if not isinstance(cfg, Mapping) or cfg.get("moe_latent_size") is None:
+            continue
+        latent, hidden = cfg.get("moe_latent_size"), cfg.get("hidden_size")
+        if not (isinstance(latent, int) and isinstance(hidden, int) and latent >= hidden):
+            raise UnsupportedModelError(
+                f"its routed experts run in a latent space (moe_latent_size = {latent!r}) narrower than the hidden size "
+                f"({hidden!r}), projected in and out around them, while the shared expert runs at the hidden size: "
+                "they cannot be slots of one expert set", **_where(where, "moe_latent_size"))
 
 
 # ----------------------------------------------------------------------------- config fields
@@ -286,8 +308,10 @@ def optional_str(cfg: Mapping, key: str, default: str, choices: tuple[str, ...],
     return value
 
 
-def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.json") -> tuple[int, ...]:
-    """Which decoder layers are MoE: ``mlp_layer_types`` if present, else first_k_dense_replace/moe_layer_freq."""
+def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.json", *,
+                           first_dense_key: str = "first_k_dense_replace", first_dense_default: int = 0) -> tuple[int, ...]:
+    """Which decoder layers are MoE: ``mlp_layer_types`` if present, else first_k_dense_replace/moe_layer_freq
+    (``first_dense_key``: the family's name for the count of leading dense layers, ``first_dense_default`` its default)."""
     types = cfg.get("mlp_layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
@@ -299,7 +323,7 @@ def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.j
         if len(freq) != num_layers:
             raise ModelError(f"has {len(freq)} entries, expected {num_layers} (one per layer)", **_where(where, "moe_layer_freq"))
         return tuple(i for i, f in enumerate(freq) if f)
-    first_dense = optional_int(cfg, "first_k_dense_replace", 0, where, maximum=num_layers)
+    first_dense = optional_int(cfg, first_dense_key, first_dense_default, where, maximum=num_layers)
     freq = optional_int(cfg, "moe_layer_freq", 1, where, minimum=1, maximum=max(num_layers, 1))
     return tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
 
@@ -323,45 +347,89 @@ def checked_routing(where: str, num_routed_experts: int, **fields) -> RoutingSpe
 class DeepSeekStyleFamily(Family):
     """The DeepSeek MoE config: ``n_routed_experts``, ``moe_intermediate_size``, ``n_shared_experts``
     (W = n_shared_experts * I), sigmoid + bias routing with groups, ``model.layers.L.mlp.{gate,experts.e,shared_experts}``.
-    Shared by DeepSeek-V2/V3, Kimi-K2 and the GLM MoE families, which differ in routing and names only."""
+    Shared by DeepSeek-V2/V3, Kimi-K2, the GLM MoE families and every later family whose router is DeepSeek-V3's
+    (or a special case of it): they differ in routing, config field names and tensor names only, each said in a table:
+
+    - ``config_keys``: the family's own config.json names of a fact, tried before DeepSeek's
+      (e.g. ``{"n_routed_experts": ("num_experts",)}``);
+    - ``config_defaults``: transformers' defaults for the family's config class where a config.json may omit a field;
+    - ``fixed``: routing facts the family's modeling code fixes whatever the config says
+      (``{"renormalize": True, "n_group": 1}``), and ``n_shared_experts`` where the shared width is fixed;
+    - ``text_config_key``: where a wrapper (a vision-language model) keeps the text model's config.
+    """
 
     scoring: ClassVar[str] = "sigmoid"
     expects_bias: ClassVar[bool] = True
+    config_keys: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    config_defaults: ClassVar[Mapping[str, Any]] = {}
+    fixed: ClassVar[Mapping[str, Any]] = {}
+    text_config_key: ClassVar[str | None] = None
+    router_in_model_dtype: ClassVar[bool] = False
 
     @classmethod
-    def routing(cls, cfg: Mapping, num_routed_experts: int) -> RoutingSpec:
-        n_group = optional_int(cfg, "n_group", 1, minimum=1, maximum=MAX_EXPERTS)
+    def key(cls, cfg: Mapping, fact: str) -> str:
+        """The config.json field that holds ``fact`` in this config (the family's first name for it when absent)."""
+        names = tuple(cls.config_keys.get(fact, ())) + (fact,)
+        return next((k for k in names if cfg.get(k) is not None), names[0])
+
+    @classmethod
+    def default(cls, fact: str, value: Any) -> Any:
+        return cls.config_defaults.get(fact, value)
+
+    @classmethod
+    def routing(cls, cfg: Mapping, num_routed_experts: int, where: str = "config.json") -> RoutingSpec:
+        fixed, key, default = cls.fixed, cls.key, cls.default
+        n_group = fixed["n_group"] if "n_group" in fixed else optional_int(
+            cfg, key(cfg, "n_group"), default("n_group", 1), where, minimum=1, maximum=MAX_EXPERTS)
+        topk_group = 1
+        if n_group > 1:
+            topk_group = optional_int(cfg, key(cfg, "topk_group"), default("topk_group", n_group), where, minimum=1, maximum=MAX_EXPERTS)
         return checked_routing(
-            "config.json", num_routed_experts,
-            scoring=optional_str(cfg, "scoring_func", cls.scoring, ("sigmoid", "softmax")),
-            top_k=require_int(cfg, "num_experts_per_tok", maximum=MAX_EXPERTS),
+            where, num_routed_experts,
+            scoring=fixed["scoring"] if "scoring" in fixed else optional_str(cfg, "scoring_func", cls.scoring, ("sigmoid", "softmax"), where),
+            top_k=require_int(cfg, key(cfg, "num_experts_per_tok"), where, maximum=MAX_EXPERTS),
             n_group=n_group,
-            topk_group=optional_int(cfg, "topk_group", n_group, minimum=1, maximum=MAX_EXPERTS) if n_group > 1 else 1,
-            renormalize=optional_bool(cfg, "norm_topk_prob", True),
-            routed_scaling_factor=optional_float(cfg, "routed_scaling_factor", 1.0),
-            has_bias=True,
+            topk_group=topk_group,
+            renormalize=fixed["renormalize"] if "renormalize" in fixed else optional_bool(
+                cfg, key(cfg, "norm_topk_prob"), default("norm_topk_prob", True), where),
+            routed_scaling_factor=fixed["routed_scaling_factor"] if "routed_scaling_factor" in fixed else optional_float(
+                cfg, key(cfg, "routed_scaling_factor"), default("routed_scaling_factor", 1.0), where),
+            has_bias=fixed.get("has_bias", True),
         )
 
     @classmethod
+    def activation(cls, cfg: Mapping, where: str) -> tuple[str, ActivationParams]:
+        """The experts' activation (plain SwiGLU unless a family clamps)."""
+        return "swiglu", ActivationParams.for_activation("swiglu")
+
+    @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
-        n_layers = require_int(config, "num_hidden_layers", maximum=MAX_LAYERS)
-        expert_width = require_int(config, "moe_intermediate_size")
-        n_shared = optional_int(config, "n_shared_experts", 0, maximum=MAX_EXPERTS)
-        n_mtp = optional_int(config, "num_nextn_predict_layers", 0, maximum=MAX_LAYERS)
-        num_routed = require_int(config, "n_routed_experts", maximum=MAX_EXPERTS)
+        wrapped = cls.text_config_key is not None and isinstance(config.get(cls.text_config_key), Mapping)
+        cfg = config[cls.text_config_key] if wrapped else config
+        where = f"config.json {cls.text_config_key}" if wrapped else "config.json"
+        key, default = cls.key, cls.default
+        n_layers = require_int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
+        expert_width = require_int(cfg, key(cfg, "moe_intermediate_size"), where)
+        n_shared = cls.fixed["n_shared_experts"] if "n_shared_experts" in cls.fixed else optional_int(
+            cfg, key(cfg, "n_shared_experts"), default("n_shared_experts", 0), where, maximum=MAX_EXPERTS)
+        n_mtp = optional_int(cfg, key(cfg, "num_nextn_predict_layers"), 0, where, maximum=MAX_LAYERS)
+        num_routed = require_int(cfg, key(cfg, "n_routed_experts"), where, maximum=MAX_EXPERTS)
+        activation, params = cls.activation(cfg, where)
         return MoEArchitecture(
             family=cls.family,
             model_type=model_type,
-            config_key=None,
+            config_key=cls.text_config_key if wrapped else None,
             num_hidden_layers=n_layers,
-            moe_layers=moe_layers_from_config(config, n_layers),
+            moe_layers=moe_layers_from_config(cfg, n_layers, where, first_dense_key=key(cfg, "first_k_dense_replace"),
+                                              first_dense_default=default("first_k_dense_replace", 0)),
             mtp_layers=tuple(range(n_layers, n_layers + n_mtp)),
             num_routed_experts=num_routed,
             expert_width=expert_width,
             shared_width=n_shared * expert_width,
-            routing=cls.routing(config, num_routed),
-            activation="swiglu",
-            activation_params=ActivationParams.for_activation("swiglu"),
+            routing=cls.routing(cfg, num_routed, where),
+            activation=activation,
+            activation_params=params,
             names=cls.names_for(config),
             expects_bias=cls.expects_bias,
+            router_in_model_dtype=cls.router_in_model_dtype,
         )

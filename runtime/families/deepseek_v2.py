@@ -19,11 +19,11 @@ class DeepSeekV2(DeepSeekStyleFamily):
     transformers = TransformersClasses("DeepseekV2Config", "DeepseekV2ForCausalLM")
 
     @classmethod
-    def routing(cls, cfg: Mapping, num_routed_experts: int) -> RoutingSpec:
+    def routing(cls, cfg: Mapping, num_routed_experts: int, where: str = "config.json") -> RoutingSpec:
         grouped = cfg.get("topk_method", "greedy") == "group_limited_greedy"
         n_group = optional_int(cfg, "n_group", 1, minimum=1, maximum=MAX_EXPERTS) if grouped else 1
         return checked_routing(
-            "config.json", num_routed_experts,
+            where, num_routed_experts,
             scoring="softmax",
             top_k=require_int(cfg, "num_experts_per_tok", maximum=MAX_EXPERTS),
             n_group=n_group,

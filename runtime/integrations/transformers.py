@@ -164,7 +164,7 @@ _PROJ_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "d
 class Recipe:
     """How one module tensor is made from checkpoint tensors.
 
-    ``op``: ``"copy"`` (``sources[0]``), ``"cat0"`` (gate then up, dim 0),
+    ``op``: ``"copy"`` (``sources[0]``), ``"cat0"`` (the parts in order along dim 0: gate then up, or a family's ``concats``),
     ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``.
     """
 
@@ -213,6 +213,8 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         fused_paths[layer] = f"{family.layers_path}.{layer}.mlp"
     expected = {k for k in expected if not any(k.startswith(p + ".") for p in fused_paths.values())}
 
+    # Module tensors stored in parts: a shared MLP's gate_up_proj as gate_proj + up_proj, and the family's own.
+    concats = (("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),) + tuple(family.concats)
     recipes: dict[str, Recipe] = {}
     ignored: list[str] = []
     leftovers: list[str] = []
@@ -238,10 +240,10 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         if m:
             experts.setdefault(m.group("prefix"), {}).setdefault(int(m.group("e")), {})[_PROJ_ROLE[m.group("proj")]] = name
             continue
-        for part in ("gate_proj", "up_proj"):
-            suffix = f".{part}.weight"
-            if m_name.endswith(suffix) and m_name[: -len(suffix)] + ".gate_up_proj.weight" in expected:
-                split.setdefault(m_name[: -len(suffix)] + ".gate_up_proj.weight", {})[part] = name
+        for target, parts in concats:
+            part = next((p for p in parts if m_name.endswith("." + p)), None)
+            if part is not None and m_name[: -len(part)] + target in expected:
+                split.setdefault(m_name[: -len(part)] + target, {})[part] = name
                 break
         else:
             leftovers.append(name)
@@ -257,9 +259,10 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         recipes[gu] = Recipe("stack_gate_up", [per[e][r] for e in range(n_exp) for r in ("gate", "up")])
         recipes[dn] = Recipe("stack", [per[e]["down"] for e in range(n_exp)])
     for target, parts in split.items():
-        if set(parts) != {"gate_proj", "up_proj"}:
-            raise LayoutError(f"{target}: needs both gate_proj and up_proj, found {sorted(parts)}")
-        recipes[target] = Recipe("cat0", [parts["gate_proj"], parts["up_proj"]])
+        order = next(p for t, p in concats if target.endswith("." + t))
+        if set(parts) != set(order):
+            raise LayoutError(f"{target}: needs {' and '.join(order)}, found {sorted(parts)}")
+        recipes[target] = Recipe("cat0", [parts[p] for p in order])
 
     if leftovers:
         raise LayoutError(f"{len(leftovers)} checkpoint tensor(s) fit no module of {type(model).__name__}: "

@@ -102,6 +102,7 @@ def write_converted_checkpoint(out: Path, *, seed: int = 0, embed_rows: int = VO
         if p.is_file():
             files[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     manifest = {
+        "manifest_version": 2,  # lists every file, as a conversion's does
         "converter_version": "0.1.0",
         "source": source,
         "options": {"quantize": "fp8", "scale_fmt": "float", "non_expert_linear": "keep"},

@@ -240,12 +240,12 @@ def test_convert_from_repo_id(hub, src_repo, tmp_path):
     """Download a source from the Hub, convert it from the cache in place, check and push the result."""
     convert_checkpoint = _convert_checkpoint()
     from fuse_tool.hub import push_checkpoint
-    from fuse_tool.verify.integrity import check_converted_checkpoint
+    from fuse_tool.verify.integrity import check_output
 
     path = resolve_model_source(SRC, progress=False)
     out = tmp_path / "out"
     convert_checkpoint(path, out, progress=False, source_id=SRC)
-    checked = check_converted_checkpoint(out, verify_checksums=True)
+    checked = check_output(out, checksums=True)
     assert checked.block.num_routed_experts == 8 and checked.block.num_fused_shared_experts == 1
     assert checked.block.moe_layers == (1, 2)
     assert (out / "tokenizer.json").read_bytes() == (src_repo / "tokenizer.json").read_bytes()

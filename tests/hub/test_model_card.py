@@ -10,7 +10,7 @@ import yaml
 
 from checkpoints import write_converted_checkpoint
 from fuse_tool.hub.model_card import base_model_from_manifest, render_model_card
-from fuse_tool.verify.integrity import check_converted_checkpoint
+from fuse_tool.verify.integrity import check_output
 
 
 def _meta(card: str) -> dict:
@@ -42,7 +42,7 @@ def test_existing_local_folder_is_not_a_base_model(tmp_path, monkeypatch):
 
 
 def test_card_fields(converted):
-    checked = check_converted_checkpoint(converted)
+    checked = check_output(converted)
     card = render_model_card(checked, repo_id="alice/tiny-fused")
     meta = _meta(card)
     assert meta["base_model"] == ["deepseek-ai/Tiny-MoE"]
@@ -61,7 +61,7 @@ def test_card_fields(converted):
 
 def test_card_local_source_and_explicit_base_model(tmp_path):
     out = write_converted_checkpoint(tmp_path / "o", source="/models/my-dsv3")
-    checked = check_converted_checkpoint(out)
+    checked = check_output(out)
     meta = _meta(render_model_card(checked, repo_id="a/b"))
     assert "base_model" not in meta and meta["base_model_relation"] == "quantized"
     meta = _meta(render_model_card(checked, repo_id="a/b", base_model="deepseek-ai/DeepSeek-V3"))

@@ -1,4 +1,4 @@
-"""check_converted_checkpoint: every incompleteness gives a one-line message naming the file."""
+"""check_output: every incompleteness gives a one-line message naming the file."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from checkpoints import E, S, write_converted_checkpoint
 from fuse_tool.verify.integrity import (
-    MANIFEST_FILE,
-    IncompleteCheckpointError,
-    check_converted_checkpoint,
+    MANIFEST_NAME,
+    VerifyError,
+    check_output,
     read_safetensors_header,
 )
 
@@ -38,8 +38,8 @@ def _rewrite_header(path: Path, fn) -> None:
 
 
 def _expect(out: Path, *needles: str) -> str:
-    with pytest.raises(IncompleteCheckpointError) as ei:
-        check_converted_checkpoint(out)
+    with pytest.raises(VerifyError) as ei:
+        check_output(out)
     msg = str(ei.value)
     assert "\n" not in msg
     for n in needles:
@@ -48,16 +48,16 @@ def _expect(out: Path, *needles: str) -> str:
 
 
 def test_complete_checkpoint(converted):
-    c = check_converted_checkpoint(converted)
+    c = check_output(converted)
     assert c.shards == (SHARD1, SHARD2)
     assert c.block.num_experts == E + S
     assert set(c.moe_layers) == {1}
     assert c.total_size == json.loads((converted / INDEX).read_text())["metadata"]["total_size"]
     assert c.manifest["source"] == "deepseek-ai/Tiny-MoE"
-    assert SHARD1 in c.files and MANIFEST_FILE in c.files
+    assert SHARD1 in c.files and MANIFEST_NAME in c.files
     assert c.weight_map["lm_head.weight"] == SHARD2
     # verify_checksums recomputes sha256 against the manifest
-    check_converted_checkpoint(converted, verify_checksums=True)
+    check_output(converted, checksums=True)
 
 
 def test_reads_headers_only(converted, monkeypatch):
@@ -90,7 +90,7 @@ def test_reads_headers_only(converted, monkeypatch):
         return Counting(f, Path(file).name) if str(file).endswith(".safetensors") else f
 
     monkeypatch.setattr(builtins, "open", fake_open)
-    check_converted_checkpoint(converted)
+    check_output(converted)
     for shard in (SHARD1, SHARD2):
         size = (converted / shard).stat().st_size
         assert 0 < reads[shard] < size / 4, (shard, reads[shard], size)
@@ -187,7 +187,7 @@ def test_shared_slot_missing(converted):
 def test_manifest_size_mismatch(converted):
     p = converted / "tokenizer.json"
     p.write_text(p.read_text() + " ")
-    _expect(converted, "tokenizer.json", MANIFEST_FILE)
+    _expect(converted, "tokenizer.json", MANIFEST_NAME)
 
 
 def test_manifest_lists_missing_file(converted):
@@ -200,8 +200,8 @@ def test_single_file_checkpoint(tmp_path):
     from safetensors.torch import load_file, save_file
 
     merged = {**load_file(str(out / SHARD1)), **load_file(str(out / SHARD2))}
-    for f in (SHARD1, SHARD2, INDEX, MANIFEST_FILE):
+    for f in (SHARD1, SHARD2, INDEX, MANIFEST_NAME):
         (out / f).unlink()
     save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
-    c = check_converted_checkpoint(out)
+    c = check_output(out, require_manifest=False)  # a hand-assembled single-file folder: no manifest
     assert c.shards == ("model.safetensors",) and c.index_file is None

@@ -19,7 +19,7 @@ from fake_hub import BOB_TOKEN, READ_TOKEN, WRITE_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 from fuse_tool.hub.transfer import NO_TOKEN_MESSAGE, HubError, push_checkpoint
-from fuse_tool.verify.integrity import check_converted_checkpoint, list_checkpoint_files
+from fuse_tool.verify.integrity import check_output, list_checkpoint_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:Use .content=:DeprecationWarning")
 
@@ -97,7 +97,7 @@ def test_push_downloads_back_identically(hub, converted, tmp_path):
     folder = Path(snapshot_download(REPO, cache_dir=tmp_path / "cache"))
     for rel in list_checkpoint_files(converted):
         assert (folder / rel).read_bytes() == (converted / rel).read_bytes(), rel
-    check_converted_checkpoint(folder)
+    check_output(folder)
 
 
 def test_rerun_after_complete_push_sends_nothing(hub, converted):
@@ -330,7 +330,7 @@ def test_verification_catches_a_corrupted_upload(hub, converted):
     from fuse_tool.hub import verify_remote
     from huggingface_hub import HfApi
 
-    c = check_converted_checkpoint(converted)
+    c = check_output(converted)
     problems, extra = verify_remote(HfApi(), REPO, converted, c.files, revision=None, manifest=c.manifest, token=WRITE_TOKEN)
     assert len(problems) == 1 and SHARDS[0] in problems[0] and "sha256" in problems[0]
     # a rerun repairs it: the preupload oid differs, so the shard is sent again

@@ -24,6 +24,16 @@ CASES = {
     "glm_moe_dsa": {},
     "minimax_m3_text": dict(shared_width=48),
     "minimax_m3_vl": dict(shared_width=80),
+    # The 2026 families (tests/builders.py NEW_FAMILIES): E = 6 or 7, two shared slots where the family has n_shared_experts.
+    "dots1": dict(experts=6),
+    "bailing_hybrid": dict(experts=6),
+    "kimi_linear": dict(experts=6),
+    "glm4v_moe": dict(experts=6),
+    "glm_moe_dsa_indexer": dict(experts=6),
+    "afmoe": dict(experts=6),
+    "hy_v3": dict(experts=6),
+    "hunyuan_v1_moe": dict(experts=7),
+    "glm5_next": dict(experts=6),  # swiglu_limit 0.3: the clamps bite
 }
 
 

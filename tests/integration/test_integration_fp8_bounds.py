@@ -25,7 +25,8 @@ def _noisy_logits(model, ids, seed):
     def hook(mod, args, out):
         return out + PER_BLOCK_RMS * out.pow(2).mean().sqrt() * torch.randn(out.shape, generator=g)
 
-    hs = [m.register_forward_hook(hook) for m in model.modules() if hasattr(m, "experts") and hasattr(m, "shared_experts")]
+    hs = [m.register_forward_hook(hook) for m in model.modules()
+          if hasattr(m, "experts") and (hasattr(m, "shared_experts") or hasattr(m, "shared_mlp"))]
     assert len(hs) >= 2
     try:
         with torch.no_grad():

@@ -30,7 +30,12 @@ FIELDS = [
     "norm_topk_prob", "scoring_func", "first_k_dense_replace", "moe_layer_freq", "mlp_layer_types", "num_nextn_predict_layers",
     "topk_method", "swiglu_alpha", "swiglu_beta", "swiglu_limit", "use_routing_bias", "quantization_config", "scale_fmt",
     "text_config",
+    # read by the 2026 families (their own names for the same facts, and their refusals)
+    "num_experts", "num_experts_per_token", "moe_renormalize", "num_expert_group", "num_shared_experts", "router_scaling_factor",
+    "route_scale", "num_dense_layers", "moe_topk", "mlp_bias", "moe_latent_size", "hidden_size",
 ]
+NEW_FAMILY_SOURCES = {"glm4v_moe": dict(experts=6), "hunyuan_v1_moe": dict(experts=7), "bailing_hybrid": dict(experts=6),
+                      "hy_v3": dict(experts=6), "afmoe": dict(experts=6), "glm5_next": dict(experts=6)}
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(10**12), max_value=10**12)
@@ -46,7 +51,8 @@ FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCh
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzzcfg")
     return {"deepseek_v3": build_checkpoint("deepseek_v3", root / "ds", mtp=True),
-            "minimax_m3_vl": build_checkpoint("minimax_m3_vl", root / "mm", shared_width=80)}
+            "minimax_m3_vl": build_checkpoint("minimax_m3_vl", root / "mm", shared_width=80),
+            **{f: build_checkpoint(f, root / f, **kw) for f, kw in NEW_FAMILY_SOURCES.items()}}
 
 
 def _plan_or_refuse(src):
@@ -60,7 +66,7 @@ def _plan_or_refuse(src):
 
 
 @FUZZ
-@given(family=st.sampled_from(["deepseek_v3", "minimax_m3_vl"]), edits=st.lists(st.tuples(st.sampled_from(FIELDS), JSON_VALUES, st.booleans()), min_size=1, max_size=3))
+@given(family=st.sampled_from(["deepseek_v3", "minimax_m3_vl", *NEW_FAMILY_SOURCES]), edits=st.lists(st.tuples(st.sampled_from(FIELDS), JSON_VALUES, st.booleans()), min_size=1, max_size=3))
 def test_any_config_value_plans_or_is_refused_in_one_line(sources, tmp_path, family, edits):
     src = tmp_path / "src"
     if src.exists():

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.errors import FuseSharedError
-from fuse_tool.verify.integrity import IncompleteCheckpointError
+from fuse_tool.verify.integrity import VerifyError
 from runtime.safetensors_io import DTYPE_SIZES, read_header
-from fuse_tool.verify.checksums import verify_output
+from fuse_tool.verify.integrity import check_output
 
 from helpers import final_named
 
@@ -130,7 +130,7 @@ def test_damaged_real_header_through_convert(one_shard_source, tmp_path_factory,
         assert final_named(out) == []
         return
     assert (out / "config.json").exists()
-    verify_output(out, checksums=True)
+    check_output(out, checksums=True)
 
 
 _field_edit = st.tuples(
@@ -174,7 +174,7 @@ def test_hostile_fields_in_a_real_header_through_convert(one_shard_source, tmp_p
         assert "\n" not in str(e)
         assert final_named(out) == []
         return
-    verify_output(out, checksums=True)
+    check_output(out, checksums=True)
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +199,8 @@ def test_damaged_output_header_through_verify(converted, tmp_path_factory, edits
         data[i : i + len(new)] = new[: max(0, 8 + n - i)]
     shard.write_bytes(bytes(data))
     try:
-        verify_output(out, checksums=True)
-    except (FuseSharedError, IncompleteCheckpointError) as e:
+        check_output(out, checksums=True)
+    except (FuseSharedError, VerifyError) as e:
         assert "\n" not in str(e)
         return
     assert bytes(data) == original

@@ -175,7 +175,7 @@ def test_special_file_in_out_dir_is_refused_by_verify(case, out):
 
 def test_walks_of_out_dir_do_not_follow_symlinked_folders(out, tmp_path):
     """A link to the folder itself (a loop) and to a private folder outside: neither is walked or hashed."""
-    from fuse_tool.verify.integrity import check_converted_checkpoint, list_checkpoint_files
+    from fuse_tool.verify.integrity import check_output, list_checkpoint_files
 
     before = list_checkpoint_files(out)
     private = tmp_path / "private"
@@ -187,7 +187,7 @@ def test_walks_of_out_dir_do_not_follow_symlinked_folders(out, tmp_path):
     files = list_checkpoint_files(out)
     assert files == before
     assert not any(k.startswith(("loop/", "elsewhere/")) for k in files)
-    assert check_converted_checkpoint(out, verify_checksums=True).files == before
+    assert check_output(out, checksums=True).files == before
     code, stdout, stderr = run_cli("verify", out, "--checksums", "--quiet")
     assert code == 0 and stdout.startswith("ok: "), (code, stdout, stderr)
 

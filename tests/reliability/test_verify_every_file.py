@@ -114,8 +114,8 @@ def test_older_shards_only_manifest_is_read_without_checksums_and_refused_with(o
 
 
 @pytest.mark.parametrize("entry,fragment", [
-    ({"size": "abc", "sha256": "0" * 64}, "expected a whole number of bytes"),
-    ({"sha256": "0" * 64}, "is not {size, sha256}"),
+    ({"size": "abc", "sha256": "0" * 64}, "'size': 'abc', 'sha256': '000"),
+    ({"sha256": "0" * 64}, "expected {size: a whole number of bytes, sha256: a hex digest}"),
 ])
 def test_malformed_manifest_entry_is_one_line(out, entry, fragment):
     m = _manifest(out)

@@ -150,4 +150,5 @@ MODELS = {
     "DeepSeek-V3": (7168, 2048, 256, 1, 8, 8, 4, 2.5, False),
     "GLM-4.5": (5120, 1536, 160, 1, 8, 1, 1, 2.5, False),
     "MiniMax-M3": (6144, 3072, 128, 1, 4, 1, 1, 1.0, True),
+    "Kimi-K2": (7168, 2048, 384, 1, 8, 1, 1, 2.827, False),  # DeepSeek-V3's expert shape, 384 routed experts
 }

@@ -87,7 +87,7 @@ CASES = [
     # NE, H, I, T, KS, fp8, oai, x dtype, config override, skip expert
     (9, 256, 128, 1, 9, True, False, torch.bfloat16, None, None),  # T = 1, every expert once (8 + 1 shared)
     (9, 256, 128, 40, 3, True, False, torch.bfloat16, None, 4),  # T > BLOCK_M, expert 4 gets no token
-    (10, 256, 128, 24, 4, True, True, torch.float32, dict(prequant=True), None),  # prequantized path, S = 2
+    (10, 256, 128, 24, 4, True, True, torch.float32, dict(quantize_input_first=True), None),  # prequantized path, S = 2
     (6, 320, 192, 11, 3, True, True, torch.float16, None, None),  # I and H not multiples of 128
     (8, 256, 128, 70, 2, True, False, torch.bfloat16, None, 0),  # T > 64: the mid-size tile config, S = 0
     (5, 256, 128, 9, 3, False, False, torch.bfloat16, None, None),  # no-FP8 variant, bf16 weights
@@ -106,9 +106,10 @@ def test_triton_matches_reference(case):
     w = torch.rand(T, KS, generator=g)
     ref = fused_moe(x, ew, ids, w, backend="torch")
     out = torch.full((T, H), float("nan"), dtype=dt)
-    fused_moe(x, ew, ids, w, backend="triton", config=cfg, out=out)
+    fused_moe(x, ew, ids, w, backend="triton", tile_config=cfg, out=out)
     assert not torch.isnan(out).any()
-    assert rel(out, ref) < (1e-2 if dt == torch.float16 else 2e-3)  # output rounding of 16-bit types
+    # output rounding of 16-bit types; from T > 64 the per-slot GEMM2 outputs are bf16 too (two roundings)
+    assert rel(out, ref) < (1e-2 if dt == torch.float16 else 4e-3 if T > 64 else 2e-3)
 
 
 @needs_triton
@@ -138,3 +139,120 @@ def test_validation():
         fused_moe(torch.randn(2, 128), ew, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
     assert ew.num_experts == 3 and ew.hidden_size == 256 and ew.intermediate_size == 128
     assert math.isinf(float(ew.gemm1_clamp_limit[0]))
+
+
+# Every kernel variant the tile tables can pick, on small shapes (tile overrides force each one).
+DECODE_SPLIT = dict(block_m=16, gemm1_fused_activation=False, gemm1_block_n=64, gemm1_split_k=2, gemm1_swap_ab=True,
+                    gemm2_block_n=64, gemm2_split_k=2, gemm2_swap_ab=True)
+VARIANTS = {
+    "paired-swap": dict(block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True),
+    "paired-swap-prequant": dict(block_m=16, gemm1_swap_ab=True, quantize_input_first=True, gemm2_block_n=64),
+    "hidden-quant-first": dict(block_m=16, gemm1_swap_ab=True, quantize_input_first=True, quantize_hidden_first=True,
+                               gemm2_block_n=64, gemm2_swap_ab=True, gemm2_split_k=2),
+    "plain-split": DECODE_SPLIT,
+    "plain-split3-noswap": dict(DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=3, gemm1_swap_ab=False, gemm2_swap_ab=False),
+    "plain-nosplit-prequant": dict(DECODE_SPLIT, gemm1_split_k=1, gemm2_split_k=1, quantize_input_first=True),
+    "epilogue-quant": dict(block_m=32, gemm1_block_n=128, quantize_in_epilogue=True, quantize_input_first=True,
+                           down_output_dtype="bfloat16", group_m=4),
+    "epilogue-quant-swap": dict(block_m=16, gemm1_block_n=128, quantize_in_epilogue=True, gemm1_swap_ab=True,
+                                gemm2_swap_ab=True, gemm2_split_k=2),
+    "bf16-down": dict(block_m=64, down_output_dtype="bfloat16", gemm2_block_n=128),
+}
+
+
+SMALL, LARGER = (9, 256, 256, 5, 3), (7, 384, 384, 37, 4)
+VARIANT_CASES = [(v, SMALL) for v in VARIANTS] + [(v, LARGER) for v in ("plain-split", "epilogue-quant", "hidden-quant-first")]
+
+
+@needs_triton
+@pytest.mark.parametrize("variant,shape", VARIANT_CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
+def test_tile_variants_match_reference(variant, shape):
+    """E+S = 9 and 7 (not powers of two); I of two 128-groups and of three."""
+    NE, H, I, T, KS = shape
+    g = torch.Generator().manual_seed(NE * 1000 + T)
+    ew = random_experts(NE, H, I, fp8=True, oai=NE == 7, gen=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = random_ids(T, KS, NE, gen=g, skip_expert=2)
+    w = torch.rand(T, KS, generator=g)
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+    fused_moe(x, ew, ids, w, backend="triton", tile_config=VARIANTS[variant], out=out)
+    assert not torch.isnan(out).any()
+    bar = 6e-3 if VARIANTS[variant].get("down_output_dtype") == "bfloat16" else 3e-3
+    assert rel(out, ref) < bar
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["default", "epilogue-quant"])
+def test_parallel_alignment_and_changing_valid_tokens(variant):
+    """Over 2048 (token, slot) pairs the alignment runs as many programs; the same buffers then see
+    a changing num_valid_tokens, as a replayed CUDA graph would (ids past it are garbage, not -1)."""
+    NE, H, I, T, KS = 11, 128, 128, 260, 9
+    g = torch.Generator().manual_seed(7)
+    ew = random_experts(NE, H, I, gen=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = random_ids(T, KS, NE, gen=g)
+    w = torch.rand(T, KS, generator=g)
+    nv = torch.tensor([T], dtype=torch.int32)
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    tiles = None if variant == "default" else VARIANTS[variant]
+    for n in (T, 229, 3):
+        nv.fill_(n)
+        out.fill_(float("nan"))
+        fused_moe(x, ew, ids, w, nv, backend="triton", tile_config=tiles, out=out)
+        assert torch.all(out[n:] == 0)
+        ref = fused_moe(x[:n], ew, ids[:n], w[:n], backend="torch")
+        assert rel(out[:n], ref) < 6e-3
+
+
+def test_tile_config_is_checked():
+    g = torch.Generator().manual_seed(0)
+    ew = random_experts(3, 256, 128, gen=g)
+    x, ids, w = torch.randn(2, 256), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
+    for bad in (dict(BN1=32), dict(gemm1_split_k=2), dict(block_m=24), dict(down_output_dtype="fp16"),
+                dict(gemm1_block_n=64, quantize_in_epilogue=True), dict(gemm1_swap_ab=1)):
+        if triton_available():
+            with pytest.raises(ValueError):
+                fused_moe(x, ew, ids, w, backend="triton", tile_config=bad)
+    from runtime.moe_tiles import check_tile_config
+
+    with pytest.raises(ValueError):
+        check_tile_config(dict(config=1))
+
+
+def test_tile_tables_are_packaged_and_read():
+    """The shipped JSON tables parse, every entry passes the checks, and unknown GPUs get the built-in default."""
+    import glob
+    import json
+    import os
+
+    from runtime import moe_tiles
+
+    files = glob.glob(os.path.join(moe_tiles.CONFIG_DIR, "moe_*.json"))
+    for path in files:
+        with open(path) as f:
+            table = json.load(f)
+        assert os.path.basename(path) == moe_tiles.table_file_name(table["device"], table["dtype"])
+        for shape in [*table.get("shapes", {}).values(), table.get("default", {})]:
+            for entry in shape.values():
+                moe_tiles.check_tile_config(entry)
+    cfg, src = moe_tiles.tile_config(1, 257, 7168, 2048, 9, True, "Some Future GPU")
+    assert src == "builtin" and cfg == moe_tiles.builtin_tile_config(1, True)
+    if files:
+        with open(files[0]) as f:
+            table = json.load(f)
+        key = next(iter(table["shapes"]))
+        dims = dict(kv.split("=") for kv in key.split(","))
+        cfg, src = moe_tiles.tile_config(3, int(dims["slots"]), int(dims["hidden"]), int(dims["intermediate"]),
+                                         int(dims["slots_per_token"]), True, table["device"])
+        assert src.startswith("table ") and key in src
+
+
+def test_tile_tables_are_package_data():
+    """A non-editable install carries runtime/configs/*.json (pyproject package-data)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        text = f.read()
+    assert '[tool.setuptools.package-data]' in text and 'runtime = ["configs/*.json"]' in text

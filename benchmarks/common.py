@@ -1,0 +1,114 @@
+"""What the runtime benchmarks share: CUDA-graph and eager timing, the copy-bandwidth ceiling, the
+model geometries, and the optional peer harness (vLLM's Triton fused MoE in ``../shared/peers``).
+
+The peer is a measuring instrument outside the project: it is imported from its own folder at run
+time when present (``--peer-dir``, else ``.peers`` or ``../shared/peers`` beside the project) and
+never copied into it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, os.path.join(ROOT, "tests", "runtime")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from rt_helpers import MODELS, random_fp8_experts  # noqa: E402,F401
+
+TOKENS = [1, 8, 64, 512, 4096]
+
+
+def graph_time_us(fn, calls: int, trials: int = 7, warmup: int = 2) -> float:
+    """Median device time per call (us) of ``fn``, which makes ``calls`` calls, captured once in a
+    CUDA graph and replayed ``trials`` times (after ``warmup`` eager runs on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return sorted(res)[len(res) // 2]
+
+
+def eager_time_us(fn, calls: int, trials: int = 5, warmup: int = 5) -> float:
+    """Median time per call (us) of ``calls`` eager calls of ``fn`` between two events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(res)[len(res) // 2]
+
+
+def copy_bandwidth() -> dict:
+    """Device-to-device copy of 2 GiB (bytes read + written, B/s) three ways after a warm-up:
+    ``copy_`` eagerly, ``copy_`` in a graph, and an SM copy kernel (``torch.add(src, 0)``) in a graph."""
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    sf, df = src.view(torch.float32), dst.view(torch.float32)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):  # bring the clocks up
+        a @ a
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    res = {"copy_eager": 2 * n / (eager_time_us(lambda: dst.copy_(src), 10, trials=3, warmup=1) * 1e-6)}
+    res["copy_graph"] = 2 * n / (graph_time_us(lambda: [dst.copy_(src) for _ in range(10)], 10) * 1e-6)
+    res["add_graph"] = 2 * n / (graph_time_us(lambda: [torch.add(sf, 0, out=df) for _ in range(10)], 10) * 1e-6)
+    del src, dst, sf, df, a
+    torch.cuda.empty_cache()
+    return res
+
+
+def find_peer_dir(explicit: str | None = None) -> str | None:
+    """The peer harness folder, if any: ``explicit``, else ``.peers`` or ``../shared/peers`` beside the project."""
+    for d in ([explicit] if explicit else [os.path.join(ROOT, ".peers"), os.path.join(ROOT, "..", ".peers"),
+                                           os.path.join(ROOT, "..", "shared", "peers")]):
+        if d and os.path.exists(os.path.join(d, "bench_peer_moe.py")):
+            return os.path.abspath(d)
+    return None
+
+
+def load_peer(peer_dir: str | None):
+    """The peer harness module (``bench_peer_moe``: its ``Peer`` class and ``sweep_candidates``), or None."""
+    if not peer_dir:
+        return None
+    if peer_dir not in sys.path:
+        sys.path.insert(0, peer_dir)
+    return importlib.import_module("bench_peer_moe")
+
+
+def versions() -> dict:
+    import triton
+
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                driver=torch.version.cuda)

@@ -1,0 +1,230 @@
+"""Regenerate the fused MoE tile tables (``runtime/configs/moe_<dtype>_<GPU>.json``) on the GPU at hand.
+
+    PYTHONPATH=. python3 benchmarks/tune_moe.py [--models ...] [--tokens 1,8,64,512,4096]
+        [--table-out runtime/configs] [--results-out results.json] [--peer | --no-peer] [--peer-dir DIR]
+
+For every model geometry and token count, each candidate tile config below is first checked
+against the PyTorch reference (relative error < 1e-2, every output row written) and only then
+timed (median per call of a CUDA graph of ROT calls on ROT routings); the fastest passing one goes
+into the table. With the peer harness present (``.peers`` or ``../shared/peers``), the peer (vLLM's
+Triton fused MoE) is timed in the same run with its default and each shipped H200 tuned config,
+checked against the reference too, for a side-by-side record in ``--results-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MODELS, TOKENS, find_peer_dir, graph_time_us, load_peer, random_fp8_experts, versions  # noqa: E402
+
+from runtime import RoutingConfig, fused_moe, route  # noqa: E402
+from runtime.moe_tiles import (builtin_tile_config, check_tile_config, dtype_tag, shape_key,  # noqa: E402
+                               table_file_name)
+
+ROT = 4
+TOL = 1e-2
+_PQ = dict(quantize_input_first=True)
+_SWAP1 = dict(_PQ, block_m=16, gemm1_swap_ab=True, gemm1_stages=4)
+_EPQ = dict(gemm1_fused_activation=True, gemm1_block_n=128, quantize_in_epilogue=True, quantize_input_first=True,
+            down_output_dtype="bfloat16", group_m=8)
+_EPQ_SWAP = dict(_EPQ, block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=64, gemm1_stages=4,
+                 gemm2_stages=4, group_m=1, down_output_dtype="float32")
+# Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
+# quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
+# 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower.
+CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
+    "decode": {
+        "builtin": {},
+        "builtin-pq": _PQ,
+        "paired-swap-pq": _SWAP1,
+        "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
+        "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
+                                       gemm2_stages=4),
+        "plain-swap-pq": dict(_SWAP1, gemm1_fused_activation=False),
+        "epq-swap-pq": _EPQ_SWAP,
+        "epq-swap-pq-k2x2": dict(_EPQ_SWAP, gemm2_split_k=2),
+    },
+    "small": {
+        "m16-epq-swap": dict(_EPQ_SWAP, quantize_input_first=False, gemm1_stages=3, gemm2_stages=3,
+                             down_output_dtype="bfloat16"),
+        "m16-epq-swap-pq": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, group_m=8),
+        "m16-epq-swap-pq-n2x128": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, gemm2_block_n=128, group_m=8),
+        "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
+        "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
+                                       gemm1_stages=3, group_m=8),
+    },
+    "mid": {
+        "m32-epq-swap": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128),
+        "m32-epq-swap-s4": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
+                                gemm1_stages=4, gemm2_stages=4),
+        "m32-epq-swap-g32": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
+                                 group_m=32),
+    },
+    "prefill": {
+        "m64-epq": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=128, gemm2_warps=4),
+        "m64-epq-n2x256": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=256, gemm2_warps=8),
+        "m64-epq-s4-g16": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=128, gemm2_warps=4,
+                               gemm2_stages=4, group_m=16),
+        "m64-epq-w4": dict(_EPQ, block_m=64, gemm1_warps=4, gemm2_block_n=128, gemm2_warps=4, gemm2_stages=4,
+                           group_m=16),
+        "m64-epq-n2x256-s4": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8,
+                                  group_m=16),
+    },
+}
+
+
+def from_results(results_path, table_dir):
+    """Write the table from a results file of an earlier run (its fastest passing config per cell)."""
+    with open(results_path) as f:
+        res = json.load(f)
+    shapes = read_table(table_dir, res["info"]["device"])
+    for r in res["rows"]:
+        H, I, E, S, K = MODELS[r["model"]][:5]
+        if r.get("best"):
+            shapes.setdefault(shape_key(E + S, H, I, K + S), {})[str(r["T"])] = r["ours"][r["best"]]["config"]
+    write_table(table_dir, res["info"], shapes, print)
+
+
+def band(T: int) -> str:
+    return "decode" if T <= 8 else "small" if T <= 64 else "mid" if T <= 1024 else "prefill"
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def tune_cell(name, T, ew, cfg, peer_mod, trials, log):
+    H = ew.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(1000 + T)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(cfg.num_experts, device="cuda", generator=gen) * 0.05
+    sets = [route(torch.randn(T, cfg.num_experts, device="cuda", generator=gen), bias, cfg) for _ in range(ROT)]
+    ids0, w0 = sets[0]
+    ref = fused_moe(x, ew, ids0, w0, backend="torch")
+    out = torch.empty_like(x)
+    row = dict(model=name, T=T, ours={}, peer={})
+    base = builtin_tile_config(T, True)
+    for label, over in CANDIDATES[band(T)].items():
+        full = dict(base, **over)
+        try:
+            check_tile_config(full)
+            y = torch.full_like(x, float("nan"))
+            fused_moe(x, ew, ids0, w0, tile_config=full, out=y)
+            torch.cuda.synchronize()
+            err = rel(y, ref)
+            if not err < TOL or torch.isnan(y).any():
+                log(f"  {name} T={T} ours {label}: CHECK FAILED rel {err:.2e}")
+                row["ours"][label] = dict(ok=False, rel=err)
+                continue
+            t = graph_time_us(lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out) for i, w in sets], ROT, trials)
+            row["ours"][label] = dict(ok=True, rel=err, us=t, config=full)
+            log(f"  {name} T={T} ours {label}: {t:.1f} us (rel {err:.1e})")
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
+            row["ours"][label] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            log(f"  {name} T={T} ours {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+    if peer_mod is not None:
+        KS = ids0.shape[1]
+        for act in ("fused", "unfused"):
+            peer = peer_mod.Peer(ew, act)
+            cands = peer_mod.sweep_candidates(peer, T, KS)
+            if act == "unfused":  # the activation path does not change the GEMMs: its best config only
+                best = min((v for v in row["peer"].values() if v.get("ok")), key=lambda v: v["us"], default=None)
+                cands = [(best["label"], best["config"])] if best else cands[:1]
+            for label, c in cands:
+                key = f"{act} {label}"
+                try:
+                    y = torch.full_like(x, float("nan"))
+                    peer(x, ids0, w0, out=y, config=c)
+                    torch.cuda.synchronize()
+                    err = rel(y, ref)
+                    ok = err < peer_mod.TOL_PEER and not torch.isnan(y).any()
+                    t = graph_time_us(lambda: [peer(x, i, w, out=out, config=c) for i, w in sets], ROT, trials) if ok else None
+                    row["peer"][key] = dict(ok=bool(ok), rel=err, us=t, config=c, label=label, act=act)
+                    log(f"  {name} T={T} peer {key}: {t if t is None else round(t, 1)} us (rel {err:.1e})")
+                except Exception as e:  # noqa: BLE001
+                    row["peer"][key] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    log(f"  {name} T={T} peer {key}: FAILED {type(e).__name__}: {str(e)[:200]}")
+    good = {k: v for k, v in row["ours"].items() if v.get("ok")}
+    row["best"] = min(good, key=lambda k: good[k]["us"]) if good else None
+    pgood = {k: v for k, v in row["peer"].items() if v.get("ok")}
+    row["peer_best"] = min(pgood, key=lambda k: pgood[k]["us"]) if pgood else None
+    return row
+
+
+def read_table(table_dir, device):
+    """The shapes of an existing table for this device (entries not re-tuned in this run are kept)."""
+    path = os.path.join(table_dir, table_file_name(device, dtype_tag(True)))
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("shapes", {})
+
+
+def write_table(table_dir, info, shapes, log):
+    first = shapes.get(shape_key(257, 7168, 2048, 9)) or next(iter(shapes.values()), {})
+    doc = dict(device=info["device"], dtype=dtype_tag(True), triton=info["triton"], torch=info["torch"],
+               date=info["date"], generated_by="benchmarks/tune_moe.py", shapes=shapes, default=first)
+    os.makedirs(table_dir, exist_ok=True)
+    path = os.path.join(table_dir, table_file_name(info["device"], dtype_tag(True)))
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    log(f"wrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--table-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runtime", "configs"))
+    ap.add_argument("--results-out", default=None)
+    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--peer-dir", default=None)
+    ap.add_argument("--fresh", action="store_true", help="start a new table instead of updating the existing one")
+    ap.add_argument("--from-results", default=None, help="only write the table from an earlier --results-out file")
+    args = ap.parse_args()
+    if args.from_results:
+        return from_results(args.from_results, args.table_out)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
+    info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    log(f"{info}; peer: {'yes' if peer_mod else 'no'}")
+    rows, shapes = [], ({} if args.fresh else read_table(args.table_out, info["device"]))
+    for name in args.models.split(","):
+        H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+        cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
+        ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
+        table = shapes.setdefault(shape_key(E + S, H, I, K + S), {})
+        for T in map(int, args.tokens.split(",")):
+            try:
+                row = tune_cell(name, T, ew, cfg, peer_mod, args.trials, log)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                continue
+            rows.append(row)
+            if row["best"]:
+                table[str(T)] = row["ours"][row["best"]]["config"]
+                po = row["peer"].get(row["peer_best"], {}).get("us") if row["peer_best"] else None
+                ours = row["ours"][row["best"]]["us"]
+                log(f"{name} T={T}: best {row['best']} {ours:.1f} us; peer best {row['peer_best']} "
+                    f"{po if po is None else round(po, 1)} us" + (f"; peer/ours {po / ours:.3f}" if po else ""))
+            if args.results_out:
+                with open(args.results_out, "w") as f:
+                    json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
+        del ew
+        torch.cuda.empty_cache()
+        write_table(args.table_out, info, shapes, log)
+
+
+
+if __name__ == "__main__":
+    main()

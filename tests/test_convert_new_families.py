@@ -1,0 +1,126 @@
+"""The 2026 families beyond the per-family checks: FP8 sources, and what must be copied unchanged (vision towers,
+hybrid attention), each against a tiny checkpoint built by the family's own transformers classes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from builders import NEW_FAMILIES, build_checkpoint, load_all, to_compressed_tensors_channel, to_fp8_block
+from checks import assert_fp8_close, dequant
+from fuse_tool.convert import convert_checkpoint
+from fuse_tool.plan import ConvertOptions
+from fuse_tool.verify.numerics import verify_against
+from runtime.families import describe_model
+from runtime.layout import moe_layer_tensors, scale_name
+
+# Hunyuan-A13B's router (gate.wg) is a plain linear the test quantizer would turn into FP8; its FP8 releases are not
+# block FP8 of this kind, so it is not among the block-FP8 sources here.
+FP8_BLOCK_FAMILIES = [f for f in NEW_FAMILIES if f != "hunyuan_v1_moe"]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("family", FP8_BLOCK_FAMILIES)
+def test_fp8_block_source_copies_blocks_and_verifies(family, tmp_path):
+    """W = 2 x 128 over I = 128: both shared slots are whole blocks, so every expert byte and scale is copied; the
+    converted model then matches the dequantized source within the FP8 bounds of verify --against."""
+    src_dir = build_checkpoint(family, tmp_path / "src", hidden=128, inter=128, experts=6)
+    to_fp8_block(src_dir)
+    out_dir = tmp_path / "out"
+    result = convert_checkpoint(src_dir, out_dir, progress=False)
+    src, out = load_all(src_dir), load_all(out_dir)
+    assert set(result.plan.bytes_by_kind()) <= {"copy", "region", "cast", "constant"}, "nothing is requantized"
+    shared = describe_model(json.loads((src_dir / "config.json").read_text())).names.shared
+    layers = moe_layer_tensors(out)
+    assert len(layers) == 2
+    for names in layers.values():
+        blk = names.block_prefix
+        for e in range(6):
+            for n in names.per_expert(e):
+                assert same_bytes(out[n], src[n]) and same_bytes(out[scale_name(n)], src[scale_name(n)]), n
+        for j in range(2):
+            for n, p in zip(names.per_expert(6 + j), ("gate_proj", "up_proj", "down_proj")):
+                w = src[f"{blk}.{shared}.{p}.weight"]
+                s = src[f"{blk}.{shared}.{p}.weight_scale_inv"]
+                want_w, want_s = (w[j * 128:(j + 1) * 128], s[j:j + 1]) if p != "down_proj" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1])
+                assert same_bytes(out[n], want_w.contiguous()) and torch.equal(out[scale_name(n)], want_s), n
+    r = verify_against(out_dir, src_dir)
+    assert r.passed, r.failures
+    assert all(lr.moe_rel < 0.12 for lr in r.layers if lr.moe_rel is not None)
+
+
+def test_glm4v_compressed_tensors_source(tmp_path):
+    """GLM's FP8 releases are compressed-tensors per channel: requantized to 128x128 blocks within FP8 rounding."""
+    src_dir = build_checkpoint("glm4v_moe", tmp_path / "src", experts=6)
+    ref = load_all(src_dir)
+    to_compressed_tensors_channel(src_dir)
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, ConvertOptions(precision="fp8"), progress=False)
+    src, out = load_all(src_dir), load_all(out_dir)
+    for names in moe_layer_tensors(out).values():
+        for e in (0, 6, 7):
+            for n in names.per_expert(e):
+                assert out[n].dtype == torch.float8_e4m3fn
+        g = names.per_expert(0)[0]
+        source = src[g].float() * src[g + "_scale"].float()
+        assert_fp8_close(dequant(out, g), source, out[scale_name(g)], g)
+        assert (dequant(out, g) - ref[g].float()).abs().max() < 0.1
+    assert verify_against(out_dir, src_dir).passed
+
+
+@pytest.mark.parametrize("family", ["glm4v_moe", "glm5_next"])
+def test_vision_tower_copied_unchanged(family, tmp_path):
+    src_dir = build_checkpoint(family, tmp_path / "src", experts=6)
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, progress=False)
+    src, out = load_all(src_dir), load_all(out_dir)
+    vision = [k for k in src if k.startswith("model.visual.")]
+    assert vision
+    for k in vision:
+        assert same_bytes(out[k], src[k]), k
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert "fused_shared_experts" in cfg["text_config"] and "fused_shared_experts" not in cfg
+    assert "lm_head" in cfg["quantization_config"]["modules_to_not_convert"]
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear", "glm5_next"])
+@pytest.mark.parametrize("other_linear", ["keep", "fp8"])
+def test_hybrid_attention_copied(family, other_linear, tmp_path):
+    """Linear-attention layers (short convolutions, decay parameters) are copied byte for byte; with
+    --other-linear keep, everything outside the MoE blocks is."""
+    src_dir = build_checkpoint(family, tmp_path / "src", experts=6)
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, ConvertOptions(other_linear=other_linear), progress=False)
+    src, out = load_all(src_dir), load_all(out_dir)
+    blocks = [n.block_prefix + "." for n in moe_layer_tensors(out).values()]
+    conv = [k for k in src if "conv1d" in k or k.endswith(("A_log", "dt_bias"))]
+    assert conv, "the tiny model has linear-attention layers"
+    for k, v in src.items():
+        if any(k.startswith(b) for b in blocks):
+            continue
+        if other_linear == "keep" or k in conv or v.dim() != 2:
+            assert same_bytes(out[k], v), k
+
+
+def test_glm5_next_clamp_bites(tmp_path):
+    """The tiny GLM-5.3's swiglu_limit changes its MoE output: the per-slot limits are doing work, not decoration."""
+    from runtime import FusedSharedMoE
+
+    src_dir = build_checkpoint("glm5_next", tmp_path / "src", experts=6)
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, ConvertOptions(precision="source"), progress=False)
+    moe = FusedSharedMoE.from_checkpoint(out_dir, 1)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    moe.experts = moe.experts.to("cpu")
+    with torch.no_grad():
+        clamped = moe(x.to(moe.experts.w13.dtype)).float()
+        import dataclasses
+        moe.experts = dataclasses.replace(moe.experts, gemm1_clamp_limit=torch.full_like(moe.experts.gemm1_clamp_limit, math.inf))
+        free = moe(x.to(moe.experts.w13.dtype)).float()
+    assert ((clamped - free).norm() / free.norm()).item() > 0.05

@@ -1,0 +1,27 @@
+"""numpy is not a dependency (issue 10): converting, FP8 passthrough with its NaN/Inf scan and BF16
+quantization alike, works in a process where ``import numpy`` fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import sys
+sys.modules["numpy"] = None  # any import of numpy now raises ImportError
+sys.argv = ["fuse-shared", "convert", sys.argv[1], sys.argv[2], "--quiet", *sys.argv[3:]]
+from fuse_tool.cli import main
+main()
+"""
+
+
+def test_convert_without_numpy(tmp_path):
+    src = ROOT / "examples" / "tiny-deepseek-v3"
+    for extra in ([], ["--precision", "source"]):
+        out = tmp_path / ("out" + "".join(extra))
+        r = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(out), *extra], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert (out / "config.json").is_file()
