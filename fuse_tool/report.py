@@ -47,8 +47,7 @@ def describe_plan(plan: ConversionPlan) -> str:
         + (f"; hash-routed layers {_ranges(hashed)} (token table, no bias)" if hashed else ""),
         f"activation     {b.activation}" + (
             f" (alpha {a.activation_params.alpha:g}, beta {a.activation_params.beta:g}, limit {a.activation_params.clamp_limit:g})"
-            if b.activation == "swiglu_oai" else
-            f" (clamped at {a.activation_params.clamp_limit:g} before the activation)" if a.activation_params.clamp_limit != float("inf") else ""),
+            if b.activation == "swiglu_oai" or math.isfinite(a.activation_params.clamp_limit) else ""),
         f"MoE layers     {len(decoder)} decoder ({_ranges(decoder)}) + {len(mtp)} MTP ({_ranges(mtp)})",
         f"expert storage {', '.join(storage)}; source format {', '.join(sorted({lp.source_format for lp in plan.layers}))}",
         f"source         {len(plan.source.tensors):,} tensors in {len(plan.source.shard_files)} files, "
