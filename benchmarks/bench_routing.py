@@ -70,9 +70,45 @@ def main():
             print(f"{name:12} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
                   f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f} | {r['triton_eager_us']:12.2f} "
                   f"{r['torch_eager_us']:11.2f} {r['torch_eager_us'] / r['triton_eager_us']:5.1f}", flush=True)
+    rows += v4_rows()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info=versions(), rows=rows), f, indent=1)
+
+
+V4 = {"DeepSeek-V4-Flash": 256, "DeepSeek-V4-Pro": 384}
+
+
+def v4_rows(vocab: int = 129280):
+    """DeepSeek-V4 routing (sqrtsoftplus + bias, top-6, rsf 1.5), score-routed and hash-routed layers: the Triton
+    kernel against the project's PyTorch reference (transformers has no fused V4 router to compare with)."""
+    rows = []
+    print(f"{'model':18} {'layer':5} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5}")
+    for name, E in V4.items():
+        for hashed in (False, True):
+            cfg = RoutingConfig(E, 6, 1, "sqrtsoftplus", 1, 1, True, 1.5, hash_routed=hashed)
+            table = torch.randint(0, E, (vocab, 6), device="cuda") if hashed else None
+            for T in TOKENS:
+                logits = torch.randn(T, E, device="cuda")
+                bias = None if hashed else torch.randn(E, device="cuda") * 0.05
+                tokens = torch.randint(0, vocab, (T,), device="cuda")
+                kw = dict(token_ids=tokens, tid2eid=table) if hashed else {}
+                ids = torch.empty(T, cfg.num_slots, dtype=torch.int32, device="cuda")
+                w = torch.empty(T, cfg.num_slots, dtype=torch.float32, device="cuda")
+                ref = route(logits, bias, cfg, backend="torch", **kw)
+                got = route(logits, bias, cfg, out=(ids, w), **kw)
+                order_got, order_ref = got[0].argsort(dim=1), ref[0].argsort(dim=1)  # the same slots, in any order
+                assert torch.equal(got[0].gather(1, order_got), ref[0].gather(1, order_ref)), (name, hashed, T)
+                assert torch.allclose(got[1].gather(1, order_got), ref[1].gather(1, order_ref), rtol=1e-5, atol=1e-6), (name, hashed, T)
+                f_tr = lambda: route(logits, bias, cfg, out=(ids, w), **kw)  # noqa: E731
+                f_pt = lambda: route(logits, bias, cfg, backend="torch", **kw)  # noqa: E731
+                r = dict(model=name, layer="hash" if hashed else "score", T=T,
+                         triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1),
+                         torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1))
+                rows.append(r)
+                print(f"{name:18} {r['layer']:5} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
+                      f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
