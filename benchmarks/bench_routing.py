@@ -60,8 +60,8 @@ def main():
         for T in TOKENS:
             logits = torch.randn(T, cfg.num_experts, device="cuda")
             bias = torch.randn(cfg.num_experts, device="cuda") * 0.05
-            ids = torch.empty(T, cfg.num_slots, dtype=torch.int32, device="cuda")
-            w = torch.empty(T, cfg.num_slots, dtype=torch.float32, device="cuda")
+            ids = torch.empty(T, cfg.slots_per_token, dtype=torch.int32, device="cuda")
+            w = torch.empty(T, cfg.slots_per_token, dtype=torch.float32, device="cuda")
             f_tr = lambda: route(logits, bias, cfg, out=(ids, w))  # noqa: E731
             f_pt = lambda: transformers_route(logits, bias, cfg)  # noqa: E731
             r = dict(model=name, T=T, triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1), torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1),
@@ -93,8 +93,8 @@ def v4_rows(vocab: int = 129280):
                 bias = None if hashed else torch.randn(E, device="cuda") * 0.05
                 tokens = torch.randint(0, vocab, (T,), device="cuda")
                 kw = dict(token_ids=tokens, tid2eid=table) if hashed else {}
-                ids = torch.empty(T, cfg.num_slots, dtype=torch.int32, device="cuda")
-                w = torch.empty(T, cfg.num_slots, dtype=torch.float32, device="cuda")
+                ids = torch.empty(T, cfg.slots_per_token, dtype=torch.int32, device="cuda")
+                w = torch.empty(T, cfg.slots_per_token, dtype=torch.float32, device="cuda")
                 ref = route(logits, bias, cfg, backend="torch", **kw)
                 got = route(logits, bias, cfg, out=(ids, w), **kw)
                 order_got, order_ref = got[0].argsort(dim=1), ref[0].argsort(dim=1)  # the same slots, in any order

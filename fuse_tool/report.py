@@ -40,7 +40,7 @@ def describe_plan(plan: ConversionPlan) -> str:
     shared_modes = sorted({m for lp in plan.layers for m in lp.shared_modes})
     lines = [
         f"model          {a.model_type} ({a.family})",
-        f"experts        E={b.num_routed_experts} routed + S={b.num_fused_shared_experts} shared slot(s) -> {b.num_experts} per MoE layer "
+        f"experts        E={b.num_routed_experts} routed + S={b.num_fused_shared_experts} shared slot(s) -> {b.num_expert_slots} per MoE layer "
         f"(I={b.expert_intermediate_size}, shared W={b.source_shared_intermediate_size})",
         f"routing        {r.scoring}, top-{r.top_k}{groups}, {'renormalized' if r.renormalize else 'not renormalized'}, "
         f"rsf {r.routed_scaling_factor:g}, {'with' if r.has_bias else 'no'} selection bias"

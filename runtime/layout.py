@@ -351,7 +351,7 @@ class FusedSharedExperts:
         return out
 
     @property
-    def num_experts(self) -> int:
+    def num_expert_slots(self) -> int:
         """E + S: the expert count every runtime buffer is sized by."""
         return self.num_routed_experts + self.num_fused_shared_experts
 

@@ -86,12 +86,7 @@ class ExpertWeights:
             setattr(self, name, t.contiguous())
 
     @property
-    def num_experts(self) -> int:
-        """E + S (the same as :attr:`num_slots`; kept for existing callers)."""
-        return self.w13.shape[0]
-
-    @property
-    def num_slots(self) -> int:
+    def num_expert_slots(self) -> int:
         """E routed + S shared experts: the number of expert slots the kernels index."""
         return self.w13.shape[0]
 
@@ -151,7 +146,7 @@ class _Checkpoint(ModelFolder):
 
     def experts(self, layer: int, device) -> ExpertWeights:
         names = self.names(layer)
-        NE = self.block.num_experts
+        NE = self.block.num_expert_slots
         has = lambda n: n in self.weight_map  # noqa: E731
         scale_name = names.scale
         if names.storage == "stacked":
@@ -206,9 +201,9 @@ def fused_moe(
 
     Args:
         x: ``[T, H]`` activations, bfloat16, float16 or float32.
-        experts: the layer's ``num_slots`` = E routed + S shared experts (:class:`ExpertWeights`).
+        experts: the layer's ``num_expert_slots`` = E routed + S shared experts (:class:`ExpertWeights`).
         ids: ``[T, K+S]`` integer slot ids per token (as :func:`runtime.route` returns, int32);
-            ids outside ``[0, num_slots)``, e.g. -1, are skipped.
+            ids outside ``[0, num_expert_slots)``, e.g. -1, are skipped.
         weights: ``[T, K+S]`` float32 weight of each slot (shared slots: 1).
         num_valid_tokens: optional one-element integer tensor on x's device; rows at or past it
             come out as zeros and cost no GEMM work (for CUDA graphs captured at a fixed T).
@@ -258,8 +253,8 @@ class FusedSharedMoE(torch.nn.Module):
         super().__init__()
         if tuple(router_weight.shape) != (cfg.num_experts, experts.hidden_size):
             raise ValueError(f"router weight {tuple(router_weight.shape)} != [{cfg.num_experts}, {experts.hidden_size}]")
-        if experts.num_experts != cfg.num_total_experts:
-            raise ValueError(f"{experts.num_experts} experts, routing config says E+S = {cfg.num_total_experts}")
+        if experts.num_expert_slots != cfg.num_expert_slots:
+            raise ValueError(f"{experts.num_expert_slots} experts, routing config says E+S = {cfg.num_expert_slots}")
         if cfg.hash_routed:
             if tid2eid is None:
                 raise ValueError("this layer is hash-routed (routing.hash_layers) and needs its tid2eid table")

@@ -35,7 +35,7 @@ def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
     """Reference fused MoE in float32, expert by expert; same arguments, result and errors as
     :func:`runtime.moe.fused_moe` (which checks the arguments) without its ``tile_config``/``out``."""
     T, H = x.shape
-    num_slots, I = experts.num_slots, experts.intermediate_size
+    num_slots, I = experts.num_expert_slots, experts.intermediate_size
     fp8 = experts.is_fp8
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     ids = ids.to(torch.int64)

@@ -353,7 +353,7 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
     dev = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else None
     wname = str(experts.w13.dtype).replace("torch.", "")
-    cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_slots, experts.hidden_size,
+    cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_expert_slots, experts.hidden_size,
                                 experts.intermediate_size, slots_per_token, experts.is_fp8, dev, wname)
     cfg = dict(cfg)
     if tile_config:
@@ -380,7 +380,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     (:func:`resolve_tile_config`)."""
     T, H = x.shape
     KS = ids.shape[1]
-    num_slots, I = experts.num_slots, experts.intermediate_size
+    num_slots, I = experts.num_expert_slots, experts.intermediate_size
     fp8 = experts.is_fp8
     if out is None:
         out = _alloc((T, H), x.dtype, x)

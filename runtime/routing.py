@@ -97,12 +97,17 @@ class RoutingConfig:
         _bool("hash_routed", self.hash_routed)
 
     @property
-    def num_slots(self) -> int:
+    def slots_per_token(self) -> int:
         """K + S: columns of ``ids`` and ``weights``."""
         return self.top_k + self.num_fused_shared_experts
 
     @property
-    def num_total_experts(self) -> int:
+    def num_slots(self) -> int:
+        """The same as :attr:`slots_per_token`; the peer benchmark harness (shared/peers) reads this name."""
+        return self.slots_per_token
+
+    @property
+    def num_expert_slots(self) -> int:
         """E + S: the expert count every MoE buffer is sized by."""
         return self.num_experts + self.num_fused_shared_experts
 

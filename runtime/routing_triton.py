@@ -171,7 +171,7 @@ def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scorin
 def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None):
     """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D)."""
     T, E = logits.shape
-    KS = cfg.num_slots
+    KS = cfg.slots_per_token
     if out is not None:
         ids, w = out
         if ids.shape != (T, KS) or ids.dtype != torch.int32 or w.shape != (T, KS) or w.dtype != torch.float32 or not (ids.is_contiguous() and w.is_contiguous()):

@@ -105,7 +105,7 @@ def render_model_card(
     front += [f"- {_yaml_str(t)}" for t in tags]
     front.append("---")
 
-    E, S, n = block.num_routed_experts, block.num_fused_shared_experts, block.num_experts
+    E, S, n = block.num_routed_experts, block.num_fused_shared_experts, block.num_expert_slots
     r = block.routing
     name = repo_id.split("/")[-1]
     converter_version = manifest.get("converter_version") or block.source.get("converter_version")

@@ -171,7 +171,7 @@ def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple
 
 def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo],
                         config: dict) -> None:
-    E, n, I = block.num_routed_experts, block.num_experts, block.expert_intermediate_size
+    E, n, I = block.num_routed_experts, block.num_expert_slots, block.expert_intermediate_size
     router_name, bias_names = router_tensor_names(config, names.block_prefix)  # under the family's own names
     router = tensors.get(router_name)
     if router is None:

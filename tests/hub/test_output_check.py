@@ -50,7 +50,7 @@ def _expect(out: Path, *needles: str) -> str:
 def test_complete_checkpoint(converted):
     c = check_output(converted)
     assert c.shards == (SHARD1, SHARD2)
-    assert c.block.num_experts == E + S
+    assert c.block.num_expert_slots == E + S
     assert set(c.moe_layers) == {1}
     assert c.total_size == json.loads((converted / INDEX).read_text())["metadata"]["total_size"]
     assert c.manifest["source"] == "deepseek-ai/Tiny-MoE"

@@ -61,7 +61,7 @@ def test_no_fp8_logits_equal_to_float32_rounding(family, converted, references):
     assert all(b.endswith(".mlp") for b in blocks)
     assert not any(".shared_experts." in n for n, _ in model.named_parameters()), "no separate shared MLP remains"
     moe = model.get_submodule(blocks[0])
-    assert moe.experts.num_experts == moe.cfg.num_experts + moe.cfg.num_fused_shared_experts > moe.cfg.num_experts
+    assert moe.experts.num_expert_slots == moe.cfg.num_experts + moe.cfg.num_fused_shared_experts > moe.cfg.num_experts
     with torch.no_grad():
         got = model(tokens()).logits
     assert got.shape == want.shape

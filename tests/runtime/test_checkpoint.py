@@ -24,7 +24,7 @@ def test_from_checkpoint(tmp_path, v):
     g = torch.Generator().manual_seed(7)
     truth = write_checkpoint(tmp_path, E=E, S=S, H=H, I=I, K=K, layers=(1, 3), gen=g, **v)[3]
     ew = ExpertWeights.from_checkpoint(tmp_path, 3)
-    assert ew.num_experts == E + S and ew.is_fp8 == v["fp8"]
+    assert ew.num_expert_slots == E + S and ew.is_fp8 == v["fp8"]
     for e in (0, E):
         if v["fp8"]:
             gi = I // 128

@@ -37,7 +37,7 @@ def independent_moe(x, ew, ids, w):
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
-            if not 0 <= e < ew.num_experts:
+            if not 0 <= e < ew.num_expert_slots:
                 continue
             if ew.is_fp8:
                 g = dequantize_block_fp8(ew.w13[e, :I], ew.w13_scale[e, :gi]).double()
@@ -137,7 +137,7 @@ def test_validation():
         ExpertWeights(ew.w13, ew.w2)  # FP8 without scales
     with pytest.raises(ValueError):
         fused_moe(torch.randn(2, 128), ew, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
-    assert ew.num_experts == 3 and ew.hidden_size == 256 and ew.intermediate_size == 128
+    assert ew.num_expert_slots == 3 and ew.hidden_size == 256 and ew.intermediate_size == 128
     assert math.isinf(float(ew.gemm1_clamp_limit[0]))
 
 

@@ -159,7 +159,7 @@ def test_config_from_block_and_validation():
     for src in (block, {"fused_shared_experts": block}, {"text_config": {"fused_shared_experts": block}}):
         cfg = RoutingConfig.from_config(src)
         assert (cfg.num_experts, cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group, cfg.topk_group) == (256, 8, 1, 8, 4)
-        assert cfg.num_slots == 9 and cfg.num_total_experts == 257 and cfg.routed_scaling_factor == 2.5
+        assert cfg.slots_per_token == 9 and cfg.num_expert_slots == 257 and cfg.routed_scaling_factor == 2.5
     with pytest.raises(ValueError):
         RoutingConfig(160, 8, 1, n_group=7)
     with pytest.raises(ValueError):
