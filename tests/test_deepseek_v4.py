@@ -516,3 +516,14 @@ def test_verify_v4(exact_pair, tmp_path):
         assert r.exit_code != 0 and "sha256" in r.output, r.output
         r = _verify(bad, "--against", src)
         assert r.exit_code == 1 and f"FAIL: layer {layer} ({'moe' if layer < 3 else 'mtp'}): MoE output rel err" in r.output, r.output
+
+
+def test_model_card_describes_v4(flash):
+    """The card a push writes says how V4's scales are stored and that its hash layers need token ids."""
+    from fuse_tool.hub.model_card import render_model_card
+    from fuse_tool.verify.integrity import check_output
+
+    _, out, _ = flash
+    card = render_model_card(check_output(out), repo_id="me/tiny-v4-fused")
+    assert "F8_E8M0" in card and "`<module>.scale`" in card and "_scale_inv" not in card
+    assert "hash-routed (`gate.tid2eid[token_id]`" in card and "sqrtsoftplus" in card

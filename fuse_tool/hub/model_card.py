@@ -110,7 +110,10 @@ def render_model_card(
     name = repo_id.split("/")[-1]
     converter_version = manifest.get("converter_version") or block.source.get("converter_version")
     source_desc = f"[{base}](https://huggingface.co/{base})" if base else "a local checkpoint"
-    fmt = "FP8 e4m3 with 128x128 block scales (`*_scale_inv`, DeepSeek-V3 convention)" if is_fp8 else "the source dtype"
+    e8m0 = any(names.scale_storage == "e8m0" for names in checked.moe_layers.values())
+    fmt = ("the source dtype" if not is_fp8 else
+           "FP8 e4m3 with power-of-two 128x128 block scales stored as one byte (`<module>.scale`, F8_E8M0, DeepSeek-V4 convention)"
+           if e8m0 else "FP8 e4m3 with 128x128 block scales (`*_scale_inv`, DeepSeek-V3 convention)")
 
     lines = [
         "\n".join(front),
@@ -145,7 +148,9 @@ def render_model_card(
         f"| experts per MoE layer | {E} routed + {S} fused shared = {n} |",
         f"| activation | {block.activation} |",
         f"| routing | {r.scoring}, top-{r.top_k}, n_group {r.n_group}, topk_group {r.topk_group}, "
-        f"renormalize {str(r.renormalize).lower()}, routed_scaling_factor {r.routed_scaling_factor} |",
+        f"renormalize {str(r.renormalize).lower()}, routed_scaling_factor {r.routed_scaling_factor}"
+        + (f"; layers {list(r.hash_layers)} hash-routed (`gate.tid2eid[token_id]`: the runtime needs the token ids)" if r.hash_layers else "")
+        + " |",
         f"| weights | {len(checked.shards)} safetensors shard{'s' if len(checked.shards) != 1 else ''}, "
         f"{human_bytes(checked.total_size)} of tensors |",
     ]
