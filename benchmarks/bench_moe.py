@@ -79,7 +79,7 @@ def main():
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
         cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
         ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
-        per_expert = ew.w13[0].numel() + ew.w2[0].numel() + 4 * (ew.w13_scale[0].numel() + ew.w2_scale[0].numel())
+        per_expert = ew.gate_up[0].numel() + ew.down[0].numel() + 4 * (ew.gate_up_scale[0].numel() + ew.down_scale[0].numel())
         for T in map(int, args.tokens.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(1000 + T)
             x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)

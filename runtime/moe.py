@@ -37,46 +37,46 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class ExpertWeights:
     """The E+S experts of one MoE layer, gate and up stacked.
 
-    - ``w13`` ``[E+S, 2I, H]``: gate rows ``[0, I)`` then up rows ``[I, 2I)``; FP8 e4m3
-      with ``w13_scale`` ``[E+S, 2*ceil(I/128), ceil(H/128)]`` (gate grid then up grid),
+    - ``gate_up`` ``[E+S, 2I, H]``: gate rows ``[0, I)`` then up rows ``[I, 2I)``; FP8 e4m3
+      with ``gate_up_scale`` ``[E+S, 2*ceil(I/128), ceil(H/128)]`` (gate grid then up grid),
       or bf16/fp16/fp32 with no scale (the layout's no-FP8 variant).
-    - ``w2`` ``[E+S, H, I]`` with ``w2_scale`` ``[E+S, ceil(H/128), ceil(I/128)]`` or None.
+    - ``down`` ``[E+S, H, I]`` with ``down_scale`` ``[E+S, ceil(H/128), ceil(I/128)]`` or None.
     - ``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit`` ``[E+S]`` float32 (LAYOUT section 3);
       None means plain SwiGLU (1, 0, +inf).
     """
 
-    w13: torch.Tensor
-    w2: torch.Tensor
-    w13_scale: torch.Tensor | None = None
-    w2_scale: torch.Tensor | None = None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
     gemm1_alpha: torch.Tensor | None = None
     gemm1_beta: torch.Tensor | None = None
     gemm1_clamp_limit: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.w13.dim() != 3 or self.w2.dim() != 3:
-            raise ValueError("w13 must be [E+S, 2I, H] and w2 [E+S, H, I]")
-        NE, I2, H = self.w13.shape
-        if I2 % 2 or tuple(self.w2.shape) != (NE, H, I2 // 2):
-            raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not fit together")
+        if self.gate_up.dim() != 3 or self.down.dim() != 3:
+            raise ValueError("gate_up must be [E+S, 2I, H] and down [E+S, H, I]")
+        NE, I2, H = self.gate_up.shape
+        if I2 % 2 or tuple(self.down.shape) != (NE, H, I2 // 2):
+            raise ValueError(f"gate_up {tuple(self.gate_up.shape)} and down {tuple(self.down.shape)} do not fit together")
         I = I2 // 2
-        fp8 = self.w13.dtype == FP8_DTYPE
-        if (self.w2.dtype == FP8_DTYPE) != fp8:
-            raise ValueError("w13 and w2 must both be FP8 or both not")
+        fp8 = self.gate_up.dtype == FP8_DTYPE
+        if (self.down.dtype == FP8_DTYPE) != fp8:
+            raise ValueError("gate_up and down must both be FP8 or both not")
         if fp8:
-            if self.w13_scale is None or self.w2_scale is None:
-                raise ValueError("FP8 expert weights need w13_scale and w2_scale")
+            if self.gate_up_scale is None or self.down_scale is None:
+                raise ValueError("FP8 expert weights need gate_up_scale and down_scale")
             gi, gh = math.ceil(I / WEIGHT_BLOCK), math.ceil(H / WEIGHT_BLOCK)
-            if tuple(self.w13_scale.shape) != (NE, 2 * gi, gh) or tuple(self.w2_scale.shape) != (NE, gh, gi):
-                raise ValueError(f"block scales {tuple(self.w13_scale.shape)}, {tuple(self.w2_scale.shape)} do not fit "
+            if tuple(self.gate_up_scale.shape) != (NE, 2 * gi, gh) or tuple(self.down_scale.shape) != (NE, gh, gi):
+                raise ValueError(f"block scales {tuple(self.gate_up_scale.shape)}, {tuple(self.down_scale.shape)} do not fit "
                                  f"(expected {(NE, 2 * gi, gh)}, {(NE, gh, gi)})")
-            self.w13_scale = self.w13_scale.to(torch.float32)
-            self.w2_scale = self.w2_scale.to(torch.float32)
+            self.gate_up_scale = self.gate_up_scale.to(torch.float32)
+            self.down_scale = self.down_scale.to(torch.float32)
         else:
-            if self.w13.dtype not in FLOAT_DTYPES or self.w2.dtype != self.w13.dtype:
-                raise ValueError(f"expert weights must be FP8 e4m3 or one of {FLOAT_DTYPES}, got {self.w13.dtype}/{self.w2.dtype}")
-            self.w13_scale = self.w2_scale = None
-        dev = self.w13.device
+            if self.gate_up.dtype not in FLOAT_DTYPES or self.down.dtype != self.gate_up.dtype:
+                raise ValueError(f"expert weights must be FP8 e4m3 or one of {FLOAT_DTYPES}, got {self.gate_up.dtype}/{self.down.dtype}")
+            self.gate_up_scale = self.down_scale = None
+        dev = self.gate_up.device
         defaults = {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}
         for name, value in defaults.items():
             t = getattr(self, name)
@@ -85,32 +85,38 @@ class ExpertWeights:
                 raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
             setattr(self, name, t.contiguous())
 
+    # The peer benchmark harness (shared/peers, vLLM's naming) reads these names.
+    w13 = property(lambda self: self.gate_up, doc="The same as :attr:`gate_up` (vLLM's name).")
+    w2 = property(lambda self: self.down, doc="The same as :attr:`down` (vLLM's name).")
+    w13_scale = property(lambda self: self.gate_up_scale, doc="The same as :attr:`gate_up_scale`.")
+    w2_scale = property(lambda self: self.down_scale, doc="The same as :attr:`down_scale`.")
+
     @property
     def num_expert_slots(self) -> int:
         """E routed + S shared experts: the number of expert slots the kernels index."""
-        return self.w13.shape[0]
+        return self.gate_up.shape[0]
 
     @property
     def hidden_size(self) -> int:
-        return self.w13.shape[2]
+        return self.gate_up.shape[2]
 
     @property
     def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
+        return self.gate_up.shape[1] // 2
 
     @property
     def is_fp8(self) -> bool:
-        return self.w13.dtype == FP8_DTYPE
+        return self.gate_up.dtype == FP8_DTYPE
 
     def to(self, device) -> "ExpertWeights":
         f = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return ExpertWeights(f(self.w13), f(self.w2), f(self.w13_scale), f(self.w2_scale),
+        return ExpertWeights(f(self.gate_up), f(self.down), f(self.gate_up_scale), f(self.down_scale),
                              f(self.gemm1_alpha), f(self.gemm1_beta), f(self.gemm1_clamp_limit))
 
     def subset(self, start: int, stop: int) -> "ExpertWeights":
         """Experts ``[start, stop)`` as views (e.g. the routed ones alone, or the shared slots)."""
         f = lambda t: None if t is None else t[start:stop]  # noqa: E731
-        return replace(self, w13=f(self.w13), w2=f(self.w2), w13_scale=f(self.w13_scale), w2_scale=f(self.w2_scale),
+        return replace(self, gate_up=f(self.gate_up), down=f(self.down), gate_up_scale=f(self.gate_up_scale), down_scale=f(self.down_scale),
                        gemm1_alpha=f(self.gemm1_alpha), gemm1_beta=f(self.gemm1_beta),
                        gemm1_clamp_limit=f(self.gemm1_clamp_limit))
 
@@ -226,7 +232,7 @@ def fused_moe(
         raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K+S] with T = {x.shape[0]}")
-    if resolve_backend(backend, x, experts.w13) == "triton":
+    if resolve_backend(backend, x, experts.gate_up) == "triton":
         from .moe_triton import fused_moe_triton
 
         return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, tile_config, out)
@@ -275,7 +281,7 @@ class FusedSharedMoE(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         dev = self.router_weight.device
-        if self.experts.w13.device != dev:
+        if self.experts.gate_up.device != dev:
             self.experts = self.experts.to(dev)
         return self
 

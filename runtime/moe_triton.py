@@ -352,7 +352,7 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
     Raises ``ValueError`` for unknown keys or impossible combinations (:func:`moe_tiles.check_tile_config`)."""
     dev = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else None
-    wname = str(experts.w13.dtype).replace("torch.", "")
+    wname = str(experts.gate_up.dtype).replace("torch.", "")
     cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_expert_slots, experts.hidden_size,
                                 experts.intermediate_size, slots_per_token, experts.is_fp8, dev, wname)
     cfg = dict(cfg)
@@ -419,7 +419,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
                                    max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
                                    BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
     prequant = fp8 and cfg["quantize_input_first"]
-    dot_dtype = _TL_DTYPES[experts.w13.dtype] if not fp8 else tl.float32
+    dot_dtype = _TL_DTYPES[experts.gate_up.dtype] if not fp8 else tl.float32
     BK = 128 if fp8 else 64
     gi = triton.cdiv(I, 128)
     a, a_s = x, x
@@ -428,9 +428,9 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         a_s = _alloc((T, triton.cdiv(H, 128)), torch.float32, x)
         _quant_kernel[(triton.cdiv(T, 32), triton.cdiv(H, 128))](x, a, a_s, T, H, x.stride(0), x.stride(1), a_s.stride(0),
                                                                  BR=32, INTERP=interp, num_warps=4)
-    w13, w2 = experts.w13, experts.w2
-    s13 = experts.w13_scale if fp8 else w13
-    s2 = experts.w2_scale if fp8 else w2
+    w13, w2 = experts.gate_up, experts.down
+    s13 = experts.gate_up_scale if fp8 else w13
+    s2 = experts.down_scale if fp8 else w2
     sstr = lambda s: (s.stride(0), s.stride(1), s.stride(2)) if fp8 else (0, 0, 0)  # noqa: E731
     act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     fused_act = cfg["gemm1_fused_activation"]

@@ -342,8 +342,8 @@ def _dequantize_experts(model) -> None:
     for m in model.modules():
         if isinstance(m, FusedSharedMoE):
             ex = m.experts
-            m.experts = replace(ex, w13=ex.w13.float() * expand_block_scales(ex.w13_scale, *ex.w13.shape[1:]),
-                                w2=ex.w2.float() * expand_block_scales(ex.w2_scale, *ex.w2.shape[1:]), w13_scale=None, w2_scale=None)
+            m.experts = replace(ex, gate_up=ex.gate_up.float() * expand_block_scales(ex.gate_up_scale, *ex.gate_up.shape[1:]),
+                                down=ex.down.float() * expand_block_scales(ex.down_scale, *ex.down.shape[1:]), gate_up_scale=None, down_scale=None)
 
 
 def test_fused_moe_blocks_match_transformers(tmp_path):

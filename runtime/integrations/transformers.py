@@ -395,8 +395,8 @@ class StreamedModel:
         """The converted MoE block of ``layer`` (any fused layer, MTP ones included), in this model's dtype."""
         moe = FusedSharedMoE.from_checkpoint(self.path, layer, device=self.device, backend=self.backend)
         ex = moe.experts
-        if not ex.is_fp8 and ex.w13.dtype != self.dtype:
-            moe.experts = replace(ex, w13=ex.w13.to(self.dtype), w2=ex.w2.to(self.dtype))
+        if not ex.is_fp8 and ex.gate_up.dtype != self.dtype:
+            moe.experts = replace(ex, gate_up=ex.gate_up.to(self.dtype), down=ex.down.to(self.dtype))
         moe.register_forward_pre_hook(_input_ids_as_token_ids, with_kwargs=True)
         return moe
 

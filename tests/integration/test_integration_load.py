@@ -100,7 +100,7 @@ def test_default_dtype_and_fp8_linears_dequantized(converted):
     model = from_fused_pretrained(out)  # config dtype: bfloat16
     q = model.model.layers[0].self_attn.q_a_proj.weight
     assert q.dtype == torch.bfloat16 and not q.is_meta
-    assert model.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert model.model.layers[1].mlp.experts.gate_up.dtype == torch.float8_e4m3fn
     assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
     with torch.no_grad():
         assert torch.isfinite(model(tokens(1, 8)).logits).all()

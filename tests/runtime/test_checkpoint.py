@@ -28,14 +28,14 @@ def test_from_checkpoint(tmp_path, v):
     for e in (0, E):
         if v["fp8"]:
             gi = I // 128
-            got_g = dequantize_block_fp8(ew.w13[e, :I], ew.w13_scale[e, :gi])
-            got_d = dequantize_block_fp8(ew.w2[e], ew.w2_scale[e])
+            got_g = dequantize_block_fp8(ew.gate_up[e, :I], ew.gate_up_scale[e, :gi])
+            got_d = dequantize_block_fp8(ew.down[e], ew.down_scale[e])
             want_g = dequantize_block_fp8(*quantize_block_fp8(truth["gate"][e]))
             want_d = dequantize_block_fp8(*quantize_block_fp8(truth["down"][e]))
-            got_u = dequantize_block_fp8(ew.w13[e, I:], ew.w13_scale[e, gi:])
+            got_u = dequantize_block_fp8(ew.gate_up[e, I:], ew.gate_up_scale[e, gi:])
             want_u = dequantize_block_fp8(*quantize_block_fp8(truth["up"][e]))
         else:
-            got_g, got_u, got_d = ew.w13[e, :I].float(), ew.w13[e, I:].float(), ew.w2[e].float()
+            got_g, got_u, got_d = ew.gate_up[e, :I].float(), ew.gate_up[e, I:].float(), ew.down[e].float()
             want_g, want_u, want_d = (truth[n][e].bfloat16().float() for n in ("gate", "up", "down"))
         assert torch.equal(got_g, want_g) and torch.equal(got_u, want_u) and torch.equal(got_d, want_d)
     torch.testing.assert_close(ew.gemm1_alpha, truth["alpha"])

@@ -33,23 +33,23 @@ def independent_moe(x, ew, ids, w):
     I = ew.intermediate_size
     gi = -(-I // 128)
     out = torch.zeros(x.shape, dtype=torch.float64)
-    xs = _q64(x.double()) if ew.is_fp8 else x.to(ew.w13.dtype).double()
+    xs = _q64(x.double()) if ew.is_fp8 else x.to(ew.gate_up.dtype).double()
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             if not 0 <= e < ew.num_expert_slots:
                 continue
             if ew.is_fp8:
-                g = dequantize_block_fp8(ew.w13[e, :I], ew.w13_scale[e, :gi]).double()
-                u = dequantize_block_fp8(ew.w13[e, I:], ew.w13_scale[e, gi:]).double()
-                d = dequantize_block_fp8(ew.w2[e], ew.w2_scale[e]).double()
+                g = dequantize_block_fp8(ew.gate_up[e, :I], ew.gate_up_scale[e, :gi]).double()
+                u = dequantize_block_fp8(ew.gate_up[e, I:], ew.gate_up_scale[e, gi:]).double()
+                d = dequantize_block_fp8(ew.down[e], ew.down_scale[e]).double()
             else:
-                g, u, d = ew.w13[e, :I].double(), ew.w13[e, I:].double(), ew.w2[e].double()
+                g, u, d = ew.gate_up[e, :I].double(), ew.gate_up[e, I:].double(), ew.down[e].double()
             a, b, lim = float(ew.gemm1_alpha[e]), float(ew.gemm1_beta[e]), float(ew.gemm1_clamp_limit[e])
             gv = (g @ xs[t]).clamp(max=lim)
             uv = (u @ xs[t]).clamp(-lim, lim)
             h = gv * torch.sigmoid(a * gv) * (uv + b)
-            h = _q64(h[None])[0] if ew.is_fp8 else h.to(ew.w13.dtype).double()
+            h = _q64(h[None])[0] if ew.is_fp8 else h.to(ew.gate_up.dtype).double()
             out[t] += float(w[t, k]) * (d @ h)
     return out
 
@@ -76,7 +76,7 @@ def test_clamp_and_offsets_act():
     """SwiGLU-OAI with a small limit must differ from plain SwiGLU (the parameters are used)."""
     g = torch.Generator().manual_seed(1)
     ew = random_experts(3, 256, 128, oai=True, gen=g)
-    plain = ExpertWeights(ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
+    plain = ExpertWeights(ew.gate_up, ew.down, ew.gate_up_scale, ew.down_scale)
     x = torch.randn(2, 256, generator=g) * 4
     ids = torch.tensor([[0, 2], [1, 2]], dtype=torch.int32)
     w = torch.ones(2, 2)
@@ -134,7 +134,7 @@ def test_validation():
     g = torch.Generator().manual_seed(0)
     ew = random_experts(3, 256, 128, gen=g)
     with pytest.raises(ValueError):
-        ExpertWeights(ew.w13, ew.w2)  # FP8 without scales
+        ExpertWeights(ew.gate_up, ew.down)  # FP8 without scales
     with pytest.raises(ValueError):
         fused_moe(torch.randn(2, 128), ew, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
     assert ew.num_expert_slots == 3 and ew.hidden_size == 256 and ew.intermediate_size == 128
