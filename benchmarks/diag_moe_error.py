@@ -10,7 +10,7 @@ rel(triton, ref).
 import sys, os, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "runtime"))
 from rt_helpers import MODELS, random_fp8_experts  # noqa: E402
-from runtime import RoutingConfig, route, fused_moe  # noqa: E402
+from runtime import route, fused_moe  # noqa: E402
 from runtime.fp8 import dequantize_block_fp8  # noqa: E402
 from test_gpu import _cfg  # noqa: E402
 

@@ -13,7 +13,6 @@ Triton on CUDA (``moe_triton``), the PyTorch reference elsewhere (``moe_referenc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -134,10 +133,6 @@ class _Checkpoint(ModelFolder):
         self.block = read_config_block(self.config)
         self.layers = converted_moe_layers(self.tensors, self.config)
 
-    @property
-    def weight_map(self):
-        return self.tensors
-
     def names(self, layer: int):
         if layer not in self.layers:
             raise LayoutError(f"{self.path}: layer {layer} is not a converted MoE layer (found {sorted(self.layers)})")
@@ -153,7 +148,7 @@ class _Checkpoint(ModelFolder):
     def experts(self, layer: int, device) -> ExpertWeights:
         names = self.names(layer)
         NE = self.block.num_expert_slots
-        has = lambda n: n in self.weight_map  # noqa: E731
+        has = self.__contains__
         scale_name = names.scale
         if names.storage == "stacked":
             gu, dn = names.stacked()

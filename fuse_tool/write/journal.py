@@ -35,7 +35,7 @@ from typing import Any
 from runtime.layout import LAYOUT_VERSION
 
 from .. import __version__
-from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, partial_name
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, partial_name
 from ..errors import ConversionError
 from .writer import fsync_dir
 

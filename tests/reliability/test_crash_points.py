@@ -15,7 +15,8 @@ import time
 import pytest
 
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.write.journal import JOURNAL_NAME, Journal
+from fuse_tool.files import JOURNAL_NAME
+from fuse_tool.write.journal import Journal
 from fuse_tool.plan import ConvertOptions
 
 from helpers import assert_identical, final_named, tree_bytes

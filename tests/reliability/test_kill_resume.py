@@ -22,7 +22,7 @@ import time
 import pytest
 
 from fuse_tool.convert import LOCK_NAME, convert_checkpoint
-from fuse_tool.write.journal import JOURNAL_NAME
+from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
 from helpers import assert_identical, cli_subprocess, final_named

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.write.journal import JOURNAL_NAME
+from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
 from helpers import assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.write.journal import JOURNAL_NAME
+from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
 from helpers import run_cli
