@@ -13,6 +13,10 @@ one MoE layer of N routed experts + a shared expert:
   fsynced by it, so its command is timed with a trailing ``sync``.
 - Planning: ``convert --dry-run`` (whole process) and ``build_plan`` (in process) on the
   DeepSeek-V3 and Kimi-K2 inventories as sparse skeletons (``tests/skeletons.py``).
+- ``v4``: a DeepSeek-V4-Flash-shaped source (H 4096, I 2048, release names): one MoE layer of N routed
+  experts in MXFP4 (packed e2m1 + E8M0 scales per 32) and an FP8 shared expert with E8M0 128x128 scales,
+  converted to FP8 e4m3 128x128 blocks (dequantized and re-encoded, exact where LAYOUT v2 section 4 allows),
+  against ``cp -r && sync`` of the same source bytes; also the count of blocks that were not exact.
 - ``--cuda``: a BF16 source of distinct random experts converted with ``--device cpu`` and
   ``--device cuda``; every output file compared, both timed.
 
@@ -247,6 +251,77 @@ def bench_planning(wd: Path, repeats: int) -> dict:
     return res
 
 
+V4_H, V4_I = 4096, 2048
+
+
+def synth_v4(path: Path, experts: int) -> int:
+    """A DeepSeek-V4-Flash-shaped source in the release format: one hash-free MoE layer, experts sharing one
+    expert's bytes (the conversion's work is the same per expert; only the page cache sees the sharing)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from v4_checkpoint import RELEASE_CONFIG, quantize_fp8_e8m0, quantize_mxfp4, write_safetensors
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(RELEASE_CONFIG, hidden_size=V4_H, moe_intermediate_size=V4_I, n_routed_experts=experts, num_experts_per_tok=6,
+               num_hidden_layers=1, num_hash_layers=0, num_nextn_predict_layers=0, compress_ratios=[0])
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+
+    def fp4(rows, cols):
+        packed, scale = quantize_mxfp4(torch.randn(rows, cols, generator=g) * 0.02)
+        return {"weight": ("I8", packed), "scale": ("F8_E8M0", scale)}
+
+    def fp8(rows, cols):
+        q, scale = quantize_fp8_e8m0(torch.randn(rows, cols, generator=g) * 0.02)
+        return {"weight": ("F8_E4M3", q), "scale": ("F8_E8M0", scale)}
+
+    routed = {"w1": fp4(V4_I, V4_H), "w3": fp4(V4_I, V4_H), "w2": fp4(V4_H, V4_I)}
+    shard, weight_map, total, files = {}, {}, 0, []
+    P = "layers.0.ffn"
+    for e in range(experts):
+        for w, parts in routed.items():
+            for suffix, t in parts.items():
+                shard[f"{P}.experts.{e}.{w}.{suffix}"] = t
+        if (e + 1) % 32 == 0 or e == experts - 1:
+            if e == experts - 1:
+                for w, (rows, cols) in {"w1": (V4_I, V4_H), "w3": (V4_I, V4_H), "w2": (V4_H, V4_I)}.items():
+                    for suffix, t in fp8(rows, cols).items():
+                        shard[f"{P}.shared_experts.{w}.{suffix}"] = t
+                shard[f"{P}.gate.weight"] = ("BF16", torch.randn(experts, V4_H, generator=g).bfloat16())
+                shard[f"{P}.gate.bias"] = ("F32", torch.zeros(experts))
+            fname = f"model-{len(files) + 1:05d}.safetensors"
+            write_safetensors(path / fname, shard)
+            files.append(fname)
+            weight_map.update(dict.fromkeys(shard, fname))
+            total += sum(t.numel() * t.element_size() for _, t in shard.values())
+            shard = {}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def bench_v4(wd: Path, experts: int, repeats: int) -> dict:
+    src, out, dst = wd / "v4-src", wd / "v4-out", wd / "v4-cp"
+    size = synth_v4(src, experts)
+    warm(src)
+    conv, cp = [], []
+    peak = 0
+    for _ in range(repeats):
+        t, rss = timed(convert_cmd(src, out))
+        conv.append(t)
+        peak = max(peak, rss)
+        shutil.rmtree(dst, ignore_errors=True)
+        cp.append(timed(["sh", "-c", f"cp -r {src} {dst} && sync"])[0])
+    out_bytes = sum(f.stat().st_size for f in out.iterdir())
+    summary = json.loads((out / "fuse_shared_manifest.json").read_text())
+    res = {"source_bytes": size, "output_bytes": out_bytes, "experts": experts, "convert_s": conv, "cp_sync_s": cp,
+           "convert_GBps_in": size / med(conv) / 1e9, "cp_GBps": size / med(cp) / 1e9,
+           "ratio_of_medians": med(conv) / med(cp), "ratio_per_round": [a / b for a, b in zip(conv, cp)], "peak_rss_bytes": peak,
+           "manifest_keys": sorted(summary)}
+    print(json.dumps({"v4": res}), flush=True)
+    for p in (src, out, dst):
+        shutil.rmtree(p, ignore_errors=True)
+    return res
+
+
 def bench_cuda(wd: Path, experts: int, repeats: int) -> dict:
     import hashlib
 
@@ -313,10 +388,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,64,128", help="routed experts of the FP8 sources (44 MB each)")
     ap.add_argument("--bf16-experts", type=int, default=16, help="routed experts of the BF16 source (88 MB each)")
     ap.add_argument("--cuda-experts", type=int, default=32)
+    ap.add_argument("--v4-experts", type=int, default=32, help="routed experts of the DeepSeek-V4-Flash-shaped MXFP4 source (13 MB each)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-size", default="1GB", help="output shard size of the passthrough (DeepSeek-V3's release shards are ~4.3 GB)")
     ap.add_argument("--llmc-venv", type=Path, default=Path("/work/llmc-venv"), help="llm-compressor's environment (created if missing)")
-    ap.add_argument("--only", default="passthrough,quantize,llmc,planning", help="sections: passthrough, quantize, llmc, planning, cuda")
+    ap.add_argument("--only", default="passthrough,quantize,llmc,planning", help="sections: passthrough, quantize, llmc, planning, v4, cuda")
     args = ap.parse_args()
     only = set(args.only.split(","))
     wd = args.workdir
@@ -334,6 +410,8 @@ def main() -> None:
         results["quantize"] = bench_quantize(wd, args.bf16_experts, args.repeats, args.llmc_venv if "llmc" in only else None)
     if "planning" in only:
         results["planning"] = bench_planning(wd, args.repeats)
+    if "v4" in only:
+        results["v4"] = bench_v4(wd, args.v4_experts, args.repeats)
     if "cuda" in only:
         results["cuda"] = bench_cuda(wd, args.cuda_experts, args.repeats) if torch.cuda.is_available() else "no CUDA device"
     results["machine"]["load_avg_at_end"] = os.getloadavg()

@@ -1,18 +1,22 @@
 """Diagnostic (H200): how far the Triton fused_moe and the PyTorch reference each are from exact math.
 
-    python3 benchmarks/diag_moe_error.py
+    PYTHONPATH=. python3 benchmarks/diag_moe_error.py
 
 Exact = float64 with the FP8 weights dequantized and activations NOT quantized; both paths quantize
 activations to FP8 (the reference with quant-dequant in float32), so each differs from exact by FP8
 rounding of x and h. Printed per (model, T) and per tile variant: rel(triton, exact), rel(ref, exact),
 rel(triton, ref).
 """
-import sys, os, torch
+import os
+import sys
+
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "runtime"))
 from rt_helpers import MODELS, random_fp8_experts  # noqa: E402
-from runtime import route, fused_moe  # noqa: E402
+from runtime import RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.fp8 import dequantize_block_fp8  # noqa: E402
-from test_gpu import _cfg  # noqa: E402
+from runtime.moe_triton import resolve_tile_config  # noqa: E402
 
 
 def rel(a, b):
@@ -22,34 +26,100 @@ def rel(a, b):
 def exact(x, ew, ids, w):
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     I = ew.intermediate_size
+    half = ew.gate_up_scale.shape[1] // 2
     for e in range(ew.num_expert_slots):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        gu = dequantize_block_fp8(ew.gate_up[e][:I], ew.gate_up_scale[e][: ew.gate_up_scale.shape[1] // 2]).double()
-        up = dequantize_block_fp8(ew.gate_up[e][I:], ew.gate_up_scale[e][ew.gate_up_scale.shape[1] // 2:]).double()
+        g = dequantize_block_fp8(ew.gate_up[e][:I], ew.gate_up_scale[e][:half]).double()
+        u = dequantize_block_fp8(ew.gate_up[e][I:], ew.gate_up_scale[e][half:]).double()
         dn = dequantize_block_fp8(ew.down[e], ew.down_scale[e]).double()
         a = x[tok].double()
-        h = torch.nn.functional.silu(a @ gu.T) * (a @ up.T)
+        h = torch.nn.functional.silu(a @ g.T) * (a @ u.T)
         out.index_add_(0, tok, (h @ dn.T) * w[tok, slot].double()[:, None])
     return out
 
 
-for name in ("DeepSeek-V3", "GLM-4.5"):
+PLAIN = dict(quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,
+             gemm1_swap_ab=False, gemm2_swap_ab=False, down_output_dtype="float32")
+VARIANTS = {
+    "table": {},
+    "plain (no swap, f32 h, f32 out)": PLAIN,
+    "plain + swap1": {**PLAIN, "gemm1_swap_ab": True},
+    "plain + swap2": {**PLAIN, "gemm2_swap_ab": True},
+    "plain + quant_input_first": {**PLAIN, "quantize_input_first": True},
+    "plain + quant_hidden_first": {**PLAIN, "quantize_hidden_first": True},
+    "plain + bf16 out": {**PLAIN, "down_output_dtype": "bfloat16"},
+    "plain + bn128 + quant_in_epilogue": {**PLAIN, "gemm1_block_n": 128, "quantize_in_epilogue": True},
+}
+
+for name in () if "--gap-only" in sys.argv else ("DeepSeek-V3", "GLM-4.5"):
     H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
-    cfg = _cfg(name)
+    cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
     ew = random_fp8_experts(E + S, H, I, seed=1)
     for T in (1, 64, 512):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg)
         ex = exact(x, ew, ids, w)
         ref = fused_moe(x, ew, ids, w, backend="torch")
-        rows = {"default": fused_moe(x, ew, ids, w)}
-        for variant in ({"down_output_dtype": "float32"}, {"quantize_in_epilogue": False}, {"quantize_hidden_first": False}):
+        print(f"{name} T={T}: ref vs exact {rel(ref, ex):.4f}  table tiles {resolve_tile_config(T, ew, K + S, x.device)}",
+              flush=True)
+        for label, variant in VARIANTS.items():
             try:
-                rows[str(variant)] = fused_moe(x, ew, ids, w, tile_config=variant)
+                y = fused_moe(x, ew, ids, w, tile_config=variant or None)
             except Exception as e:  # noqa: BLE001
-                print(name, T, variant, "error:", str(e)[:100])
-        print(f"{name} T={T}: ref vs exact {rel(ref, ex):.4f}", flush=True)
-        for k, y in rows.items():
-            print(f"   {k:40s} triton vs exact {rel(y, ex):.4f}   triton vs ref {rel(y, ref):.4f}", flush=True)
+                print(f"   {label:40s} error: {str(e)[:100]}")
+                continue
+            print(f"   {label:40s} triton vs exact {rel(y, ex):.4f}   triton vs ref {rel(y, ref):.4f}", flush=True)
+
+
+# Where the Triton/reference gap comes from: the x codes of both quantizers, the float32 vs float64 reference
+# (same FP8 steps), and the matmul precision settings torch runs the reference with.
+def reference64(x, ew, ids, w):
+    """The reference's steps (quantize x, GEMM1, SwiGLU, quantize h, GEMM2) in float64."""
+    def qdq(a):
+        g = a.reshape(a.shape[0], -1, 128)
+        s = g.abs().amax(-1).clamp_min(1.1754943508222875e-38) / 448.0
+        q = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+        return (q * s[..., None]).reshape(a.shape)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    I, half = ew.intermediate_size, ew.gate_up_scale.shape[1] // 2
+    a_all = qdq(x.double())
+    for e in range(ew.num_expert_slots):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        g = dequantize_block_fp8(ew.gate_up[e][:I], ew.gate_up_scale[e][:half]).double()
+        u = dequantize_block_fp8(ew.gate_up[e][I:], ew.gate_up_scale[e][half:]).double()
+        dn = dequantize_block_fp8(ew.down[e], ew.down_scale[e]).double()
+        a = a_all[tok]
+        h = qdq(torch.nn.functional.silu(a @ g.T) * (a @ u.T))
+        out.index_add_(0, tok, (h @ dn.T) * w[tok, slot].double()[:, None])
+    return out
+
+
+print("torch matmul precision:", torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+      getattr(torch.backends.cuda.matmul, "fp32_precision", None))
+from runtime.fp8 import quantize_activations  # noqa: E402
+from runtime.moe_triton import _quant_kernel  # noqa: E402
+
+H, I, E, S, K, G, TG, rsf, oai = MODELS["DeepSeek-V3"]
+cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
+ew = random_fp8_experts(E + S, H, I, seed=1)
+for T in (1, 64):
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    q_t, s_t = quantize_activations(x)
+    q_k = torch.empty(T, H, dtype=torch.float8_e4m3fn, device="cuda")
+    s_k = torch.empty(T, H // 128, dtype=torch.float32, device="cuda")
+    _quant_kernel[(T // 32 + 1, H // 128)](x, q_k, s_k, T, H, x.stride(0), x.stride(1), s_k.stride(0), BR=32, INTERP=False)
+    print(f"T={T}: x codes differing {(q_t.view(torch.uint8) != q_k.view(torch.uint8)).sum().item()} of {q_t.numel()}, "
+          f"scales differing {(s_t != s_k).sum().item()} of {s_t.numel()}")
+    ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg)
+    ex, r64 = exact(x, ew, ids, w), reference64(x, ew, ids, w)
+    ref, tri = fused_moe(x, ew, ids, w, backend="torch"), fused_moe(x, ew, ids, w)
+    print(f"   ref32 vs ref64 {rel(ref, r64):.4f}  triton vs ref64 {rel(tri, r64):.4f}  ref64 vs exact {rel(r64, ex):.4f}"
+          f"  triton vs ref32 {rel(tri, ref):.4f}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    ref_hi = fused_moe(x, ew, ids, w, backend="torch")
+    print(f"   ref32 (highest) vs ref64 {rel(ref_hi, r64):.4f}  triton vs ref32 (highest) {rel(tri, ref_hi):.4f}")

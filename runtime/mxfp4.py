@@ -76,7 +76,69 @@ def mxfp4_to_fp8_blocks(packed: torch.Tensor, scales: torch.Tensor, block: int =
     of ``B`` per tile ``[ceil(out/128), ceil(in/128)]`` (dequantization ``q * B``); ``moved`` float32 per tile, the
     largest ``|q * B - w| / B`` (0 where the tile is exact); ``within_rule`` bool per tile, the section-4 condition
     (smallest group scale >= ``2^-8 * B``) under which ``moved`` is 0.
+
+    Where every tile is within the rule and whole, the codes come straight from the packed bytes through a table
+    (:func:`_exact_codes`), never through float32; otherwise :func:`mxfp4_to_fp8_blocks_float` does the division.
+    Both give the same bytes on exact tiles (tests compare them).
     """
+    u8 = packed.contiguous().view(torch.uint8)
+    rows, cols = u8.shape[0], 2 * u8.shape[1]
+    sb = scales.contiguous().view(torch.uint8)
+    if tuple(sb.shape) != (rows, cols // MX_GROUP) or cols % MX_GROUP:
+        raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not fit weight [{rows}, {cols}] (expected [{rows}, {cols // MX_GROUP}])")
+    if rows % block or cols % block or block % MX_GROUP or bool((sb == E8M0_NAN).any()):
+        return mxfp4_to_fp8_blocks_float(packed, scales, block)
+    R, C, gpt = rows // block, cols // block, block // MX_GROUP
+    # Each tile's amax from the largest magnitude code of each 32-group times the group's scale: the same number the
+    # float path takes from the dequantized values, without making them.
+    mag = torch.maximum(u8 & 7, u8 >> 4 & 7).view(rows, cols // MX_GROUP, MX_GROUP // 2).amax(-1)
+    group_amax = _magnitudes(u8.device)[mag.to(torch.int32)] * e8m0_to_float(sb)
+    amax = group_amax.view(R, block, C, gpt).amax(dim=(1, 3))
+    B = ue8m0_round_up(torch.clamp(amax / FP8_MAX, min=MIN_E8M0))
+    b_exp = torch.frexp(B)[1] - 1  # B = 2^b_exp
+    shift = sb.to(torch.int32) - E8M0_BIAS - b_exp.repeat_interleave(block, 0).repeat_interleave(gpt, 1)
+    within_rule = shift.view(R, block, C, gpt).amin(dim=(1, 3)) >= -EXACT_GROUP_SPAN
+    if not bool(within_rule.all()):
+        return mxfp4_to_fp8_blocks_float(packed, scales, block)
+    return _exact_codes(u8, shift), float_to_e8m0(B), torch.zeros_like(B), within_rule
+
+
+# Exponent shifts g - b of a group inside an exact tile: at least -8 (the rule) and at most 10, since a code of
+# magnitude >= 0.5 times 2^(g-b) is at most 448 (a zero code stays zero at any shift, so larger shifts clamp to 10).
+_SHIFT_LO, _SHIFT_HI = -EXACT_GROUP_SPAN, 10
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(magnitudes [8] float32, codes [shifts * 256] int16)``: the e2m1 magnitude of each 3-bit code, and per
+    shift ``s`` and packed byte the two e4m3 codes of ``value * 2^s`` (low nibble's code in the low byte)."""
+    if device not in _TABLES:
+        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        b = torch.arange(256)
+        pairs = torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1)
+        codes = torch.stack([(pairs * 2.0**s).to(FP8_DTYPE).view(torch.uint8) for s in range(_SHIFT_LO, _SHIFT_HI + 1)])
+        _TABLES[device] = (lut[:8].to(device), codes.view(torch.int16).reshape(-1).to(device))
+    return _TABLES[device]
+
+
+def _magnitudes(device: torch.device) -> torch.Tensor:
+    return _tables(device)[0]
+
+
+def _exact_codes(u8: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes ``[rows, 2 * cols]`` of packed e2m1 bytes ``u8 [rows, cols]`` whose 32-groups are shifted by ``shift``
+    (int32 ``[rows, 2 * cols / 32]``, within ``[-8, 10]`` or on zero codes): one table lookup per byte."""
+    rows, half = u8.shape
+    codes = _tables(u8.device)[1]
+    row = (shift.clamp(_SHIFT_LO, _SHIFT_HI) - _SHIFT_LO) * 256
+    idx = (row.view(rows, -1, 1) + u8.view(rows, -1, MX_GROUP // 2).to(torch.int32)).view(rows, half)
+    return codes[idx].view(torch.uint8).view(FP8_DTYPE).view(rows, 2 * half)
+
+
+def mxfp4_to_fp8_blocks_float(packed: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mxfp4_to_fp8_blocks` through float32: dequantize, divide by ``B``, round to nearest even; any shape,
+    any tile (those outside the rule are measured)."""
     w = dequantize_mxfp4(packed, scales)
     rows, cols = w.shape
     R, C = -(-rows // block), -(-cols // block)

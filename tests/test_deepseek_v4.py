@@ -222,6 +222,24 @@ def test_mxfp4_rule_boundary():
         assert err == (0.0 if exact else 2.0**-10 * B) and float(moved[0, 0]) == err / B
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_mxfp4_table_path_matches_float_path(seed):
+    """The table path (codes straight from the packed bytes) gives the float path's bytes, scales and rule on every
+    exact weight, and hands the others (a group below the rule, NaN scales, ragged shapes) to the float path."""
+    from runtime.mxfp4 import mxfp4_to_fp8_blocks_float
+
+    g = torch.Generator().manual_seed(seed)
+    for rows, cols, lo, span in ((256, 512, 118, 9), (128, 256, 0, 9), (128, 768, 240, 14), (128, 256, 100, 3), (96, 256, 120, 4)):
+        packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8).view(torch.int8)
+        scales = torch.randint(lo, min(lo + span, 255), (rows, cols // 32), generator=g, dtype=torch.uint8)
+        packed[:, :16] = 0  # a zero group, whose scale may be anything
+        scales[:, 0] = lo
+        got, want = mxfp4_to_fp8_blocks(packed, scales), mxfp4_to_fp8_blocks_float(packed, scales)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        for a, b in zip(got[1:], want[1:]):
+            assert torch.equal(a, b)
+
+
 def test_e2m1_table_matches_transformers():
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 

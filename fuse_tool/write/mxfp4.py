@@ -35,10 +35,8 @@ def mxfp4_projection(task: ProjectionTask, device: str, allow_non_finite: bool) 
         if not allow_non_finite and bool((scales == E8M0_NAN).any()):
             raise ConversionError(f"has {int((scales == E8M0_NAN).sum())} NaN scales (E8M0 0xFF); pass --allow-non-finite to convert anyway",
                                   file=s.info.file, tensor=s.info.name)
+        # No scan of q: e2m1 codes are finite, and with no NaN scale every quotient is finite and clamped to +-448.
         q, scale, moved, within = (t.cpu() for t in mxfp4_to_fp8_blocks(_rows(w, r0, r1).to(device), scales.to(device)))
-        if not allow_non_finite and not bool(torch.isfinite(q.to(torch.float32)).all()):
-            raise ConversionError("has values that are not finite after scaling; pass --allow-non-finite to convert anyway",
-                                  file=w.info.file, tensor=w.info.name)
         yield Write(task.weight.tensor, task.weight.offset + r0 * cols, q)
         scale_rows.append(scale)
         bad = moved > 0
