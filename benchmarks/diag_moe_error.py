@@ -123,3 +123,33 @@ for T in (1, 64):
     torch.set_float32_matmul_precision("highest")
     ref_hi = fused_moe(x, ew, ids, w, backend="torch")
     print(f"   ref32 (highest) vs ref64 {rel(ref_hi, r64):.4f}  triton vs ref32 (highest) {rel(tri, ref_hi):.4f}")
+
+# Hopper FP8 dots accumulate in reduced precision unless told otherwise (Triton's max_num_imprecise_acc): the same
+# forward with every GEMM launched with precise accumulation.
+import runtime.moe_triton as mt  # noqa: E402
+
+
+class _Precise:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *a, **kw: launch(*a, max_num_imprecise_acc_default=0, **kw)
+
+
+fast_kernel = mt._moe_gemm_kernel
+for T in (1, 64, 512):
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg)
+    ex, r64 = exact(x, ew, ids, w), reference64(x, ew, ids, w)
+    mt._moe_gemm_kernel = fast_kernel
+    fast = fused_moe(x, ew, ids, w)
+    mt._moe_gemm_kernel = _Precise(fast_kernel)
+    try:
+        precise = fused_moe(x, ew, ids, w)
+        print(f"T={T}: imprecise acc: vs ref64 {rel(fast, r64):.4f} vs exact {rel(fast, ex):.4f} | precise acc: vs ref64 "
+              f"{rel(precise, r64):.4f} vs exact {rel(precise, ex):.4f}")
+    except Exception as e:  # noqa: BLE001
+        print("precise launch failed:", str(e)[:300])
+    mt._moe_gemm_kernel = fast_kernel
