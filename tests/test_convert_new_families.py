@@ -15,7 +15,7 @@ from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
 from fuse_tool.verify.numerics import verify_against
 from runtime.families import describe_model
-from runtime.layout import moe_layer_tensors, scale_name
+from runtime.layout import PER_EXPERT_NAMES, moe_layer_tensors, scale_name
 
 # Hunyuan-A13B's router (gate.wg) is a plain linear the test quantizer would turn into FP8; its FP8 releases are not
 # block FP8 of this kind, so it is not among the block-FP8 sources here.
@@ -24,6 +24,29 @@ FP8_BLOCK_FAMILIES = [f for f in NEW_FAMILIES if f != "hunyuan_v1_moe"]
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _halves(w: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Gate and up (weight, scale) of a concatenated gate-up tensor: the rows in halves, the scale grid in halves."""
+    return [(w.chunk(2, dim=-2)[i], s.chunk(2, dim=-2)[i]) for i in (0, 1)]
+
+
+def shared_parts(src: dict, sh: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, scale) of the source shared MLP's gate, up and down, whatever its storage."""
+    for gate_up, down in (("gate_up_proj", "down_proj"), ("input_linear", "output_linear")):
+        if f"{sh}.{gate_up}.weight" in src:
+            gu, dn = f"{sh}.{gate_up}.weight", f"{sh}.{down}.weight"
+            return _halves(src[gu], src[scale_name(gu)]) + [(src[dn], src[scale_name(dn)])]
+    names = PER_EXPERT_NAMES["w13" if f"{sh}.w1.weight" in src else "proj"]
+    return [(src[f"{sh}.{p}.weight"], src[scale_name(f"{sh}.{p}.weight")]) for p in names]
+
+
+def slot_parts(t: dict, names, e: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, scale) of expert slot ``e``'s gate, up and down in a converted (or, for e < E, source) checkpoint."""
+    if names.storage == "stacked":
+        gu, dn = names.stacked()
+        return _halves(t[gu][e], t[scale_name(gu)][e]) + [(t[dn][e], t[scale_name(dn)][e])]
+    return [(t[n], t[scale_name(n)]) for n in names.per_expert(e)]
 
 
 @pytest.mark.parametrize("family", FP8_BLOCK_FAMILIES)
@@ -36,20 +59,18 @@ def test_fp8_block_source_copies_blocks_and_verifies(family, tmp_path):
     result = convert_checkpoint(src_dir, out_dir, progress=False)
     src, out = load_all(src_dir), load_all(out_dir)
     assert set(result.plan.bytes_by_kind()) <= {"copy", "region", "cast", "constant"}, "nothing is requantized"
-    shared = describe_model(json.loads((src_dir / "config.json").read_text())).names.shared
+    table = describe_model(json.loads((src_dir / "config.json").read_text())).names
     layers = moe_layer_tensors(out)
-    assert len(layers) == 2
-    for names in layers.values():
-        blk = names.block_prefix
+    assert len(layers) >= 2
+    for L, names in layers.items():
         for e in range(6):
-            for n in names.per_expert(e):
-                assert same_bytes(out[n], src[n]) and same_bytes(out[scale_name(n)], src[scale_name(n)]), n
+            for (w, s), (w0, s0) in zip(slot_parts(out, names, e), slot_parts(src, names, e)):
+                assert same_bytes(w, w0) and same_bytes(s, s0), (L, e)
+        shared = shared_parts(src, table.shared_prefix(names.block_prefix, f"{table.layer_prefix}{L}"))
         for j in range(2):
-            for n, p in zip(names.per_expert(6 + j), ("gate_proj", "up_proj", "down_proj")):
-                w = src[f"{blk}.{shared}.{p}.weight"]
-                s = src[f"{blk}.{shared}.{p}.weight_scale_inv"]
-                want_w, want_s = (w[j * 128:(j + 1) * 128], s[j:j + 1]) if p != "down_proj" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1])
-                assert same_bytes(out[n], want_w.contiguous()) and torch.equal(out[scale_name(n)], want_s), n
+            for p, (got_w, got_s), (w, s) in zip("gud", slot_parts(out, names, 6 + j), shared):
+                want_w, want_s = (w[j * 128:(j + 1) * 128], s[j:j + 1]) if p != "d" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1])
+                assert same_bytes(got_w, want_w.contiguous()) and torch.equal(got_s, want_s), (L, j, p)
     r = verify_against(out_dir, src_dir)
     assert r.passed, r.failures
     assert all(lr.moe_rel < 0.12 for lr in r.layers if lr.moe_rel is not None)
