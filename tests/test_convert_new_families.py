@@ -145,3 +145,53 @@ def test_glm5_next_clamp_bites(tmp_path):
         moe.experts = dataclasses.replace(moe.experts, gemm1_clamp_limit=torch.full_like(moe.experts.gemm1_clamp_limit, math.inf))
         free = moe(x.to(moe.experts.w13.dtype)).float()
     assert ((clamped - free).norm() / free.norm()).item() > 0.05
+
+
+@pytest.mark.parametrize("family,change", [
+    ("mistral4", dict(group_score="max")),  # the version-1 rule for a bias-free block: groups by their max
+    ("mistral4", dict(n_group=1, topk_group=1)),  # no groups at all
+    ("mistral_large4", dict(group_score="max")),
+    ("ernie4_5_moe", dict(renormalize_form="add", renormalize_eps=1e-20)),  # not a bite on typical tokens: only the edge case
+    ("ernie4_5_moe", "no bias"),
+])
+def test_routing_facts_bite(family, change, tmp_path):
+    """The tiny models' routing facts change their MoE output, so matching transformers checks them: Mistral's groups
+    (scored by their top-2 sum) and ERNIE's selection bias on softmax scores. ERNIE's max(sum, 1e-12) denominator differs
+    from sum + 1e-20 only when the chosen scores sum below 1e-12 (tests/runtime/test_routing_transformers.py builds that)."""
+    import dataclasses
+
+    from runtime import FusedSharedMoE
+
+    src_dir = build_checkpoint(family, tmp_path / "src", experts=6)
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, ConvertOptions(precision="source"), progress=False)
+    moe = FusedSharedMoE.from_checkpoint(out_dir, 1)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)).to(moe.experts.gate_up.dtype)
+    with torch.no_grad():
+        y = moe(x).float()
+        if change == "no bias":
+            moe.e_score_correction_bias = None
+        else:
+            moe.cfg = dataclasses.replace(moe.cfg, **change)
+        other = moe(x).float()
+    diff = ((other - y).norm() / y.norm()).item()
+    if change == dict(renormalize_form="add", renormalize_eps=1e-20):
+        assert diff < 1e-2
+    else:
+        assert diff > 0.01, diff
+
+
+def test_ernie_moe_layers_follow_transformers():
+    """moe_layer_start_index / end_index / interval pick the same MoE layers as Ernie4_5_MoeDecoderLayer builds."""
+    import transformers as T
+
+    from builders import build_config
+
+    for start, end, interval in ((1, -1, 1), (0, 4, 2), (2, 3, 1), (1, 5, 3)):
+        cfg = build_config("ernie4_5_moe", layers=6, experts=6, moe_layer_start_index=start, moe_layer_end_index=end,
+                           moe_layer_interval=interval)
+        model = T.Ernie4_5_MoeForCausalLM(cfg)
+        want = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+        config = cfg.to_dict()
+        config["moe_layer_end_index"] = end  # a release config may say -1 (transformers resolves it to the last layer)
+        assert describe_model(config).moe_layers == want, (start, end, interval)
