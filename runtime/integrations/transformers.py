@@ -4,11 +4,11 @@
     model = from_fused_pretrained("out/DeepSeek-V3-fused", dtype=torch.bfloat16)
     model.generate(input_ids, max_new_tokens=16)
 
-The model is the source architecture's own transformers class (DeepSeek-V2/V3, Kimi-K2 as
-DeepSeek-V3, GLM-4.5 ``glm4_moe``, GLM-4.7-Flash ``glm4_moe_lite``, GLM-5 ``glm_moe_dsa``,
-MiniMax-M3 text and VL, DeepSeek-V4 ``deepseek_v4``), built on the meta device from the converted
-config.json, with every MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read
-from the converted expert tensors. DeepSeek-V4's decoder layers hand their MoE block ``input_ids``;
+The model is the source architecture's own transformers class (every supported family's module in
+``runtime.families`` names it), built on the meta device from the converted config.json, with every
+MoE block (``<layer>.mlp``, or the family's ``moe_module``) replaced by :class:`runtime.FusedSharedMoE`
+read from the converted expert tensors; a shared MLP that runs beside the block (GraniteMoE-Shared's
+``shared_mlp``) is removed, its slots being in the fused block. DeepSeek-V4's decoder layers hand their MoE block ``input_ids``;
 a forward pre-hook on each installed block passes them on as ``token_ids``, which the hash-routed
 layers route by (``tid2eid``; score-routed layers ignore them). V4's ``mtp.N`` blocks have no
 transformers module: their fused MoE is loaded on its own (:meth:`StreamedModel.moe_module`). Every other weight is read from the shards under the source's on-disk names
