@@ -14,6 +14,14 @@ from .mistral4 import MISTRAL_ROUTING
 
 _TEXT = r"^(model\.language_model\.layers\.\d+)"
 _VISION = r"^(model\.vision_tower\..*)"
+_W132 = (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))  # Mistral's MLP names: w1 gate, w2 down, w3 up
+
+
+def _mlp_renames(module: str, new_module: str) -> tuple[tuple[str, str], ...]:
+    """``<module>.w{1,2,3}.`` -> ``<new_module>.{gate,down,up}_proj.`` (``module`` a pattern with one group, the prefix)."""
+    return tuple((rf"{module}\.{w}\.", rf"\1.{new_module}.{proj}.") for w, proj in _W132)
+
+
 # Mistral-native names -> transformers modules (transformers' conversion_mapping "mistral_large4" for the wrapper and
 # "mistral_large4_text" scoped to the text model); the routed experts merge into stacked gate_up_proj / down_proj there.
 _RENAMES = (
@@ -28,9 +36,7 @@ _RENAMES = (
     (r"^vision_language_adapter\.w_in\.", "model.multi_modal_projector.linear_1."),
     (r"^vision_language_adapter\.w_out\.", "model.multi_modal_projector.linear_2."),
     (_VISION + r"\.attention\.w([qkvo])\.", r"\1.attention.\2_proj."),
-    (_VISION + r"\.feed_forward\.w1\.", r"\1.feed_forward.gate_proj."),
-    (_VISION + r"\.feed_forward\.w2\.", r"\1.feed_forward.down_proj."),
-    (_VISION + r"\.feed_forward\.w3\.", r"\1.feed_forward.up_proj."),
+    *_mlp_renames(_VISION + r"\.feed_forward", "feed_forward"),
     (_TEXT + r"\.attention\.", r"\1.self_attn."),
     (_TEXT + r"\.self_attn\.wq\.", r"\1.self_attn.q_proj."),
     (_TEXT + r"\.self_attn\.wkv_a_with_mqa\.", r"\1.self_attn.kv_a_proj_with_mqa."),
@@ -41,13 +47,9 @@ _RENAMES = (
     (r"\.ssmax_scaling\.b$", ".softmax_scaling.bias"),
     (_TEXT + r"\.attention_norm\.", r"\1.input_layernorm."),
     (_TEXT + r"\.ffn_norm\.", r"\1.post_attention_layernorm."),
-    (_TEXT + r"\.feed_forward\.w1\.", r"\1.mlp.gate_proj."),
-    (_TEXT + r"\.feed_forward\.w2\.", r"\1.mlp.down_proj."),
-    (_TEXT + r"\.feed_forward\.w3\.", r"\1.mlp.up_proj."),
+    *_mlp_renames(_TEXT + r"\.feed_forward", "mlp"),
     (_TEXT + r"\.(gate|experts|shared_experts)\.", r"\1.mlp.\2."),
-    (r"\.mlp\.shared_experts\.w1\.", ".mlp.shared_experts.gate_proj."),
-    (r"\.mlp\.shared_experts\.w2\.", ".mlp.shared_experts.down_proj."),
-    (r"\.mlp\.shared_experts\.w3\.", ".mlp.shared_experts.up_proj."),
+    *_mlp_renames(_TEXT + r"\.mlp\.shared_experts", "mlp.shared_experts"),
 )
 
 
