@@ -49,6 +49,11 @@ PER_EXPERT_NAMES = {
 }
 STACKED_GATE_UP = "gate_up_proj"  # [E, 2I, H], gate rows first
 STACKED_DOWN = "down_proj"  # [E, H, I]
+# Stacked storage forms: (gate_up [E, 2I, H] with gate rows first, down [E, H, I]) relative to the MoE block.
+STACKED_FORMS = {
+    "experts": (f"experts.{STACKED_GATE_UP}", f"experts.{STACKED_DOWN}"),  # transformers 5 (MiniMax-M3 text, Mistral Small 4)
+    "linear": ("input_linear.weight", "output_linear.weight"),  # GraniteMoE-Shared release names
+}
 
 
 from .errors import LayoutError  # noqa: E402  (re-exported: the layout's own error)
@@ -82,6 +87,12 @@ def num_shared_slots(shared_width: int, expert_width: int) -> int:
     if shared_width <= 0:
         return 0
     return math.ceil(shared_width / expert_width)
+
+
+def selection_bias_shapes(num_routed_experts: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes a selection bias may have: ``[E]``, or ``[1, E]`` as ERNIE-4.5 stores its
+    ``moe_statics.e_score_correction_bias`` (kept as stored, like every router tensor)."""
+    return ((num_routed_experts,), (1, num_routed_experts))
 
 
 def scale_grid(rows: int, cols: int, block: int = WEIGHT_BLOCK) -> tuple[int, int]:
@@ -458,6 +469,11 @@ class ActivationParams:
         raise LayoutError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
+def stacked_names(block_prefix: str, form: str = "experts") -> tuple[str, str]:
+    """The gate_up and down tensors of a MoE block stored in stacked form ``form`` (:data:`STACKED_FORMS`)."""
+    return tuple(f"{block_prefix}.{n}" for n in STACKED_FORMS[form])  # type: ignore[return-value]
+
+
 def gemm1_param_names(experts_prefix: str) -> tuple[str, str, str]:
     """Names of the alpha, beta and clamp-limit tensors of one MoE layer."""
     return tuple(f"{experts_prefix}.{p}" for p in GEMM1_PARAMS)  # type: ignore[return-value]
@@ -468,12 +484,16 @@ class ExpertTensorNames:
     """Where one MoE layer's expert tensors live in a converted checkpoint.
 
     ``storage`` is ``"proj"`` or ``"w13"`` (one tensor per expert and projection)
-    or ``"stacked"`` (``gate_up_proj [E+S, 2I, H]`` and ``down_proj [E+S, H, I]``).
+    or ``"stacked"`` (gate_up ``[E+S, 2I, H]`` and down ``[E+S, H, I]``, named by ``stacked_form``,
+    a key of :data:`STACKED_FORMS`: ``experts.gate_up_proj`` / ``experts.down_proj``, or GraniteMoE-Shared's
+    ``input_linear.weight`` / ``output_linear.weight`` beside ``experts``). The SwiGLU parameters are
+    ``<experts_prefix>.gemm1_*`` in every form.
     """
 
     experts_prefix: str
     storage: str
     scale_storage: str = "f32"  # "f32" (``<weight>_scale_inv``) or "e8m0" (``<module>.scale``, DeepSeek-V4)
+    stacked_form: str = "experts"
 
     @property
     def block_prefix(self) -> str:
@@ -495,7 +515,7 @@ class ExpertTensorNames:
 
     def stacked(self) -> tuple[str, str]:
         """gate_up and down tensor names (stacked storage only)."""
-        return (f"{self.experts_prefix}.{STACKED_GATE_UP}", f"{self.experts_prefix}.{STACKED_DOWN}")
+        return stacked_names(self.block_prefix, self.stacked_form)
 
     def gemm1_params(self) -> tuple[str, str, str]:
         return gemm1_param_names(self.experts_prefix)
@@ -526,21 +546,25 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
             if not m or num_hidden_layers is None:
                 continue
             prefix, layer = m.group("prefix"), num_hidden_layers + int(m.group("mtp"))
-        if f"{prefix}.{STACKED_GATE_UP}" in names:
-            storage = "stacked"
+        block = prefix[: -len(".experts")]
+        form = next((f for f in STACKED_FORMS if stacked_names(block, f)[0] in names), None)
+        if form is not None:
+            storage, first = "stacked", stacked_names(block, form)[0]
         elif f"{prefix}.0.{PER_EXPERT_NAMES['w13'][0]}.weight" in names:
             storage = "w13"
         elif f"{prefix}.0.{PER_EXPERT_NAMES['proj'][0]}.weight" in names:
             storage = "proj"
         else:
-            raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, .gate_up_proj)")
-        first = f"{prefix}.{STACKED_GATE_UP}" if storage == "stacked" else f"{prefix}.0.{PER_EXPERT_NAMES[storage][0]}.weight"
+            raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, "
+                              f"{' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})")
+        if storage != "stacked":
+            first = f"{prefix}.0.{PER_EXPERT_NAMES[storage][0]}.weight"
         scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
         if layer in found and found[layer].experts_prefix != prefix:
             # An MTP stack under another prefix may reuse an index; the main stack wins.
             if "mtp" in prefix:
                 continue
-        found[layer] = ExpertTensorNames(prefix, storage, scales)
+        found[layer] = ExpertTensorNames(prefix, storage, scales, form or "experts")
     return found
 
 

@@ -30,6 +30,7 @@ from .layout import (
     _float,
     _int,
     find_config_block,
+    selection_bias_shapes,
 )
 
 MAX_EXPERTS = 512
@@ -163,8 +164,8 @@ def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid) -
         raise ValueError(f"logits must be [T, {E}], got {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
-    if bias is not None and tuple(bias.shape) != (E,):
-        raise ValueError(f"bias must be [{E}], got {tuple(bias.shape)}")
+    if bias is not None and tuple(bias.shape) not in selection_bias_shapes(E):
+        raise ValueError(f"bias must be [{E}] (or [1, {E}], as ERNIE-4.5 stores it), got {tuple(bias.shape)}")
     if num_valid_tokens is not None and (num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point()):
         raise ValueError(f"num_valid_tokens must be a one-element integer tensor, got {num_valid_tokens.dtype} {tuple(num_valid_tokens.shape)}")
     if not cfg.hash_routed:
@@ -228,7 +229,8 @@ def route(
     Args:
         logits: ``[T, E]`` router logits, any float dtype (computed in float32; LAYOUT asks for
             float32 logits from the float32 router weight).
-        bias: ``[E]`` selection bias (float32 or cast to it) or None. Ignored by hash layers.
+        bias: ``[E]`` selection bias (float32 or cast to it) or None; ``[1, E]`` (ERNIE-4.5's
+            ``moe_statics.e_score_correction_bias``, kept as stored) is the same. Ignored by hash layers.
         cfg: the layer's :class:`RoutingConfig`.
         num_valid_tokens: one-element integer device tensor or None; rows at or past it are
             padding: id -1 and weight 0 in every slot, not routed, tokens not read (no host sync:
@@ -255,6 +257,8 @@ def route(
     nothing out of bounds is read. Use :func:`check_hash_table` once at load to refuse a bad table.
     """
     _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid)
+    if bias is not None and bias.dim() != 1:
+        bias = bias.reshape(-1)
     if not cfg.hash_routed:
         token_ids = None
     elif token_ids.dim() != 1:

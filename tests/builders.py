@@ -72,6 +72,24 @@ NEW_FAMILIES = {
     "hunyuan_v1_moe": (lambda T, moe, I, E, W, L, over: T.HunYuanMoEV1Config(
         **{k: v for k, v in moe.items() if k != "num_experts_per_tok"}, moe_topk=2, intermediate_size=I, num_experts=E, head_dim=32,
         **over), "HunYuanMoEV1ForCausalLM"),
+    # ERNIE-4.5: softmax + bias ([1, E] moe_statics), renormalized by max(sum, 1e-12); MoE from moe_layer_start_index 1.
+    "ernie4_5_moe": (lambda T, moe, I, E, W, L, over: T.Ernie4_5_MoeConfig(
+        **{k: v for k, v in moe.items() if k != "num_experts_per_tok"}, moe_k=2, intermediate_size=3 * I, moe_intermediate_size=I,
+        moe_num_experts=E, moe_num_shared_experts=(W or 2 * I) // I, head_dim=32, **over), "Ernie4_5_MoeForCausalLM"),
+    # GraniteMoE-Shared: stacked input_linear / output_linear experts of width intermediate_size, any shared width; every layer MoE.
+    "granitemoeshared": (lambda T, moe, I, E, W, L, over: T.GraniteMoeSharedConfig(
+        **moe, intermediate_size=I, num_local_experts=E, shared_intermediate_size=W or 2 * I, residual_multiplier=0.7, **over),
+        "GraniteMoeSharedForCausalLM"),
+    # Mistral Small 4 / Large 3: softmax, no bias, 3 groups of 2 scored by their top-2 sum, 2 kept (groups matter for K = 2).
+    "mistral4": (lambda T, moe, I, E, W, L, over: T.Mistral4Config(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        n_group=3, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.7, **over), "Mistral4ForCausalLM"),
+    "mistral_large4": (lambda T, moe, I, E, W, L, over: T.MistralLarge4Config(
+        text_config=dict(**moe, **{k: v for k, v in MLA.items() if k != "q_lora_rank"}, intermediate_size=3 * I, moe_intermediate_size=I,
+                         n_routed_experts=E, n_shared_experts=(W or 2 * I) // I, n_group=3, topk_group=2, first_k_dense_replace=1,
+                         routed_scaling_factor=1.25, index_n_heads=2, index_head_dim=16, index_topk=4, **over),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8,
+                           head_dim=16)), "MistralLarge4ForConditionalGeneration"),
 }
 
 
@@ -222,7 +240,10 @@ def add_mtp_layer(path: Path) -> None:
     _edit_config(path, lambda c: c.update(num_nextn_predict_layers=1))
 
 
-_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|eh_proj|shared_head|e_score_correction_bias|indexer\.weights_proj)")
+_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.layer\.weight$|eh_proj|shared_head|e_score_correction_bias|"
+                       r"indexer\.weights_proj)")
+_DECODER = re.compile(r"(^|\.)layers\.")  # model.layers.L, or Mistral-native layers.L
+_STACKED = ("gate_up_proj", "down_proj", "input_linear.weight", "output_linear.weight")  # 3-D expert stacks, gate_up first
 
 
 def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> None:
@@ -230,12 +251,11 @@ def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> No
     t = load_all(path)
     out = {}
     for k, v in t.items():
-        if k.endswith(".weight") and v.dim() == 2 and ".layers." in k and not _SKIP_FP8.search(k):
+        if k.endswith(".weight") and v.dim() == 2 and _DECODER.search(k) and not _SKIP_FP8.search(k):
             q, s = quantize_block_fp8(v.float(), scale_fmt=scale_fmt)
             out[k], out[k + "_scale_inv"] = q, s
-        elif k.endswith(("gate_up_proj", "down_proj")) and v.dim() == 3:
-            I2 = v.shape[1]
-            if k.endswith("gate_up_proj"):
+        elif k.endswith(_STACKED) and v.dim() == 3:
+            if k.endswith(_STACKED[::2]):
                 halves = [quantize_block_fp8(h.float(), scale_fmt=scale_fmt) for h in v.chunk(2, dim=1)]
                 out[k] = torch.cat([h[0] for h in halves], dim=1)
                 out[k + "_scale_inv"] = torch.cat([h[1] for h in halves], dim=1)

@@ -182,9 +182,18 @@ def test_latent_routed_experts_refused_in_any_family(src, tmp_path):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "moe_latent_size", "latent space", "narrower than the hidden size")
 
 
-def test_hy_v3_with_mlp_bias_is_refused(tmp_path):
-    src = build_checkpoint("hy_v3", tmp_path / "src", experts=6, mlp_bias=True)
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "mlp_bias", "no bias terms")
+@pytest.mark.parametrize("family,flag", [("hy_v3", "mlp_bias"), ("ernie4_5_moe", "use_bias")])
+def test_shared_mlp_with_biases_is_refused(tmp_path, family, flag):
+    src = build_checkpoint(family, tmp_path / "src", experts=6, **{flag: True})
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", flag, "no bias terms")
+
+
+def test_granitemoeshared_without_shared_width_is_refused(tmp_path):
+    src = build_checkpoint("granitemoeshared", tmp_path / "src", experts=6)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["shared_intermediate_size"] = 0
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "no shared expert", "nothing to fuse")
 
 
 def test_hunyuan_per_layer_expert_counts_must_agree(tmp_path):

@@ -14,7 +14,7 @@ from checks import assert_fp8_close, config_block, dequant, index_of
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
 from runtime.families import describe_model, router_tensor_names
-from runtime.layout import PER_EXPERT_NAMES, moe_layer_tensors, scale_name
+from runtime.layout import PER_EXPERT_NAMES, STACKED_FORMS, moe_layer_tensors, scale_name, stacked_names
 
 # (family, build kwargs, E, I, W): W != I covers split slots (V2) and padded slots (MiniMax 48 over 32).
 CASES = {
@@ -38,6 +38,15 @@ CASES = {
     "hunyuan_v1_moe": dict(kw=dict(experts=7), E=7, I=32, W=32, routing=("softmax", 2, 1, 1, True, 1.0, False)),
     # GLM-5.3 clamps routed and shared experts at swiglu_limit before the activation: every slot gets that limit.
     "glm5_next": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.5, True), limit=0.3),
+    # ERNIE-4.5: softmax + [1, E] bias, renormalized by max(sum, 1e-12) (LAYOUT v2 renormalize_form).
+    "ernie4_5_moe": dict(kw=dict(experts=7), E=7, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, True),
+                         v2=dict(renormalize_form="max", renormalize_eps=1e-12)),
+    # GraniteMoE-Shared: shared width 48 over I = 32, two slots, the second zero-padded; stacked input_linear / output_linear kept.
+    "granitemoeshared": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    # Mistral Small 4 / Large 3: softmax, no bias, groups by their top-2 sum (LAYOUT v2 group_score).
+    "mistral4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 3, 2, True, 1.7, False), v2=dict(group_score="top2_sum")),
+    "mistral_large4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 3, 2, True, 1.25, False),
+                           v2=dict(group_score="top2_sum")),
 }
 assert set(CASES) == set(FAMILIES) | set(NEW_FAMILIES)
 
@@ -48,21 +57,25 @@ def sources(tmp_path_factory):
     return {f: build_checkpoint(f, root / f, **c["kw"]) for f, c in CASES.items()}
 
 
-def shared_source(src: dict, block: str, W: int, shared: str = "shared_experts"):
-    """(gate [W,H], up [W,H], down [H,W]) of a source shared MLP (named ``shared`` in its block), separate or concatenated."""
-    sh = f"{block}.{shared}"
-    if f"{sh}.gate_up_proj.weight" in src:
-        gu = src[f"{sh}.gate_up_proj.weight"].float()
-        return gu[:W], gu[W:], src[f"{sh}.down_proj.weight"].float()
-    return tuple(src[f"{sh}.{p}.weight"].float() for p in ("gate_proj", "up_proj", "down_proj"))
+def shared_source(src: dict, sh: str, W: int):
+    """(gate [W,H], up [W,H], down [H,W]) of the source shared MLP at ``sh``: separate (gate/up/down_proj or w1/w3/w2) or one
+    concatenated gate-up tensor (gate_up_proj, GraniteMoE's input_linear)."""
+    for gate_up, down in (("gate_up_proj", "down_proj"), ("input_linear", "output_linear")):
+        if f"{sh}.{gate_up}.weight" in src:
+            gu = src[f"{sh}.{gate_up}.weight"].float()
+            return gu[:W], gu[W:], src[f"{sh}.{down}.weight"].float()
+    names = PER_EXPERT_NAMES["w13" if f"{sh}.w1.weight" in src else "proj"]
+    return tuple(src[f"{sh}.{p}.weight"].float() for p in names)
 
 
 def routed_source(src: dict, block: str, e: int):
     x = f"{block}.experts"
-    if f"{x}.gate_up_proj" in src:
-        gu = src[f"{x}.gate_up_proj"][e].float()
-        half = gu.shape[0] // 2
-        return gu[:half], gu[half:], src[f"{x}.down_proj"][e].float()
+    for form in STACKED_FORMS:
+        gu_name, dn_name = stacked_names(block, form)
+        if gu_name in src:
+            gu = src[gu_name][e].float()
+            half = gu.shape[0] // 2
+            return gu[:half], gu[half:], src[dn_name][e].float()
     names = PER_EXPERT_NAMES["w13" if f"{x}.0.w1.weight" in src else "proj"]
     return tuple(src[f"{x}.{e}.{p}.weight"].float() for p in names)
 
@@ -114,6 +127,7 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
     if "routing" in case:
         r = block.routing
         assert (r.scoring, r.top_k, r.n_group, r.topk_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == case["routing"]
+        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == (2 if "v2" in case else 1)
     assert ("quantization_config" in cfg) == (precision == "fp8")
     if precision == "fp8":
         assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
@@ -123,7 +137,8 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
 
     for L, names in layers.items():
         blk = names.block_prefix
-        assert not any(k.startswith(f"{blk}.{names_table.shared}.") for k in out), "no shared-expert tensors remain"
+        sh = names_table.shared_prefix(blk, f"{names_table.layer_prefix}{L}")
+        assert any(k.startswith(f"{sh}.") for k in src) and not any(k.startswith(f"{sh}.") for k in out), "no shared-expert tensors remain"
         router, biases = router_tensor_names(cfg, blk)
         assert out[router].dtype == torch.float32
         assert torch.equal(out[router], src[router].float())
@@ -143,7 +158,7 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
         else:
             assert out[names.stacked()[0]].shape[0] == E + S
 
-        sg, su, sd = shared_source(src, blk, W, names_table.shared)
+        sg, su, sd = shared_source(src, sh, W)
         wants = [routed_source(src, blk, e) for e in range(E)]
         for j in range(S):
             a, b = j * I, min((j + 1) * I, W)

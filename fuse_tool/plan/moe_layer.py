@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from runtime.layout import PER_EXPERT_NAMES, STACKED_DOWN, STACKED_GATE_UP, block_scale_tensor, gemm1_param_names, scale_grid, scale_name
+from runtime.layout import (
+    PER_EXPERT_NAMES, STACKED_FORMS, block_scale_tensor, gemm1_param_names, scale_grid, scale_name, selection_bias_shapes, stacked_names,
+)
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
 from .context import PlanInputs, PlanParts
@@ -13,6 +15,17 @@ from .source_weights import half, projection_task, source_weight
 from .tasks import CastTask, ConstantTask, CopyTask, Cut, Group, LayerPlan, OutputTensor, SourceWeight, Target
 
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
+# A shared MLP stored as one concatenated gate-up tensor (gate rows first) and its down projection.
+SHARED_CONCAT_FORMS = (("gate_up_proj.weight", "down_proj.weight"), ("input_linear.weight", "output_linear.weight"))
+
+
+def _expert_tensor_of(rest: str, block_names: tuple[str, ...]) -> bool:
+    """Whether ``rest`` (a name inside a decoder layer) is a routed-expert tensor of one of the family's blocks."""
+    for b in block_names:
+        inside = f"{b}." if b else ""
+        if rest.startswith(f"{inside}experts.") or any(rest == f"{inside}{n}" for form in STACKED_FORMS.values() for n in form):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -33,13 +46,13 @@ def layers_with_experts(inputs: PlanInputs) -> dict[int, str]:
     for name in inputs.tensors:
         if names.mtp_prefix and name.startswith(names.mtp_prefix):
             n, _, rest = name[len(names.mtp_prefix):].partition(".")
-            if n.isdigit() and any(rest.startswith(f"{b}.experts.") for b in names.block_names):
+            if n.isdigit() and _expert_tensor_of(rest, names.block_names):
                 found.setdefault(inputs.arch.num_hidden_layers + int(n), name)
             continue
         if not name.startswith(names.layer_prefix):
             continue
         m = LAYER_RE.match(name)
-        if m and m.group("prefix") == names.layer_prefix and any(m.group("rest").startswith(f"{b}.experts.") for b in names.block_names):
+        if m and m.group("prefix") == names.layer_prefix and _expert_tensor_of(m.group("rest"), names.block_names):
             found.setdefault(int(m.group("layer")), name)
     return found
 
@@ -55,21 +68,26 @@ def layer_root(inputs: PlanInputs, layer: int) -> str:
 def block_prefix(inputs: PlanInputs, layer: int) -> str:
     """The MoE block of a layer: the first of the family's block names whose expert 0 is present."""
     names = inputs.arch.names
+    firsts = ("experts.0.gate_proj.weight", "experts.0.w1.weight") + tuple(form[0] for form in STACKED_FORMS.values())
     for b in names.block_names:
-        p = f"{layer_root(inputs, layer)}.{b}"
-        if any(f"{p}.experts.{n}" in inputs.tensors for n in (STACKED_GATE_UP, "0.gate_proj.weight", "0.w1.weight")):
+        p = names.block(layer_root(inputs, layer), b)
+        if any(f"{p}.{n}" in inputs.tensors for n in firsts):
             return p
     raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {layer_root(inputs, layer)}."
-                       f"{{{','.join(names.block_names)}}}.experts.0.gate_proj.weight / .w1.weight / experts.gate_up_proj)")
+                       f"{{{','.join(names.block_names)}}}.{{{','.join(firsts)}}})")
 
 
-def _routed_experts(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, H: int) -> tuple[str, list[tuple[SourceWeight, ...]]]:
-    """The storage form and (gate, up, down) source weights of each routed expert."""
+def _routed_experts(inputs: PlanInputs, parts: PlanParts, P: str, g: Geometry, H: int) -> tuple[str, str, list[tuple[SourceWeight, ...]]]:
+    """The storage form, the stacked form (:data:`STACKED_FORMS`, for stacked storage) and (gate, up, down) source
+    weights of each routed expert of the block at ``P``."""
     E, I = g.E, g.I  # noqa: E741
-    if f"{X}.{STACKED_GATE_UP}" in inputs.tensors:
-        gu = source_weight(inputs, parts, f"{X}.{STACKED_GATE_UP}", expect=(E, 2 * I, H))
-        dn = source_weight(inputs, parts, f"{X}.{STACKED_DOWN}", expect=(E, H, I))
-        return "stacked", [(half(a, 0, I), half(a, 1, I), d) for a, d in zip(gu, dn)]
+    X = f"{P}.experts"
+    for form in STACKED_FORMS:
+        gu_name, dn_name = stacked_names(P, form)
+        if gu_name in inputs.tensors:
+            gu = source_weight(inputs, parts, gu_name, expect=(E, 2 * I, H))
+            dn = source_weight(inputs, parts, dn_name, expect=(E, H, I))
+            return "stacked", form, [(half(a, 0, I), half(a, 1, I), d) for a, d in zip(gu, dn)]
     storage = "w13" if f"{X}.0.w1.weight" in inputs.tensors else "proj"
     routed = []
     for e in range(E):
@@ -79,15 +97,16 @@ def _routed_experts(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, H
             source_weight(inputs, parts, up, expect=(I, H))[0],
             source_weight(inputs, parts, down, expect=(H, I))[0],
         ))
-    return storage, routed
+    return storage, "experts", routed
 
 
 def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int, H: int) -> tuple[SourceWeight, ...]:
     """The shared MLP as (gate, up, down) source weights of width W."""
-    SH = f"{P}.{inputs.arch.names.shared}"
-    if f"{SH}.gate_up_proj.weight" in inputs.tensors:
-        gu = source_weight(inputs, parts, f"{SH}.gate_up_proj.weight", expect=(2 * W, H))[0]
-        return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.down_proj.weight", expect=(H, W))[0])
+    SH = inputs.arch.names.shared_prefix(P, layer_root(inputs, layer))
+    for gate_up, down in SHARED_CONCAT_FORMS:  # one concatenated gate-up tensor, gate rows first
+        if f"{SH}.{gate_up}" in inputs.tensors:
+            gu = source_weight(inputs, parts, f"{SH}.{gate_up}", expect=(2 * W, H))[0]
+            return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.{down}", expect=(H, W))[0])
     for gate, up, down in PER_EXPERT_NAMES.values():  # gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
         if f"{SH}.{gate}.weight" in inputs.tensors:
             return (
@@ -109,11 +128,12 @@ def _slot_cuts(g: Geometry, H: int) -> list[tuple[Cut, Cut, Cut]]:
     return cuts
 
 
-def _plan_stacked(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, H: int, slots, cuts, fmt: str, order) -> list[str]:
-    """Stacked output: gate_up_proj [E+S, 2I, H] and down_proj [E+S, H, I], filled by one task per expert and projection."""
+def _plan_stacked(inputs: PlanInputs, parts: PlanParts, P: str, form: str, g: Geometry, H: int, slots, cuts, fmt: str, order) -> list[str]:
+    """Stacked output under the source's names (``form``): gate_up [E+S, 2I, H] and down [E+S, H, I], filled by one task
+    per expert and projection."""
     E, I = g.E, g.I  # noqa: E741
     fp8 = inputs.out_fp8
-    gu_name, dn_name = f"{X}.{STACKED_GATE_UP}", f"{X}.{STACKED_DOWN}"
+    gu_name, dn_name = stacked_names(P, form)
     out_dtype = FP8_DTYPE_CODE if fp8 else fmt
     item = DTYPE_SIZES[out_dtype]
     gr, gc = scale_grid(I, H)
@@ -178,7 +198,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
         raise inputs.error(f"has dtype {gate_info.dtype}, expected a float router (F32/F16/BF16) to write as F32", gate_info.name)
     H = gate_info.shape[1]
 
-    storage, routed = _routed_experts(inputs, parts, X, g, H)
+    storage, form, routed = _routed_experts(inputs, parts, P, g, H)
     fmt = routed[0][0].fmt
     for trio in routed:
         for sw in trio:
@@ -194,7 +214,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
     cuts = _slot_cuts(g, H)
     order = (str(gate_info.file), min(sw.weight.info.offset for sw in routed[0]))
     if storage == "stacked":
-        shared_modes = _plan_stacked(inputs, parts, X, g, H, slots, cuts, fmt, order)
+        shared_modes = _plan_stacked(inputs, parts, P, form, g, H, slots, cuts, fmt, order)
     else:
         shared_modes = _plan_per_expert(inputs, parts, X, g, storage, slots, cuts)
 
@@ -206,8 +226,8 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
     for bias_name in (f"{P}.{b}" for b in names.bias):
         if bias_name in inputs.tensors:
             b = inputs.tensors[bias_name]
-            if b.shape != (g.E,):
-                raise inputs.error(f"has shape {list(b.shape)}, expected [{g.E}]", bias_name)
+            if b.shape not in selection_bias_shapes(g.E):
+                raise inputs.error(f"has shape {list(b.shape)}, expected [{g.E}] (or [1, {g.E}])", bias_name)
             if b.dtype not in FLOAT_DTYPES:
                 raise inputs.error(f"has dtype {b.dtype}, expected a float selection bias (F32/F16/BF16)", bias_name)
             parts.consumed.add(bias_name)
@@ -245,7 +265,11 @@ def check_nothing_else_in_moe_blocks(inputs: PlanInputs, parts: PlanParts, layer
 
     One pass over the names (a block prefix has a fixed number of dots per storage), not one per layer.
     """
-    blocks = {lp.block_prefix: lp.layer for lp in layers}
+    names = inputs.arch.names
+    blocks = {}  # what each block owns (its module, or only its experts where the block is the decoder layer) -> layer
+    for lp in layers:
+        for owned in names.block_owns(lp.block_prefix, layer_root(inputs, lp.layer)):
+            blocks[owned[:-1]] = lp.layer
     depths = {p.count(".") + 1 for p in blocks}
     for name in inputs.tensors:
         if name in parts.consumed:
@@ -254,7 +278,7 @@ def check_nothing_else_in_moe_blocks(inputs: PlanInputs, parts: PlanParts, layer
         for depth in depths:
             block = ".".join(pieces[:depth])
             if block in blocks and len(pieces) > depth:
-                m = re.match(re.escape(block) + r"\.experts\.(\d+)\.", name)
+                m = re.match(r"(\d+)\." if block.endswith(".experts") else r"experts\.(\d+)\.", name[len(block) + 1:])
                 if m and int(m.group(1)) >= num_routed_experts:
                     raise inputs.error(f"config.json says {num_routed_experts} routed experts, but the checkpoint has expert {m.group(1)}", name)
                 raise inputs.error(f"unexpected tensor in MoE layer {blocks[block]} (not an expert, shared expert, router or bias)", name)

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from runtime.families import router_tensor_names
 from runtime.layout import (
     CONFIG_KEY, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor, converted_moe_layers, read_config_block, scale_grid,
+    selection_bias_shapes,
 )
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, open_regular, read_header, read_small_file
 
@@ -182,8 +183,9 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
         raise _fail(f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name)
     H = router.shape[1]
     for b in bias_names:
-        if b in tensors:
-            _want(tensors, b, (E,), None, "one selection bias per routed expert")
+        if b in tensors and tensors[b].shape not in selection_bias_shapes(E):
+            raise _fail(f"has shape {list(tensors[b].shape)}, expected [{E}] (one selection bias per routed expert; [1, {E}] "
+                        "where the family stores it so)", tensors[b].file, b)
     table = tensors.get(names.hash_table())
     if layer in block.routing.hash_layers:  # LAYOUT v2 section 5: the token table, K routed ids per token
         K = block.routing.top_k

@@ -159,6 +159,7 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
                        fp8, bounds or default, fp8_linear)
     ids = deterministic_tokens(orig.reader.config, batch, seq_len, seed).to(device)
     moe_layers = set(conv.plan.fused_moe_layers)
+    moe_name, shared_name = conv.family.moe_module, conv.family.shared_module
     last_moe_input: list[torch.Tensor] = []
     moe_like: list[type] = []
 
@@ -167,7 +168,7 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
         def hook(module, args, kwargs):
             orig.load_layer(i)
             if i in moe_layers:
-                mlp = module.mlp
+                mlp = getattr(module, moe_name)
                 moe_like[:] = [mlp]
                 cap = {}
                 # kwargs too: a hash-routed block (DeepSeek-V4) gets the layer's input_ids, and so must the fused one
@@ -186,7 +187,9 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
                     cap, h = module._fs_capture
                     h.remove()
                     del module._fs_capture
-                    y_c = c_layer.mlp(cap["x"], **cap["kw"])
+                    y_c = getattr(c_layer, moe_name)(cap["x"], **cap["kw"])
+                    if shared_name:  # a shared MLP beside the source block (GraniteMoE-Shared): the fused block holds both
+                        cap["y"] = cap["y"] + getattr(module, shared_name)(cap["x"])
                     lr.moe_rel, lr.moe_max_abs = rel_err(y_c, cap["y"]), (y_c - cap["y"]).abs().max().item()
                     last_moe_input[:] = [cap["x"]]
             conv.release_layer(i)

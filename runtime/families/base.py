@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
-from ..layout import ActivationParams, RoutingSpec
+from ..layout import DEFAULT_RENORMALIZE_EPS, ActivationParams, RoutingSpec
 
 # Sane upper bounds for counts read from a config: far above any released model, far below
 # what would cost memory to iterate over (a config saying 10^9 layers is refused, not looped).
@@ -32,10 +32,12 @@ class MoENames:
     """Where a family keeps its MoE tensors, relative to a decoder layer ``{layer_prefix}{L}.``.
 
     ``block_names``: the MoE block's module name inside a layer (the first that holds experts
-    wins); ``router``, ``bias`` and ``shared``: names inside the block. Routed experts are found
+    wins; ``""``: the decoder layer itself is the block, Mistral-native ``layers.L.{experts,gate,shared_experts}``);
+    ``router``, ``bias`` and ``shared``: names inside the block (``shared_in_layer``: the shared MLP is the
+    block's sibling in the decoder layer, GraniteMoE-Shared ``layers.L.shared_mlp``). Routed experts are found
     in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``, ``experts.e.{w1,w3,w2}``
-    or stacked ``experts.gate_up_proj`` / ``experts.down_proj``); the shared MLP as separate
-    ``gate_proj`` / ``up_proj`` / ``down_proj`` or one ``gate_up_proj``.
+    or stacked, ``layout.STACKED_FORMS``); the shared MLP as separate ``gate_proj`` / ``up_proj`` / ``down_proj``
+    (or ``w1`` / ``w3`` / ``w2``) or one concatenated gate-up tensor (``gate_up_proj``, GraniteMoE's ``input_linear``).
     """
 
     layer_prefix: str = "model.layers."
@@ -43,6 +45,7 @@ class MoENames:
     router: str = "gate.weight"
     bias: tuple[str, ...] = ("gate.e_score_correction_bias", "e_score_correction_bias")
     shared: str = "shared_experts"
+    shared_in_layer: bool = False
     # Layer-relative module names that are never FP8-quantized (MTP glue, indexers the release keeps in BF16).
     mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
     keep_unquantized: tuple[str, ...] = ()
@@ -50,6 +53,20 @@ class MoENames:
     mtp_prefix: str | None = None
     hash_table: str | None = None  # a hash-routed layer's token table inside the block (DeepSeek-V4 ``gate.tid2eid``)
     scale_storage: str = "f32"  # block scales: "f32" (<weight>_scale_inv) or "e8m0" (<module>.scale, F8_E8M0), layout.SCALE_STORAGES
+
+    def block(self, layer_root: str, block_name: str) -> str:
+        """The MoE block's prefix in the layer at ``layer_root`` (the layer itself for the block name ``""``)."""
+        return f"{layer_root}.{block_name}" if block_name else layer_root
+
+    def shared_prefix(self, block_prefix: str, layer_root: str) -> str:
+        """Where the shared MLP of the block at ``block_prefix`` lives."""
+        return f"{layer_root if self.shared_in_layer else block_prefix}.{self.shared}"
+
+    def block_owns(self, block_prefix: str, layer_root: str) -> tuple[str, ...]:
+        """Name prefixes that belong to the MoE block and nothing else: the block module, or, for a block that is the
+        decoder layer itself, only its experts (the router, bias and shared MLP are placed by name; the rest of the
+        layer is attention, norms and so on)."""
+        return (f"{block_prefix}.experts.",) if block_prefix == layer_root else (f"{block_prefix}.",)
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,11 @@ class TransformersClasses:
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
     everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
+    ``moe_module``: the MoE block's module name in a decoder layer, which a fused layer replaces. ``shared_module``: a
+    shared MLP the decoder layer runs beside its MoE block and adds to its output (GraniteMoE-Shared ``shared_mlp``):
+    a fused layer has none (set to None; its slots are in the fused block). ``permutes``: ``(module-name pattern, config
+    attribute path of the head count)`` of weights stored for interleaved RoPE that transformers permutes to
+    rotate-half when it loads them (its ``PermuteForRope``, e.g. a Pixtral vision tower's q/k in Mistral-native files).
     """
 
     config_class: str
@@ -73,6 +95,9 @@ class TransformersClasses:
     text_config_key: str | None = None
     concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     mtp_moe_prefix: str | None = None
+    moe_module: str = "mlp"
+    shared_module: str | None = None
+    permutes: tuple[tuple[str, str], ...] = ()
 
     @property
     def mtp_prefix(self) -> str | None:
@@ -240,6 +265,16 @@ def refuse_latent_experts(config: Mapping) -> None:
                 "they cannot be slots of one expert set", **_where(where, "moe_latent_size"))
 
 
+def refuse_shared_mlp_bias(config: Mapping, field: str, model_type: str, family: str) -> None:
+    """A config flag that gives the shared MLP gate, up and down biases (Hunyuan 3 ``mlp_bias``, ERNIE-4.5 ``use_bias``):
+    the layout's expert slots have no bias terms, so such a model is refused, naming the flag."""
+    if optional_bool(config, field, False):
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} ({family}) cannot be converted: {field} is true, so its shared MLP has gate, up "
+            "and down biases, and the layout's expert slots have no bias terms (a bias cannot fold into a weight-1.0 slot)",
+            file="config.json", field=field)
+
+
 # ----------------------------------------------------------------------------- config fields
 
 
@@ -354,7 +389,8 @@ class DeepSeekStyleFamily(Family):
       (e.g. ``{"n_routed_experts": ("num_experts",)}``);
     - ``config_defaults``: transformers' defaults for the family's config class where a config.json may omit a field;
     - ``fixed``: routing facts the family's modeling code fixes whatever the config says
-      (``{"renormalize": True, "n_group": 1}``), and ``n_shared_experts`` where the shared width is fixed;
+      (``{"renormalize": True, "n_group": 1}``, LAYOUT v2's ``group_score`` and ``renormalize_form``), and
+      ``n_shared_experts`` where the shared width is fixed;
     - ``text_config_key``: where a wrapper (a vision-language model) keeps the text model's config.
     """
 
@@ -395,6 +431,10 @@ class DeepSeekStyleFamily(Family):
             routed_scaling_factor=fixed["routed_scaling_factor"] if "routed_scaling_factor" in fixed else optional_float(
                 cfg, key(cfg, "routed_scaling_factor"), default("routed_scaling_factor", 1.0), where),
             has_bias=fixed.get("has_bias", True),
+            group_score=fixed.get("group_score"),  # None: the rule version 1 implies (top-2 sum with a bias, max without)
+            renormalize_form=fixed.get("renormalize_form", "add"),
+            renormalize_eps=optional_float(cfg, key(cfg, "renormalize_eps"), default("renormalize_eps", DEFAULT_RENORMALIZE_EPS), where,
+                                           exclusive_minimum=False),
         )
 
     @classmethod
@@ -403,15 +443,26 @@ class DeepSeekStyleFamily(Family):
         return "swiglu", ActivationParams.for_activation("swiglu")
 
     @classmethod
+    def moe_layers(cls, cfg: Mapping, n_layers: int, where: str) -> tuple[int, ...]:
+        """The decoder layers with a MoE block (DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq`` / ``mlp_layer_types``)."""
+        return moe_layers_from_config(cfg, n_layers, where, first_dense_key=cls.key(cfg, "first_k_dense_replace"),
+                                      first_dense_default=cls.default("first_k_dense_replace", 0))
+
+    @classmethod
+    def shared_width(cls, cfg: Mapping, expert_width: int, where: str) -> int:
+        """W: ``n_shared_experts`` routed widths (a family with a shared width of its own overrides this)."""
+        n_shared = cls.fixed["n_shared_experts"] if "n_shared_experts" in cls.fixed else optional_int(
+            cfg, cls.key(cfg, "n_shared_experts"), cls.default("n_shared_experts", 0), where, maximum=MAX_EXPERTS)
+        return n_shared * expert_width
+
+    @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
         wrapped = cls.text_config_key is not None and isinstance(config.get(cls.text_config_key), Mapping)
         cfg = config[cls.text_config_key] if wrapped else config
         where = f"config.json {cls.text_config_key}" if wrapped else "config.json"
-        key, default = cls.key, cls.default
+        key = cls.key
         n_layers = require_int(cfg, "num_hidden_layers", where, maximum=MAX_LAYERS)
         expert_width = require_int(cfg, key(cfg, "moe_intermediate_size"), where)
-        n_shared = cls.fixed["n_shared_experts"] if "n_shared_experts" in cls.fixed else optional_int(
-            cfg, key(cfg, "n_shared_experts"), default("n_shared_experts", 0), where, maximum=MAX_EXPERTS)
         n_mtp = optional_int(cfg, key(cfg, "num_nextn_predict_layers"), 0, where, maximum=MAX_LAYERS)
         num_routed = require_int(cfg, key(cfg, "n_routed_experts"), where, maximum=MAX_EXPERTS)
         activation, params = cls.activation(cfg, where)
@@ -420,12 +471,11 @@ class DeepSeekStyleFamily(Family):
             model_type=model_type,
             config_key=cls.text_config_key if wrapped else None,
             num_hidden_layers=n_layers,
-            moe_layers=moe_layers_from_config(cfg, n_layers, where, first_dense_key=key(cfg, "first_k_dense_replace"),
-                                              first_dense_default=default("first_k_dense_replace", 0)),
+            moe_layers=cls.moe_layers(cfg, n_layers, where),
             mtp_layers=tuple(range(n_layers, n_layers + n_mtp)),
             num_routed_experts=num_routed,
             expert_width=expert_width,
-            shared_width=n_shared * expert_width,
+            shared_width=cls.shared_width(cfg, expert_width, where),
             routing=cls.routing(cfg, num_routed, where),
             activation=activation,
             activation_params=params,

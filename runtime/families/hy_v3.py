@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..errors import UnsupportedModelError
-from .base import DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersClasses, optional_bool, register
+from .base import DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersClasses, refuse_shared_mlp_bias, register
 
 
 @register
@@ -36,9 +35,5 @@ class HyV3(DeepSeekStyleFamily):
 
     @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
-        if optional_bool(config, "mlp_bias", False):
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} ({cls.family}) cannot be converted: mlp_bias is true, so its shared MLP has gate, up "
-                "and down biases, and the layout's expert slots have no bias terms (a bias cannot fold into a weight-1.0 slot)",
-                file="config.json", field="mlp_bias")
+        refuse_shared_mlp_bias(config, "mlp_bias", model_type, cls.family)
         return super().describe(config, model_type)

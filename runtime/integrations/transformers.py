@@ -4,11 +4,11 @@
     model = from_fused_pretrained("out/DeepSeek-V3-fused", dtype=torch.bfloat16)
     model.generate(input_ids, max_new_tokens=16)
 
-The model is the source architecture's own transformers class (DeepSeek-V2/V3, Kimi-K2 as
-DeepSeek-V3, GLM-4.5 ``glm4_moe``, GLM-4.7-Flash ``glm4_moe_lite``, GLM-5 ``glm_moe_dsa``,
-MiniMax-M3 text and VL, DeepSeek-V4 ``deepseek_v4``), built on the meta device from the converted
-config.json, with every MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read
-from the converted expert tensors. DeepSeek-V4's decoder layers hand their MoE block ``input_ids``;
+The model is the source architecture's own transformers class (every supported family's module in
+``runtime.families`` names it), built on the meta device from the converted config.json, with every
+MoE block (``<layer>.mlp``, or the family's ``moe_module``) replaced by :class:`runtime.FusedSharedMoE`
+read from the converted expert tensors; a shared MLP that runs beside the block (GraniteMoE-Shared's
+``shared_mlp``) is removed, its slots being in the fused block. DeepSeek-V4's decoder layers hand their MoE block ``input_ids``;
 a forward pre-hook on each installed block passes them on as ``token_ids``, which the hash-routed
 layers route by (``tid2eid``; score-routed layers ignore them). V4's ``mtp.N`` blocks have no
 transformers module: their fused MoE is loaded on its own (:meth:`StreamedModel.moe_module`). Every other weight is read from the shards under the source's on-disk names
@@ -41,7 +41,7 @@ from ..fp8 import dequantize_block_fp8
 from ..checkpoint import ModelFolder
 from ..errors import UnsupportedModelError
 from ..families import TransformersClasses, family_for
-from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, LayoutError, converted_moe_layers, e8m0_scale_name, read_config_block
+from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, STACKED_FORMS, LayoutError, converted_moe_layers, e8m0_scale_name, read_config_block
 from ..moe import FusedSharedMoE
 from ..mxfp4 import MX_GROUP, dequantize_mxfp4, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
@@ -129,7 +129,7 @@ class ShardReader(ModelFolder):
                 w = dequantize_block_fp8(t, self.e8m0(v4).to(device))
             elif name + SCALE_SUFFIX in self:
                 s = self.get(name + SCALE_SUFFIX).to(device)
-                if name.endswith("gate_up_proj") and t.dim() == 3 and s.shape[-2] % 2 == 0:
+                if name.endswith(_STACKED_GATE_UP) and t.dim() == 3 and s.shape[-2] % 2 == 0:
                     # Stacked gate_up: the gate's grid then the up's, each half with its own block origin.
                     half, sh = t.shape[-2] // 2, s.shape[-2] // 2
                     w = torch.cat([dequantize_block_fp8(t[..., :half, :], s[..., :sh, :]),
@@ -156,6 +156,7 @@ def _is_scale_companion(name: str, names: set[str]) -> bool:
 
 # ----------------------------------------------------------------------------- name plan
 
+_STACKED_GATE_UP = tuple(form[0] for form in STACKED_FORMS.values())  # stacked gate_up tensors, by every stacked form's name
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PROJ_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -204,14 +205,17 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
     fused = dict(fused or {})
     fused_paths: dict[int, str] = {}
     extra: list[int] = []
-    consumed_blocks: list[str] = []
     for layer, tn in sorted(fused.items()):
-        consumed_blocks.append(tn.block_prefix + ".")
         if layer >= num_layers:
             extra.append(layer)
             continue
-        fused_paths[layer] = f"{family.layers_path}.{layer}.mlp"
-    expected = {k for k in expected if not any(k.startswith(p + ".") for p in fused_paths.values())}
+        fused_paths[layer] = f"{family.layers_path}.{layer}.{family.moe_module}"
+    # A fused layer's MoE block is a FusedSharedMoE, and a shared MLP beside it (GraniteMoE-Shared) is gone: in its slots.
+    replaced = tuple(p + "." for p in fused_paths.values())
+    if family.shared_module:
+        replaced += tuple(f"{family.layers_path}.{layer}.{family.shared_module}." for layer in fused_paths)
+    expected = {k for k in expected if not k.startswith(replaced)}
+    fused_blocks = tuple(p + "." for p in fused_paths.values())
 
     # Module tensors stored in parts: a shared MLP's gate_up_proj as gate_proj + up_proj, and the family's own.
     concats = (("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),) + tuple(family.concats)
@@ -223,12 +227,12 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
     for name in sorted(names):
         if _is_scale_companion(name, names):
             continue
-        if any(name.startswith(p) for p in consumed_blocks):
-            continue
         if family.mtp_prefix and name.startswith(family.mtp_prefix):
             ignored.append(name)  # MTP blocks under their own prefix (DeepSeek-V4): no module in transformers
             continue
         m_name = family.rename(name)
+        if m_name.startswith(fused_blocks):
+            continue  # read by the layer's FusedSharedMoE (judged by module path: a block may be the whole on-disk layer)
         layer = _module_layer(m_name, family.layers_path)
         if layer is not None and layer >= num_layers:
             ignored.append(name)  # MTP / next-token-prediction layers: transformers has no module for them
@@ -341,6 +345,8 @@ class StreamedModel:
             mod = self.model.get_submodule(path_)
             if not hasattr(mod, "experts"):
                 raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
+            if self.family.shared_module:  # its shared MLP is in the fused block's slots; the layer runs none beside it
+                setattr(self.layers[layer], self.family.shared_module, None)
 
     # -- loading
     def _make(self, name: str, plan: TensorPlan | None = None) -> torch.Tensor:
@@ -351,7 +357,7 @@ class StreamedModel:
         dt = torch.float32 if any(p in name for p in self._fp32) else self.dtype
         get = lambda n: rd.read_float(n, dt, self.device)  # noqa: E731
         if r.op == "copy":
-            return get(r.sources[0])
+            return self._permuted(name, get(r.sources[0]))
         if r.op == "cat0":
             return torch.cat([get(n) for n in r.sources], 0)
         if r.op == "stack_gate_up":
@@ -360,6 +366,18 @@ class StreamedModel:
         if r.op == "stack":
             return torch.stack([get(n) for n in r.sources])
         raise AssertionError(r.op)
+
+    def _permuted(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as transformers loads module tensor ``name``: interleaved-RoPE q/k rows permuted to rotate-half where the
+        family says so (``TransformersClasses.permutes``, transformers' ``PermuteForRope``)."""
+        for pattern, heads_path in self.family.permutes:
+            if re.search(pattern, name):
+                cfg = self.config
+                for attr in heads_path.split("."):
+                    cfg = getattr(cfg, attr)
+                n_heads = int(cfg)
+                return t.reshape(n_heads, t.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(t.shape).contiguous()
+        return t
 
     def _load_names(self, names: Iterable[str]) -> None:
         for name in names:
@@ -438,7 +456,7 @@ class StreamedModel:
         with torch.device("meta"):
             mod = _moe_block_like(like, self.text_config)
         mod.eval()
-        prefix = f"{self.family.layers_path}.{layer}.mlp."
+        prefix = f"{self.family.layers_path}.{layer}.{self.family.moe_module}."
         renames = self.family.renames
         if self.family.mtp_moe_prefix and layer >= self.num_layers:  # MTP block under its own prefix (DeepSeek-V4)
             disk = self.family.mtp_moe_prefix.format(n=layer - self.num_layers)

@@ -25,8 +25,9 @@ def _noisy_logits(model, ids, seed):
     def hook(mod, args, out):
         return out + PER_BLOCK_RMS * out.pow(2).mean().sqrt() * torch.randn(out.shape, generator=g)
 
+    # Every MoE block (its module holds the experts; GraniteMoE-Shared's shared MLP sits beside it, the noise is on the routed part).
     hs = [m.register_forward_hook(hook) for m in model.modules()
-          if hasattr(m, "experts") and (hasattr(m, "shared_experts") or hasattr(m, "shared_mlp"))]
+          if hasattr(m, "experts") and (hasattr(m, "shared_experts") or hasattr(m, "shared_mlp") or hasattr(m, "router"))]
     assert len(hs) >= 2
     try:
         with torch.no_grad():

@@ -58,8 +58,10 @@ def test_no_fp8_logits_equal_to_float32_rounding(family, converted, references):
     model = from_fused_pretrained(out, dtype=torch.float32)
     blocks = moe_blocks(model)
     assert len(blocks) == num_main_moe_layers(out) >= 2
-    assert all(b.endswith(".mlp") for b in blocks)
-    assert not any(".shared_experts." in n for n, _ in model.named_parameters()), "no separate shared MLP remains"
+    fam = family_of(json.loads((out / "config.json").read_text()))
+    assert all(b.endswith(f".{fam.moe_module}") for b in blocks)
+    shared = (".shared_experts.", f".{fam.shared_module}.") if fam.shared_module else (".shared_experts.",)
+    assert not any(s in n for n, _ in model.named_parameters() for s in shared), "no separate shared MLP remains"
     moe = model.get_submodule(blocks[0])
     assert moe.experts.num_expert_slots == moe.cfg.num_experts + moe.cfg.num_fused_shared_experts > moe.cfg.num_experts
     with torch.no_grad():

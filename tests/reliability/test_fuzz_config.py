@@ -33,9 +33,12 @@ FIELDS = [
     # read by the 2026 families (their own names for the same facts, and their refusals)
     "num_experts", "num_experts_per_token", "moe_renormalize", "num_expert_group", "num_shared_experts", "router_scaling_factor",
     "route_scale", "num_dense_layers", "moe_topk", "mlp_bias", "moe_latent_size", "hidden_size",
+    "moe_num_experts", "moe_k", "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
+    "moe_norm_min", "use_bias",
 ]
 NEW_FAMILY_SOURCES = {"glm4v_moe": dict(experts=6), "hunyuan_v1_moe": dict(experts=7), "bailing_hybrid": dict(experts=6),
-                      "hy_v3": dict(experts=6), "afmoe": dict(experts=6), "glm5_next": dict(experts=6)}
+                      "hy_v3": dict(experts=6), "afmoe": dict(experts=6), "glm5_next": dict(experts=6), "ernie4_5_moe": dict(experts=7),
+                      "granitemoeshared": dict(experts=6, shared_width=48), "mistral4": dict(experts=6), "mistral_large4": dict(experts=6)}
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(10**12), max_value=10**12)

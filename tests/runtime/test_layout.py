@@ -231,3 +231,36 @@ def test_swiglu_forms_match_transformers():
     plain = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(swiglu(gate, up, one, zero, inf, post_clamp=True), plain)
     torch.testing.assert_close(swiglu(gate, up, one, zero, inf), plain)
+
+
+def test_layer_names_of_every_storage_form():
+    """moe_layer_tensors reads the storage form from the names alone: GraniteMoE-Shared's stacked input_linear /
+    output_linear (SwiGLU parameters under ``<block>.experts``), and Mistral-native per-expert tensors directly in the layer."""
+    from runtime.layout import moe_layer_tensors
+
+    b = "model.layers.3.block_sparse_moe"
+    granite = moe_layer_tensors([f"{b}.experts.gemm1_alpha", f"{b}.input_linear.weight", f"{b}.output_linear.weight",
+                                 f"{b}.input_linear.weight_scale_inv", f"{b}.router.layer.weight"])
+    tn = granite[3]
+    assert (tn.storage, tn.stacked_form, tn.block_prefix) == ("stacked", "linear", b)
+    assert tn.stacked() == (f"{b}.input_linear.weight", f"{b}.output_linear.weight")
+    assert tn.gemm1_params()[0] == f"{b}.experts.gemm1_alpha"
+    mistral = moe_layer_tensors(["layers.2.experts.gemm1_alpha", "layers.2.experts.0.w1.weight", "layers.2.gate.weight"])[2]
+    assert (mistral.storage, mistral.block_prefix, mistral.per_expert(7)[2]) == ("w13", "layers.2", "layers.2.experts.7.w2.weight")
+    plain = moe_layer_tensors(["model.layers.1.mlp.experts.gemm1_alpha", "model.layers.1.mlp.experts.gate_up_proj"])[1]
+    assert (plain.storage, plain.stacked_form, plain.stacked()[1]) == ("stacked", "experts", "model.layers.1.mlp.experts.down_proj")
+    with pytest.raises(LayoutError, match="input_linear"):
+        moe_layer_tensors([f"{b}.experts.gemm1_alpha"])
+
+
+def test_bias_stored_as_one_row_routes_as_e():
+    """ERNIE-4.5 keeps its selection bias as [1, E]: route takes it as the same [E] bias."""
+    from runtime import route
+
+    g = torch.Generator().manual_seed(0)
+    logits, bias = torch.randn(9, 7, generator=g), 0.1 * torch.randn(7, generator=g)
+    cfg = RoutingConfig(7, 2, 1, scoring="softmax", renormalize_form="max", renormalize_eps=1e-12)
+    flat, row = route(logits, bias, cfg, backend="torch"), route(logits, bias[None], cfg, backend="torch")
+    assert torch.equal(flat[0], row[0]) and torch.equal(flat[1], row[1])
+    with pytest.raises(ValueError, match=r"\[1, 7\]"):
+        route(logits, bias[None, None], cfg, backend="torch")

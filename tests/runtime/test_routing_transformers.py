@@ -91,6 +91,17 @@ def _mistral4(large=False):
     return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
+def _granitemoeshared():
+    from transformers.models.granitemoeshared import modeling_granitemoeshared as m
+
+    # top-k of the logits, softmax over those k: the softmax of all E scores renormalized over the chosen k (the
+    # layout's +1e-20 is below float32 rounding of a sum >= 1/E); no bias, no groups, no scaling factor.
+    cfg = m.GraniteMoeSharedConfig(hidden_size=H, num_local_experts=20, num_experts_per_tok=3, shared_intermediate_size=8)
+    r = m.GraniteMoeSharedTopKRouter(cfg)
+    rc = dict(scoring="softmax", renormalize=True)
+    return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
+
+
 def _hunyuan_v1():
     from transformers.models.hunyuan_v1_moe import modeling_hunyuan_v1_moe as m
 
@@ -190,6 +201,7 @@ FAMILIES = {
     "mistral4": _mistral4,
     "mistral_large4": lambda: _mistral4(large=True),
     "hunyuan_v1_moe": _hunyuan_v1,
+    "granitemoeshared": _granitemoeshared,
     "hy_v3": _hy_v3,
     "hy_v4": _hy_v4,
     "afmoe": _afmoe,
