@@ -49,6 +49,9 @@ PER_EXPERT_NAMES = {
 }
 STACKED_GATE_UP = "gate_up_proj"  # [E, 2I, H], gate rows first
 STACKED_DOWN = "down_proj"  # [E, H, I]
+# (v2) Stacked with gate and up apart (Step-3.7 ``moe.{gate,up,down}_proj.weight``): [E, I, H], [E, I, H], [E, H, I].
+STACKED_SPLIT_NAMES = tuple(f"{p}.weight" for p in PER_EXPERT_NAMES["proj"])
+STORAGES = ("proj", "w13", "stacked", "stacked_split")
 
 
 from .errors import LayoutError  # noqa: E402  (re-exported: the layout's own error)
@@ -463,12 +466,23 @@ def gemm1_param_names(experts_prefix: str) -> tuple[str, str, str]:
     return tuple(f"{experts_prefix}.{p}" for p in GEMM1_PARAMS)  # type: ignore[return-value]
 
 
+def slot_params(routed: ActivationParams, shared: ActivationParams, num_routed: int, num_shared: int) -> dict[str, tuple[float, ...]]:
+    """The values of one layer's ``gemm1_*`` tensors (LAYOUT section 3): slots ``0 .. E-1`` carry the routed experts'
+    parameters, slots ``E .. E+S-1`` the shared MLP's. Keyed by :data:`GEMM1_PARAMS`."""
+    def per_slot(attr: str) -> tuple[float, ...]:
+        return (getattr(routed, attr),) * num_routed + (getattr(shared, attr),) * num_shared
+
+    return {GEMM1_ALPHA: per_slot("alpha"), GEMM1_BETA: per_slot("beta"), GEMM1_CLAMP_LIMIT: per_slot("clamp_limit")}
+
+
 @dataclass(frozen=True)
 class ExpertTensorNames:
     """Where one MoE layer's expert tensors live in a converted checkpoint.
 
-    ``storage`` is ``"proj"`` or ``"w13"`` (one tensor per expert and projection)
-    or ``"stacked"`` (``gate_up_proj [E+S, 2I, H]`` and ``down_proj [E+S, H, I]``).
+    ``storage`` is ``"proj"`` or ``"w13"`` (one tensor per expert and projection),
+    ``"stacked"`` (``gate_up_proj [E+S, 2I, H]`` and ``down_proj [E+S, H, I]``) or **(v2)**
+    ``"stacked_split"`` (``gate_proj.weight`` and ``up_proj.weight [E+S, I, H]``, ``down_proj.weight [E+S, H, I]``,
+    Step-3.7, whose routed experts sit in the MoE block itself: there ``experts_prefix`` is the block).
     """
 
     experts_prefix: str
@@ -477,7 +491,8 @@ class ExpertTensorNames:
 
     @property
     def block_prefix(self) -> str:
-        return self.experts_prefix[: -len(".experts")]
+        """The MoE block (router, bias): the experts' parent, or the experts' own prefix where they sit in the block."""
+        return self.experts_prefix[: -len(".experts")] if self.experts_prefix.endswith(".experts") else self.experts_prefix
 
     def scale(self, weight_name: str) -> str:
         """The block scale's name of one of this layer's weights, under the layer's scale storage."""
@@ -497,11 +512,28 @@ class ExpertTensorNames:
         """gate_up and down tensor names (stacked storage only)."""
         return (f"{self.experts_prefix}.{STACKED_GATE_UP}", f"{self.experts_prefix}.{STACKED_DOWN}")
 
+    def stacked_split(self) -> tuple[str, str, str]:
+        """gate, up and down tensor names (``stacked_split`` storage only)."""
+        return tuple(f"{self.experts_prefix}.{n}" for n in STACKED_SPLIT_NAMES)  # type: ignore[return-value]
+
+    def slot_tensors(self, expert: int) -> list[tuple[str, int | None]]:
+        """Where expert slot ``expert`` lies: ``(tensor name, row of a stacked tensor or None for a whole tensor)``."""
+        if self.storage == "stacked":
+            return [(n, expert) for n in self.stacked()]
+        if self.storage == "stacked_split":
+            return [(n, expert) for n in self.stacked_split()]
+        return [(n, None) for n in self.per_expert(expert)]
+
+    def first_weight(self) -> str:
+        """The layer's first expert weight tensor (expert 0's gate, or the stacked gate(_up)): what its dtype and scale say."""
+        return self.slot_tensors(0)[0][0]
+
     def gemm1_params(self) -> tuple[str, str, str]:
         return gemm1_param_names(self.experts_prefix)
 
 
-_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
+# The experts' prefix: ``...experts`` (every storage), or the MoE block itself for ``stacked_split`` (Step-3.7 ``moe``).
+_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?(?:experts|moe))\." + GEMM1_ALPHA + "$")
 # MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``), numbered num_hidden_layers + N (LAYOUT section 2).
 _MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>mtp\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
 
@@ -532,9 +564,12 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
             storage = "w13"
         elif f"{prefix}.0.{PER_EXPERT_NAMES['proj'][0]}.weight" in names:
             storage = "proj"
+        elif f"{prefix}.{STACKED_SPLIT_NAMES[0]}" in names:
+            storage = "stacked_split"
         else:
-            raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, .gate_up_proj)")
-        first = f"{prefix}.{STACKED_GATE_UP}" if storage == "stacked" else f"{prefix}.0.{PER_EXPERT_NAMES[storage][0]}.weight"
+            raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, .gate_up_proj, "
+                              ".gate_proj.weight)")
+        first = ExpertTensorNames(prefix, storage).first_weight()
         scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
         if layer in found and found[layer].experts_prefix != prefix:
             # An MTP stack under another prefix may reuse an index; the main stack wins.

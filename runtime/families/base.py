@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
@@ -33,9 +33,11 @@ class MoENames:
 
     ``block_names``: the MoE block's module name inside a layer (the first that holds experts
     wins); ``router``, ``bias`` and ``shared``: names inside the block. Routed experts are found
-    in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``, ``experts.e.{w1,w3,w2}``
-    or stacked ``experts.gate_up_proj`` / ``experts.down_proj``); the shared MLP as separate
-    ``gate_proj`` / ``up_proj`` / ``down_proj`` or one ``gate_up_proj``.
+    under ``experts`` in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``, ``experts.e.{w1,w3,w2}``,
+    stacked ``experts.gate_up_proj`` / ``experts.down_proj``, or, with ``experts=""``, stacked gate, up and down
+    ``{gate,up,down}_proj.weight`` in the block itself, Step-3.7); the shared MLP as separate
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` (or a family's own ``shared_projections``) or one ``gate_up_proj``,
+    inside the block, or beside it in the layer where ``shared_at_layer`` (Step-3.7's ``share_expert``).
     """
 
     layer_prefix: str = "model.layers."
@@ -43,6 +45,9 @@ class MoENames:
     router: str = "gate.weight"
     bias: tuple[str, ...] = ("gate.e_score_correction_bias", "e_score_correction_bias")
     shared: str = "shared_experts"
+    experts: str = "experts"  # the routed experts' module inside the block; "" where they are the block's own tensors
+    shared_at_layer: bool = False  # the shared MLP is ``{layer}.{shared}``, beside the MoE block, not inside it
+    shared_projections: tuple[tuple[str, str, str], ...] = ()  # the family's own (gate, up, down) shared MLP names, tried first
     # Layer-relative module names that are never FP8-quantized (MTP glue, indexers the release keeps in BF16).
     mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
     keep_unquantized: tuple[str, ...] = ()
@@ -50,6 +55,10 @@ class MoENames:
     mtp_prefix: str | None = None
     hash_table: str | None = None  # a hash-routed layer's token table inside the block (DeepSeek-V4 ``gate.tid2eid``)
     scale_storage: str = "f32"  # block scales: "f32" (<weight>_scale_inv) or "e8m0" (<module>.scale, F8_E8M0), layout.SCALE_STORAGES
+
+    def experts_prefix(self, block_prefix: str) -> str:
+        """Where a block's routed experts are: ``{block}.experts``, or the block itself (``experts=""``)."""
+        return f"{block_prefix}.{self.experts}" if self.experts else block_prefix
 
 
 @dataclass(frozen=True)
@@ -109,14 +118,24 @@ class MoEArchitecture:
     shared_width: int  # W
     routing: RoutingSpec
     activation: str
-    activation_params: ActivationParams
+    activation_params: ActivationParams  # the routed experts' SwiGLU parameters (and the shared MLP's, unless said below)
     names: MoENames = MoENames()
     expects_bias: bool = True  # False: the family has no selection bias, so its absence is no news
     router_in_model_dtype: bool = False  # the family's reference computes router logits in the model's dtype, not float32
+    shared_activation_params: ActivationParams | None = None  # the shared MLP's, where they differ from the routed experts'
+    # Per-layer (routed, shared) parameters where a layer differs from the two above (Step-3.7's per-layer limits).
+    layer_activation_params: Mapping[int, tuple[ActivationParams, ActivationParams]] = field(default_factory=dict)
 
     @property
     def layer_prefix(self) -> str:
         return self.names.layer_prefix
+
+    def slot_activation(self, layer: int) -> tuple[ActivationParams, ActivationParams]:
+        """The (routed, shared) SwiGLU parameters of MoE layer ``layer`` (MTP layers included): what the planner writes
+        into the layer's per-slot ``gemm1_*`` tensors (LAYOUT section 3)."""
+        if layer in self.layer_activation_params:
+            return self.layer_activation_params[layer]
+        return self.activation_params, self.shared_activation_params or self.activation_params
 
 
 class Family:
