@@ -72,6 +72,19 @@ NEW_FAMILIES = {
     "hunyuan_v1_moe": (lambda T, moe, I, E, W, L, over: T.HunYuanMoEV1Config(
         **{k: v for k, v in moe.items() if k != "num_experts_per_tok"}, moe_topk=2, intermediate_size=I, num_experts=E, head_dim=32,
         **over), "HunYuanMoEV1ForCausalLM"),
+    # Hunyuan 4: swiglu_limit 0.3 bites on the routed experts; the shared MLP is not clamped. Two hyper-connection streams.
+    "hy_v4": (lambda T, moe, I, E, W, L, over: T.HYV4Config(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=0.3, hc_mult=2, **NO_SPECIAL_TOKENS, **over), "HYV4ForCausalLM"),
+    # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
+    # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
+    "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(
+        text_config=dict(**moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, share_expert_dim=W or 2 * I,
+                         mlp_layer_types=["dense"] + ["sparse"] * (L - 1), moe_router_scaling_factor=2.5, sliding_window=8,
+                         swiglu_limits=[0] + [0.3 if i % 2 else 0.25 for i in range(1, L)],
+                         swiglu_limits_shared=[0] + [None if i % 2 else 0.2 for i in range(1, L)], **over),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8)),
+        "Step3p7ForConditionalGeneration"),
 }
 
 
@@ -233,7 +246,7 @@ def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> No
         if k.endswith(".weight") and v.dim() == 2 and ".layers." in k and not _SKIP_FP8.search(k):
             q, s = quantize_block_fp8(v.float(), scale_fmt=scale_fmt)
             out[k], out[k + "_scale_inv"] = q, s
-        elif k.endswith(("gate_up_proj", "down_proj")) and v.dim() == 3:
+        elif k.endswith(("gate_up_proj", "down_proj", "gate_proj.weight", "up_proj.weight", "down_proj.weight")) and v.dim() == 3:
             I2 = v.shape[1]
             if k.endswith("gate_up_proj"):
                 halves = [quantize_block_fp8(h.float(), scale_fmt=scale_fmt) for h in v.chunk(2, dim=1)]

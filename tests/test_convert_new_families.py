@@ -3,6 +3,7 @@ hybrid attention), each against a tiny checkpoint built by the family's own tran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from builders import NEW_FAMILIES, build_checkpoint, load_all, to_compressed_tensors_channel, to_fp8_block
-from checks import assert_fp8_close, dequant
+from checks import assert_fp8_close, dequant, shared_prefix
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
 from fuse_tool.verify.numerics import verify_against
+from runtime import ExpertWeights
 from runtime.families import describe_model
 from runtime.layout import moe_layer_tensors, scale_name
 
@@ -26,30 +28,40 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _rows(t: torch.Tensor, row):
+    return t if row is None else t[row]
+
+
 @pytest.mark.parametrize("family", FP8_BLOCK_FAMILIES)
 def test_fp8_block_source_copies_blocks_and_verifies(family, tmp_path):
-    """W = 2 x 128 over I = 128: both shared slots are whole blocks, so every expert byte and scale is copied; the
-    converted model then matches the dequantized source within the FP8 bounds of verify --against."""
-    src_dir = build_checkpoint(family, tmp_path / "src", hidden=128, inter=128, experts=6)
+    """W = 2 x 128 over I = 128: both shared slots are whole blocks, so every expert byte and scale is copied (per expert
+    or stacked, wherever each slot lies); the converted model then matches the dequantized source within the FP8 bounds
+    of verify --against."""
+    src_dir = build_checkpoint(family, tmp_path / "src", hidden=128, inter=128, experts=6, shared_width=256)
     to_fp8_block(src_dir)
     out_dir = tmp_path / "out"
     result = convert_checkpoint(src_dir, out_dir, progress=False)
     src, out = load_all(src_dir), load_all(out_dir)
     assert set(result.plan.bytes_by_kind()) <= {"copy", "region", "cast", "constant"}, "nothing is requantized"
-    shared = describe_model(json.loads((src_dir / "config.json").read_text())).names.shared
+    table = describe_model(json.loads((src_dir / "config.json").read_text())).names
     layers = moe_layer_tensors(out)
     assert len(layers) == 2
     for names in layers.values():
-        blk = names.block_prefix
-        for e in range(6):
-            for n in names.per_expert(e):
-                assert same_bytes(out[n], src[n]) and same_bytes(out[scale_name(n)], src[scale_name(n)]), n
+        for e in range(6):  # routed experts keep their names: source and output slot e are the same bytes
+            for n, row in names.slot_tensors(e):
+                for t in (n, scale_name(n)):
+                    assert same_bytes(_rows(out[t], row), _rows(src[t], row)), (t, e)
+        sh = shared_prefix(names.block_prefix, table)
+        trio = next(t for t in table.shared_projections + (("gate_proj", "up_proj", "down_proj"),) if f"{sh}.{t[0]}.weight" in src)
         for j in range(2):
-            for n, p in zip(names.per_expert(6 + j), ("gate_proj", "up_proj", "down_proj")):
-                w = src[f"{blk}.{shared}.{p}.weight"]
-                s = src[f"{blk}.{shared}.{p}.weight_scale_inv"]
-                want_w, want_s = (w[j * 128:(j + 1) * 128], s[j:j + 1]) if p != "down_proj" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1])
-                assert same_bytes(out[n], want_w.contiguous()) and torch.equal(out[scale_name(n)], want_s), n
+            want = []  # (weight, scale) of gate, up, down rows / columns [128 j, 128 (j + 1))
+            for p, role in zip(trio, ("gate", "up", "down")):
+                w, s = src[f"{sh}.{p}.weight"], src[f"{sh}.{p}.weight_scale_inv"]
+                want.append((w[j * 128:(j + 1) * 128], s[j:j + 1]) if role != "down" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1]))
+            if names.storage == "stacked":  # gate_up: the gate's rows then the up's, and their grids likewise
+                want = [(torch.cat([want[0][0], want[1][0]]), torch.cat([want[0][1], want[1][1]])), want[2]]
+            for (n, row), (w, s) in zip(names.slot_tensors(6 + j), want):
+                assert same_bytes(_rows(out[n], row), w.contiguous()) and torch.equal(_rows(out[scale_name(n)], row), s), (n, j)
     r = verify_against(out_dir, src_dir)
     assert r.passed, r.failures
     assert all(lr.moe_rel < 0.12 for lr in r.layers if lr.moe_rel is not None)
@@ -74,13 +86,16 @@ def test_glm4v_compressed_tensors_source(tmp_path):
     assert verify_against(out_dir, src_dir).passed
 
 
-@pytest.mark.parametrize("family", ["glm4v_moe", "glm5_next"])
+VISION = {"glm4v_moe": ("model.visual.",), "glm5_next": ("model.visual.",), "step3p7": ("vision_model.", "vit_large_projector.")}
+
+
+@pytest.mark.parametrize("family", sorted(VISION))
 def test_vision_tower_copied_unchanged(family, tmp_path):
     src_dir = build_checkpoint(family, tmp_path / "src", experts=6)
     out_dir = tmp_path / "out"
     convert_checkpoint(src_dir, out_dir, progress=False)
     src, out = load_all(src_dir), load_all(out_dir)
-    vision = [k for k in src if k.startswith("model.visual.")]
+    vision = [k for k in src if k.startswith(VISION[family])]
     assert vision
     for k in vision:
         assert same_bytes(out[k], src[k]), k
@@ -108,19 +123,72 @@ def test_hybrid_attention_copied(family, other_linear, tmp_path):
             assert same_bytes(out[k], v), k
 
 
-def test_glm5_next_clamp_bites(tmp_path):
-    """The tiny GLM-5.3's swiglu_limit changes its MoE output: the per-slot limits are doing work, not decoration."""
+def moe_outputs(out_dir, layer: int, *variants) -> list[torch.Tensor]:
+    """Converted MoE layer ``layer`` on fixed random tokens: as converted, then with each variant's changes to its
+    ExpertWeights (a function of the converted per-slot limits giving the fields to replace)."""
     from runtime import FusedSharedMoE
 
-    src_dir = build_checkpoint("glm5_next", tmp_path / "src", experts=6)
-    out_dir = tmp_path / "out"
-    convert_checkpoint(src_dir, out_dir, ConvertOptions(precision="source"), progress=False)
-    moe = FusedSharedMoE.from_checkpoint(out_dir, 1)
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
-    moe.experts = moe.experts.to("cpu")
-    with torch.no_grad():
-        clamped = moe(x.to(moe.experts.w13.dtype)).float()
-        import dataclasses
-        moe.experts = dataclasses.replace(moe.experts, gemm1_clamp_limit=torch.full_like(moe.experts.gemm1_clamp_limit, math.inf))
-        free = moe(x.to(moe.experts.w13.dtype)).float()
-    assert ((clamped - free).norm() / free.norm()).item() > 0.05
+    moe = FusedSharedMoE.from_checkpoint(out_dir, layer)
+    converted = moe.experts
+    x = torch.randn(64, converted.hidden_size, generator=torch.Generator().manual_seed(0)).to(converted.gate_up.dtype)
+    outs = []
+    for changes in (lambda limit: {},) + variants:
+        moe.experts = dataclasses.replace(converted, **changes(converted.gemm1_clamp_limit))
+        with torch.no_grad():
+            outs.append(moe(x).float())
+    return outs
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def no_clamp(limit):
+    return {"gemm1_clamp_limit": torch.full_like(limit, math.inf)}
+
+
+@pytest.fixture(scope="module")
+def clamped(tmp_path_factory):
+    """``clamped(family)``: a tiny model of a clamping family converted with --precision source (its MoE layers then equal
+    transformers' to float32 rounding: tests/integration), built once."""
+    root, cache = tmp_path_factory.mktemp("clamped"), {}
+
+    def get(family, **kw):
+        if family not in cache:
+            src = build_checkpoint(family, root / family, experts=6, **kw)
+            convert_checkpoint(src, root / f"{family}-out", ConvertOptions(precision="source"), progress=False)
+            cache[family] = root / f"{family}-out"
+        return cache[family]
+
+    return get
+
+
+def test_glm5_next_clamp_bites(clamped):
+    """The tiny GLM-5.3's swiglu_limit changes its MoE output: the per-slot limits are doing work, not decoration."""
+    clamped_out, free = moe_outputs(clamped("glm5_next"), 1, no_clamp)
+    assert rel(clamped_out, free) > 0.05
+
+
+def test_hy_v4_routed_clamp_bites_and_shared_slots_stay_free(clamped):
+    """Hunyuan 4 clamps its routed experts only: removing the clamp changes the output, and so does clamping the shared
+    slots too (one limit for every slot, as GLM-5.3 has, would be wrong here)."""
+    out = clamped("hy_v4")
+    limit = ExpertWeights.from_checkpoint(out, 1).gemm1_clamp_limit
+    assert limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
+    as_converted, free, all_slots = moe_outputs(out, 1, no_clamp, lambda lim: {"gemm1_clamp_limit": torch.full_like(lim, lim[0].item())})
+    assert rel(as_converted, free) > 0.05 and rel(as_converted, all_slots) > 0.02
+
+
+def test_step3p7_post_clamp_and_per_layer_limits_bite(clamped):
+    """Step-3.7's limits, per layer and per slot kind, after the activation: each part changes the MoE output. Layer 2
+    clamps routed slots at 0.25 and shared ones at 0.2; layer 1 clamps only its routed slots (0.3)."""
+    out = clamped("step3p7", shared_width=48)
+    assert ExpertWeights.from_checkpoint(out, 1).gemm1_clamp_limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
+    assert ExpertWeights.from_checkpoint(out, 2).gemm1_clamp_limit.tolist() == [pytest.approx(0.25)] * 6 + [pytest.approx(0.2)] * 2
+    as_converted, free, before_activation, shared_free = moe_outputs(
+        out, 2, no_clamp, lambda lim: {"activation": "swiglu"},
+        lambda lim: {"gemm1_clamp_limit": torch.cat([lim[:6], torch.full((2,), math.inf)])})
+    assert ExpertWeights.from_checkpoint(out, 2).activation == "swiglu_post_clamp"
+    assert rel(as_converted, free) > 0.05 and rel(as_converted, before_activation) > 0.02 and rel(as_converted, shared_free) > 0.02
+    layer1, layer1_free = moe_outputs(out, 1, no_clamp)
+    assert rel(layer1, layer1_free) > 0.05

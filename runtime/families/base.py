@@ -69,7 +69,11 @@ class TransformersClasses:
     name to get the transformers module name. ``layers_path``: the decoder-layer ``ModuleList``.
     ``text_config_key``: where a wrapper keeps the text model's config. ``concats``: ``(module suffix, on-disk
     suffixes)`` pairs of module tensors stored in parts and concatenated along dim 0 in that order (after renaming),
+    or ``(module suffix, on-disk suffixes, dim)`` along another dim (Step-3.7's stacked gate and up, dim 1),
     besides the shared MLP's ``gate_up_proj`` that every family may store as ``gate_proj`` + ``up_proj``.
+    ``splits``: ``(on-disk suffix, module suffixes)``: one tensor stored for several, cut into equal parts along dim 0
+    (a vision tower's fused ``in_proj_weight``). ``rope_permute``: ``(module name pattern, config attribute path of the
+    head count)``: rows stored interleaved per rotary pair that the module wants as halves (transformers' PermuteForRope).
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
     everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
@@ -80,8 +84,10 @@ class TransformersClasses:
     layers_path: str = "model.layers"
     renames: tuple[tuple[str, str], ...] = ()
     text_config_key: str | None = None
-    concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    concats: tuple[tuple, ...] = ()
     mtp_moe_prefix: str | None = None
+    splits: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    rope_permute: tuple[tuple[str, str], ...] = ()
 
     @property
     def mtp_prefix(self) -> str | None:
