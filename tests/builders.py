@@ -219,6 +219,7 @@ def add_mtp_layer(path: Path) -> None:
     """Append an MTP layer (index = num_hidden_layers) like DeepSeek-V3's layer 61: a full MoE decoder layer plus glue."""
     t = load_all(path)
     cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # a wrapper's text model (Step-3.7)
     n = cfg["num_hidden_layers"]
     last = f"model.layers.{n - 1}."
     for k, v in list(t.items()):
@@ -232,7 +233,7 @@ def add_mtp_layer(path: Path) -> None:
     t[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(H, dtype=dt)
     t[f"model.layers.{n}.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
     rewrite(path, t, shards=2)
-    _edit_config(path, lambda c: c.update(num_nextn_predict_layers=1))
+    _edit_config(path, lambda c: c.get("text_config", c).update(num_nextn_predict_layers=1))
 
 
 _SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|eh_proj|shared_head|e_score_correction_bias|indexer\.weights_proj)")

@@ -192,3 +192,31 @@ def test_step3p7_post_clamp_and_per_layer_limits_bite(clamped):
     assert rel(as_converted, free) > 0.05 and rel(as_converted, before_activation) > 0.02 and rel(as_converted, shared_free) > 0.02
     layer1, layer1_free = moe_outputs(out, 1, no_clamp)
     assert rel(layer1, layer1_free) > 0.05
+
+
+def test_step3p7_mtp_layer_fused_with_the_limits_transformers_reads(tmp_path):
+    """Step-3.7's MTP layers (extra decoder layers) are fused with the limits transformers' MTP layers read: its MTP
+    config restarts the layer index, so MTP layer 0 takes entry 0 of the lists (no clamp here, while the last decoder
+    layer clamps: verify --against builds the source block the same way and agrees). A legacy config whose lists are
+    padded with the MTP layer's own entry converts where that entry agrees and is refused where it does not."""
+    from fuse_tool.convert import plan_conversion
+    from runtime.errors import UnsupportedModelError
+
+    src = build_checkpoint("step3p7", tmp_path / "src", experts=6, shared_width=48, mtp=True)
+    out = tmp_path / "out"
+    convert_checkpoint(src, out, ConvertOptions(precision="source"), progress=False)
+    assert list(json.loads((out / "config.json").read_text())["text_config"]["fused_shared_experts"]["moe_layers"]) == [1, 2, 3]
+    assert ExpertWeights.from_checkpoint(out, 3).gemm1_clamp_limit.tolist() == [math.inf] * 8
+    r = verify_against(out, src)
+    assert r.passed, r.failures
+    assert [(lr.kind, lr.moe_rel < 1e-5) for lr in r.layers if lr.index == 3] == [("mtp", True)]
+
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg["text_config"]
+    text["swiglu_limits"] = text["swiglu_limits"] + [0]  # padded, and agreeing (0: no clamp, as entry 0)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert plan_conversion(src).arch.slot_activation(3)[0].clamp_limit == math.inf
+    text["swiglu_limits"][-1] = 0.5
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="swiglu_limits gives MTP layer 3 the limit 0.5 .* refused rather than guessed"):
+        plan_conversion(src)

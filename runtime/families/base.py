@@ -77,6 +77,8 @@ class TransformersClasses:
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
     everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
+    ``mtp_restarts_layer_index``: transformers builds MTP block ``n`` as layer ``n`` of its MTP config (Step-3.7: its
+    per-layer limits are read at ``n``), not like the last decoder layer.
     """
 
     config_class: str
@@ -88,6 +90,7 @@ class TransformersClasses:
     mtp_moe_prefix: str | None = None
     splits: tuple[tuple[str, tuple[str, ...]], ...] = ()
     rope_permute: tuple[tuple[str, str], ...] = ()
+    mtp_restarts_layer_index: bool = False
 
     @property
     def mtp_prefix(self) -> str | None:

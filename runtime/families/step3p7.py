@@ -52,6 +52,7 @@ _RENAMES = (
     (r"\.moe\.gate\.weight$", ".mlp.gate.weight"),
     (r"\.moe\.router_bias$", ".mlp.gate.e_score_correction_bias"),
     (r"\.moe\.down_proj\.weight$", ".mlp.experts.down_proj"),
+    (r"\.moe\.(gate|up)_proj\.weight$", r".mlp.experts.gate_up_proj.\1"),  # the two parts of gate_up_proj (concats)
     (r"\.share_expert\.", ".mlp.shared_experts."),
 )
 
@@ -125,10 +126,11 @@ class Step3p7(Family):
     transformers = TransformersClasses(
         "Step3p7Config", "Step3p7ForConditionalGeneration", layers_path="model.language_model.layers", text_config_key="text_config",
         renames=_RENAMES,
-        concats=(("mlp.experts.gate_up_proj", ("moe.gate_proj.weight", "moe.up_proj.weight"), 1),),  # [E, I, H] twice -> [E, 2I, H]
+        concats=(("gate_up_proj", ("gate_up_proj.gate", "gate_up_proj.up"), 1),),  # [E, I, H] twice -> [E, 2I, H]
         splits=(("self_attn.in_proj_weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
                 ("self_attn.in_proj_bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"))),
         rope_permute=((r"^model\.vision_model\.layers\.\d+\.self_attn\.[qk]_proj\.", "vision_config.num_attention_heads"),),
+        mtp_restarts_layer_index=True,
     )
 
     @classmethod

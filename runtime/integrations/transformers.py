@@ -275,10 +275,8 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
             raise LayoutError(f"{target}: needs {' and '.join(order)}, found {sorted(parts)}")
         recipes[target] = Recipe("cat", [parts[p] for p in order], dim=dim)
     for pattern, heads_path in family.rope_permute:
-        heads = _config_value(getattr(model, "config", None), heads_path)
-        for k in recipes:
-            if re.search(pattern, k):
-                recipes[k].rope_heads = heads
+        for k in [k for k in recipes if re.search(pattern, k)]:
+            recipes[k].rope_heads = _config_value(model.config, heads_path)
 
     if leftovers:
         raise LayoutError(f"{len(leftovers)} checkpoint tensor(s) fit no module of {type(model).__name__}: "
@@ -468,8 +466,9 @@ class StreamedModel:
         """The source MoE block of ``layer`` built as ``type(like)`` (for MTP layers, which the model lacks)."""
         if self.kind != "source":
             raise ValueError("source_moe_module needs kind='source'")
+        mtp_index = layer - self.num_layers if self.family.mtp_restarts_layer_index and layer >= self.num_layers else None
         with torch.device("meta"):
-            mod = _moe_block_like(like, self.text_config)
+            mod = _moe_block_like(like, self.text_config, mtp_index)
         mod.eval()
         prefix = f"{self.family.layers_path}.{layer}.mlp."
         renames = self.family.renames
@@ -500,16 +499,17 @@ def _input_ids_as_token_ids(module, args, kwargs):
     return None
 
 
-def _moe_block_like(like: torch.nn.Module, text_config) -> torch.nn.Module:
+def _moe_block_like(like: torch.nn.Module, text_config, index: int | None = None) -> torch.nn.Module:
     """A fresh MoE block of ``like``'s class. Classes built per layer (DeepseekV4SparseMoeBlock(config, layer_idx),
-    which reads mlp_layer_types[layer_idx]) get ``like``'s own layer index when it has one, else the last layer's
-    (a score-routed one in V4: MTP blocks route by score)."""
+    which reads mlp_layer_types[layer_idx]) get ``index`` when given (the MTP layer's own index where transformers
+    restarts the numbering for MTP layers, Step-3.7), else ``like``'s own layer index when it has one, else the last
+    layer's (a score-routed one in V4: MTP blocks route by score)."""
     import inspect
 
     cls = type(like)
     if "layer_idx" not in inspect.signature(cls.__init__).parameters:
         return cls(text_config)
-    idx = getattr(like, "layer_idx", None)
+    idx = index if index is not None else getattr(like, "layer_idx", None)
     return cls(text_config, idx if isinstance(idx, int) else int(text_config.num_hidden_layers) - 1)
 
 
