@@ -534,8 +534,9 @@ class ExpertTensorNames:
 
 # The experts' prefix: ``...experts`` (every storage), or the MoE block itself for ``stacked_split`` (Step-3.7 ``moe``).
 _GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?(?:experts|moe))\." + GEMM1_ALPHA + "$")
-# MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``), numbered num_hidden_layers + N (LAYOUT section 2).
-_MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>mtp\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
+# MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``, Hunyuan 4 ``model.mtp_layers.N.mlp.experts``), numbered
+# num_hidden_layers + N (LAYOUT section 2).
+_MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:model\.)?mtp(?:_layers)?\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
 
 
 def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None = None) -> dict[int, ExpertTensorNames]:
@@ -544,7 +545,7 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
     A layer is recognised by its ``<experts>.gemm1_alpha`` tensor; the storage form
     by which expert tensors sit beside it, the scale storage by which scale name its first
     expert has (``_scale_inv`` float32, or DeepSeek-V4's E8M0 ``.scale``). MTP blocks under
-    ``mtp.N.`` are numbered ``num_hidden_layers + N`` and are only listed when
+    ``mtp.N.`` (or ``model.mtp_layers.N.``) are numbered ``num_hidden_layers + N`` and are only listed when
     ``num_hidden_layers`` is given (the config's, which the names alone do not tell).
     """
     names = set(tensor_names)

@@ -220,3 +220,27 @@ def test_step3p7_mtp_layer_fused_with_the_limits_transformers_reads(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="swiglu_limits gives MTP layer 3 the limit 0.5 .* refused rather than guessed"):
         plan_conversion(src)
+
+
+def test_hy_v4_mtp_block_under_its_own_prefix_fused_and_verified(tmp_path):
+    """Hunyuan 4 keeps MTP blocks under ``model.mtp_layers.N`` (transformers ignores them): one whose MoE is
+    ``mlp.experts`` is fused as layer num_hidden_layers + N, routed slots clamped and shared ones not, and verify
+    --against checks its fused block against transformers' HYV4MoE on its own."""
+    from builders import rewrite
+
+    src = build_checkpoint("hy_v4", tmp_path / "src", experts=6)
+    t = load_all(src)
+    for k, v in list(t.items()):  # MTP block 0: a copy of the last decoder layer, slightly changed, plus its glue
+        if k.startswith("model.layers.2."):
+            t["model.mtp_layers.0." + k[len("model.layers.2."):]] = v.clone() * 1.01
+    t["model.mtp_layers.0.eh_proj.weight"] = torch.randn(64, 128).to(torch.bfloat16) * 0.05
+    rewrite(src, t, shards=2)
+    out = tmp_path / "out"
+    result = convert_checkpoint(src, out, ConvertOptions(precision="source"), progress=False)
+    assert [lp.layer for lp in result.plan.layers if lp.is_mtp] == [3]
+    assert list(json.loads((out / "config.json").read_text())["fused_shared_experts"]["moe_layers"]) == [1, 2, 3]
+    assert ExpertWeights.from_checkpoint(out, 3).gemm1_clamp_limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
+    assert not any(k.startswith("model.mtp_layers.0.mlp.shared_experts.") for k in load_all(out))
+    r = verify_against(out, src)
+    assert r.passed, r.failures
+    assert [(lr.kind, lr.moe_rel < 1e-5) for lr in r.layers if lr.index == 3] == [("mtp", True)]

@@ -5,6 +5,9 @@ up both ways) while the shared MLP (``HYV4MLP``) is a plain ``silu(gate) * up``.
 ``swiglu_limit``, the shared slots +inf (LAYOUT section 3). Hyper-connections, attention sinks and the DSA indexer are
 copied unchanged.
 
+MTP blocks: transformers ignores everything under ``model.mtp_layers.`` (it has no module for them); a block there
+whose MoE is ``mlp.experts`` (with ``mlp.shared_experts``) is fused like any MoE layer, numbered ``num_hidden_layers + N``.
+
 Names: the release calls the attention gate ``linear_gate`` (transformers' conversion mapping renames it to
 ``gate_proj``), and ``save_pretrained`` writes that rename back everywhere, the shared MLP's gate included
 (``mlp.shared_experts.linear_gate.weight``): both spellings of the shared gate are read.
@@ -24,7 +27,8 @@ from .base import DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersCl
 class HyV4(DeepSeekStyleFamily):
     family = "Hunyuan 4"
     model_types = ("hy_v4",)
-    names = MoENames(shared_projections=(("linear_gate", "up_proj", "down_proj"),), keep_unquantized=("self_attn.indexer.weights_proj",))
+    names = MoENames(shared_projections=(("linear_gate", "up_proj", "down_proj"),), keep_unquantized=("self_attn.indexer.weights_proj",),
+                     mtp_prefix="model.mtp_layers.")
     # HYV4Config's defaults; mlp_layer_types, when absent, is one dense layer then sparse ones.
     config_defaults = {"routed_scaling_factor": 2.827, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
     fixed = {"scoring": "sigmoid"}  # HYV4TopkRouter (Glm4MoeLite's): float32 logits, sigmoid, top-2-sum groups, / (sum + 1e-20), rsf
@@ -38,6 +42,7 @@ class HyV4(DeepSeekStyleFamily):
             (r"\.hc_mlp_layer\.hc_(fn|base|scale)$", r".ffn_hc.\1"),
             (r"\.hc_head_(fn|base|scale)$", r".hc_\1"),
         ),
+        mtp_moe_prefix="model.mtp_layers.{n}.mlp.",  # HYV4 loads nothing under model.mtp_layers (_keys_to_ignore_on_load_unexpected)
     )
 
     @classmethod
