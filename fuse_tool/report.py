@@ -33,8 +33,9 @@ def _activation(plan: ConversionPlan) -> str:
     for lp in plan.layers:
         by_pair.setdefault(a.slot_activation(lp.layer), []).append(lp.layer)
     if len(by_pair) > 1:
-        return b.activation + "; " + "; ".join(f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: routed {_params(r)}, shared {_params(s)}"
-                                               for (r, s), layers in by_pair.items())
+        return b.activation + "; " + "; ".join(
+            f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: routed {_params(r)}, shared {_params(s)}"
+            for (r, s), layers in by_pair.items())
     routed, shared = next(iter(by_pair)) if by_pair else (a.activation_params, a.activation_params)
     if routed != shared:
         return f"{b.activation} (routed: {_params(routed)}; shared: {_params(shared)})"

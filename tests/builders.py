@@ -79,7 +79,8 @@ NEW_FAMILIES = {
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(
-        text_config=dict(**moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, share_expert_dim=W or 2 * I,
+        text_config=dict(**moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E,
+                         share_expert_dim=W or 2 * I,
                          mlp_layer_types=["dense"] + ["sparse"] * (L - 1), moe_router_scaling_factor=2.5, sliding_window=8,
                          swiglu_limits=[0] + [0.3 if i % 2 else 0.25 for i in range(1, L)],
                          swiglu_limits_shared=[0] + [None if i % 2 else 0.2 for i in range(1, L)], **over),

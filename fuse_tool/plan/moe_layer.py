@@ -129,7 +129,8 @@ _STACKS = {
 }
 
 
-def _plan_stacked(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, H: int, storage: str, slots, cuts, fmt: str, order) -> list[str]:
+def _plan_stacked(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, H: int, storage: str, slots, cuts, fmt: str,
+                  order) -> list[str]:
     """Stacked output (``_STACKS``: gate_up_proj [E+S, 2I, H] and down_proj [E+S, H, I], or gate, up and down apart), each
     tensor filled by one task per expert and projection, its block scales stacked the same way."""
     fp8 = inputs.out_fp8

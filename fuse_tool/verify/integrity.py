@@ -202,7 +202,8 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
         if names.storage == "stacked":
             stacks = zip(names.stacked(), ((2 * I, H), (H, I)), (2 * r, scale_grid(H, I)[0]), ("gate and up rows [2I, H]", "[H, I]"))
         else:
-            stacks = zip(names.stacked_split(), ((I, H), (I, H), (H, I)), (r, r, scale_grid(H, I)[0]), ("gate [I, H]", "up [I, H]", "[H, I]"))
+            stacks = zip(names.stacked_split(), ((I, H), (I, H), (H, I)), (r, r, scale_grid(H, I)[0]),
+                         ("gate [I, H]", "up [I, H]", "[H, I]"))
         for name, shape, grid_rows, what in stacks:
             t = _want(tensors, name, (n, *shape), None, f"E+S = {n} experts of {what}")
             _check_scale(tensors, t, (n, grid_rows, scale_grid(*shape)[1]), names.scale_storage)

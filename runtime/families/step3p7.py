@@ -137,7 +137,8 @@ class Step3p7(Family):
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
         cfg = config.get("text_config")
         if not isinstance(cfg, Mapping):
-            raise ModelError("is missing or not an object: a Step-3.7 config keeps its text model there", file="config.json", field="text_config")
+            raise ModelError("is missing or not an object: a Step-3.7 config keeps its text model there", file="config.json",
+                             field="text_config")
         if optional_bool(cfg, "mlp_bias", False, WHERE):
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({cls.family}) cannot be converted: mlp_bias is true, so its shared MLP has gate, up and "

@@ -101,7 +101,8 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
         tensors[f"{ex}.gemm1_clamp_limit"] = limit
     tensors["model.embed_tokens.weight"] = torch.randn(8, H, generator=gen)
     fse = {
-        "version": 2 if activation == "swiglu_post_clamp" else 1, "num_routed_experts": E, "num_fused_shared_experts": S, "expert_intermediate_size": I,
+        "version": 2 if activation == "swiglu_post_clamp" else 1,  # swiglu_post_clamp is a version-2 form
+        "num_routed_experts": E, "num_fused_shared_experts": S, "expert_intermediate_size": I,
         "source_shared_intermediate_size": S * I, "moe_layers": list(layers), "activation": activation,
         "routing": {"scoring": "sigmoid", "top_k": K, "n_group": n_group, "topk_group": topk_group,
                     "renormalize": True, "routed_scaling_factor": 2.5, "has_bias": bool(bias_name)},
