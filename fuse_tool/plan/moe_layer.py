@@ -157,8 +157,7 @@ def _plan_stacked(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, H: 
         tensors = [OutputTensor(f"{X}.{name}", out_dtype, (n, rows, cols))]
         if fp8:
             tensors.append(OutputTensor(scale_name(f"{X}.{name}"), "F32", (n, grid_rows, scale_grid(rows, cols)[1])))
-        group_tasks = [t for e in range(n) for p in projs for t in (tasks[p][e],)]
-        parts.groups.append(Group(tensors, group_tasks, order))
+        parts.groups.append(Group(tensors, [tasks[p][e] for e in range(n) for p in projs], order))
     return [tasks[p][e].mode for e in range(g.E, n) for p in (0, 1, 2)]
 
 
