@@ -22,6 +22,26 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
+def _params(p) -> str:
+    return f"alpha {p.alpha:g}, beta {p.beta:g}, limit {p.clamp_limit:g}"
+
+
+def _activation(plan: ConversionPlan) -> str:
+    """The activation form and its per-slot parameters: one triple, routed and shared, or per layer where they differ."""
+    a, b = plan.arch, plan.block
+    by_pair: dict = {}
+    for lp in plan.layers:
+        by_pair.setdefault(a.slot_activation(lp.layer), []).append(lp.layer)
+    if len(by_pair) > 1:
+        return b.activation + "; " + "; ".join(
+            f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: routed {_params(r)}, shared {_params(s)}"
+            for (r, s), layers in by_pair.items())
+    routed, shared = next(iter(by_pair)) if by_pair else (a.activation_params, a.activation_params)
+    if routed != shared:
+        return f"{b.activation} (routed: {_params(routed)}; shared: {_params(shared)})"
+    return b.activation + (f" ({_params(routed)})" if b.activation == "swiglu_oai" or math.isfinite(routed.clamp_limit) else "")
+
+
 def _size(n: int) -> str:
     for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= div:
@@ -45,9 +65,7 @@ def describe_plan(plan: ConversionPlan) -> str:
         f"routing        {r.scoring}, top-{r.top_k}{groups}, {'renormalized' if r.renormalize else 'not renormalized'}, "
         f"rsf {r.routed_scaling_factor:g}, {'with' if r.has_bias else 'no'} selection bias"
         + (f"; hash-routed layers {_ranges(hashed)} (token table, no bias)" if hashed else ""),
-        f"activation     {b.activation}" + (
-            f" (alpha {a.activation_params.alpha:g}, beta {a.activation_params.beta:g}, limit {a.activation_params.clamp_limit:g})"
-            if b.activation == "swiglu_oai" or math.isfinite(a.activation_params.clamp_limit) else ""),
+        f"activation     {_activation(plan)}",
         f"MoE layers     {len(decoder)} decoder ({_ranges(decoder)}) + {len(mtp)} MTP ({_ranges(mtp)})",
         f"expert storage {', '.join(storage)}; source format {', '.join(sorted({lp.source_format for lp in plan.layers}))}",
         f"source         {len(plan.source.tensors):,} tensors in {len(plan.source.shard_files)} files, "

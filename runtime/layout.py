@@ -54,6 +54,9 @@ STACKED_FORMS = {
     "experts": (f"experts.{STACKED_GATE_UP}", f"experts.{STACKED_DOWN}"),  # transformers 5 (MiniMax-M3 text, Mistral Small 4)
     "linear": ("input_linear.weight", "output_linear.weight"),  # GraniteMoE-Shared release names
 }
+# (v2) Stacked with gate and up apart (Step-3.7 ``moe.{gate,up,down}_proj.weight``): [E, I, H], [E, I, H], [E, H, I].
+STACKED_SPLIT_NAMES = tuple(f"{p}.weight" for p in PER_EXPERT_NAMES["proj"])
+STORAGES = ("proj", "w13", "stacked", "stacked_split")
 
 
 from .errors import LayoutError  # noqa: E402  (re-exported: the layout's own error)
@@ -479,14 +482,25 @@ def gemm1_param_names(experts_prefix: str) -> tuple[str, str, str]:
     return tuple(f"{experts_prefix}.{p}" for p in GEMM1_PARAMS)  # type: ignore[return-value]
 
 
+def slot_params(routed: ActivationParams, shared: ActivationParams, num_routed: int, num_shared: int) -> dict[str, tuple[float, ...]]:
+    """The values of one layer's ``gemm1_*`` tensors (LAYOUT section 3): slots ``0 .. E-1`` carry the routed experts'
+    parameters, slots ``E .. E+S-1`` the shared MLP's. Keyed by :data:`GEMM1_PARAMS`."""
+    def per_slot(attr: str) -> tuple[float, ...]:
+        return (getattr(routed, attr),) * num_routed + (getattr(shared, attr),) * num_shared
+
+    return {GEMM1_ALPHA: per_slot("alpha"), GEMM1_BETA: per_slot("beta"), GEMM1_CLAMP_LIMIT: per_slot("clamp_limit")}
+
+
 @dataclass(frozen=True)
 class ExpertTensorNames:
     """Where one MoE layer's expert tensors live in a converted checkpoint.
 
-    ``storage`` is ``"proj"`` or ``"w13"`` (one tensor per expert and projection)
-    or ``"stacked"`` (gate_up ``[E+S, 2I, H]`` and down ``[E+S, H, I]``, named by ``stacked_form``,
+    ``storage`` is ``"proj"`` or ``"w13"`` (one tensor per expert and projection),
+    ``"stacked"`` (gate_up ``[E+S, 2I, H]`` and down ``[E+S, H, I]``, named by ``stacked_form``,
     a key of :data:`STACKED_FORMS`: ``experts.gate_up_proj`` / ``experts.down_proj``, or GraniteMoE-Shared's
-    ``input_linear.weight`` / ``output_linear.weight`` beside ``experts``). The SwiGLU parameters are
+    ``input_linear.weight`` / ``output_linear.weight`` beside ``experts``) or **(v2)** ``"stacked_split"``
+    (``gate_proj.weight`` and ``up_proj.weight [E+S, I, H]``, ``down_proj.weight [E+S, H, I]``, Step-3.7, whose
+    routed experts sit in the MoE block itself: there ``experts_prefix`` is the block). The SwiGLU parameters are
     ``<experts_prefix>.gemm1_*`` in every form.
     """
 
@@ -497,7 +511,8 @@ class ExpertTensorNames:
 
     @property
     def block_prefix(self) -> str:
-        return self.experts_prefix[: -len(".experts")]
+        """The MoE block (router, bias): the experts' parent, or the experts' own prefix where they sit in the block."""
+        return self.experts_prefix[: -len(".experts")] if self.experts_prefix.endswith(".experts") else self.experts_prefix
 
     def scale(self, weight_name: str) -> str:
         """The block scale's name of one of this layer's weights, under the layer's scale storage."""
@@ -517,13 +532,31 @@ class ExpertTensorNames:
         """gate_up and down tensor names (stacked storage only)."""
         return stacked_names(self.block_prefix, self.stacked_form)
 
+    def stacked_split(self) -> tuple[str, str, str]:
+        """gate, up and down tensor names (``stacked_split`` storage only)."""
+        return tuple(f"{self.experts_prefix}.{n}" for n in STACKED_SPLIT_NAMES)  # type: ignore[return-value]
+
+    def slot_tensors(self, expert: int) -> list[tuple[str, int | None]]:
+        """Where expert slot ``expert`` lies: ``(tensor name, row of a stacked tensor or None for a whole tensor)``."""
+        if self.storage == "stacked":
+            return [(n, expert) for n in self.stacked()]
+        if self.storage == "stacked_split":
+            return [(n, expert) for n in self.stacked_split()]
+        return [(n, None) for n in self.per_expert(expert)]
+
+    def first_weight(self) -> str:
+        """The layer's first expert weight tensor (expert 0's gate, or the stacked gate(_up)): what its dtype and scale say."""
+        return self.slot_tensors(0)[0][0]
+
     def gemm1_params(self) -> tuple[str, str, str]:
         return gemm1_param_names(self.experts_prefix)
 
 
-_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
-# MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``), numbered num_hidden_layers + N (LAYOUT section 2).
-_MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>mtp\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
+# The experts' prefix: ``...experts`` (every storage), or the MoE block itself for ``stacked_split`` (Step-3.7 ``moe``).
+_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?(?:experts|moe))\." + GEMM1_ALPHA + "$")
+# MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``, Hunyuan 4 ``model.mtp_layers.N.mlp.experts``), numbered
+# num_hidden_layers + N (LAYOUT section 2).
+_MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:model\.)?mtp(?:_layers)?\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
 
 
 def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None = None) -> dict[int, ExpertTensorNames]:
@@ -532,7 +565,7 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
     A layer is recognised by its ``<experts>.gemm1_alpha`` tensor; the storage form
     by which expert tensors sit beside it, the scale storage by which scale name its first
     expert has (``_scale_inv`` float32, or DeepSeek-V4's E8M0 ``.scale``). MTP blocks under
-    ``mtp.N.`` are numbered ``num_hidden_layers + N`` and are only listed when
+    ``mtp.N.`` (or ``model.mtp_layers.N.``) are numbered ``num_hidden_layers + N`` and are only listed when
     ``num_hidden_layers`` is given (the config's, which the names alone do not tell).
     """
     names = set(tensor_names)
@@ -546,19 +579,20 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
             if not m or num_hidden_layers is None:
                 continue
             prefix, layer = m.group("prefix"), num_hidden_layers + int(m.group("mtp"))
-        block = prefix[: -len(".experts")]
+        block = ExpertTensorNames(prefix, "proj").block_prefix
         form = next((f for f in STACKED_FORMS if stacked_names(block, f)[0] in names), None)
         if form is not None:
-            storage, first = "stacked", stacked_names(block, form)[0]
+            storage = "stacked"
         elif f"{prefix}.0.{PER_EXPERT_NAMES['w13'][0]}.weight" in names:
             storage = "w13"
         elif f"{prefix}.0.{PER_EXPERT_NAMES['proj'][0]}.weight" in names:
             storage = "proj"
+        elif f"{prefix}.{STACKED_SPLIT_NAMES[0]}" in names:
+            storage = "stacked_split"
         else:
             raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, "
-                              f"{' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})")
-        if storage != "stacked":
-            first = f"{prefix}.0.{PER_EXPERT_NAMES[storage][0]}.weight"
+                              f"{prefix}.gate_proj.weight, {' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})")
+        first = ExpertTensorNames(prefix, storage, stacked_form=form or "experts").first_weight()
         scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
         if layer in found and found[layer].experts_prefix != prefix:
             # An MTP stack under another prefix may reuse an index; the main stack wins.

@@ -24,7 +24,7 @@ from ._backend import resolve_backend
 from .checkpoint import ModelFolder
 from .families import router_tensor_names
 from .fp8 import FP8_DTYPE
-from .layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
+from .layout import ACTIVATIONS, E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
 from .mxfp4 import e8m0_to_float
 from .routing import RoutingConfig, check_hash_table, route
 from .safetensors_io import bytes_to_tensor, read_bytes
@@ -42,6 +42,8 @@ class ExpertWeights:
     - ``down`` ``[E+S, H, I]`` with ``down_scale`` ``[E+S, ceil(H/128), ceil(I/128)]`` or None.
     - ``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit`` ``[E+S]`` float32 (LAYOUT section 3);
       None means plain SwiGLU (1, 0, +inf).
+    - ``activation``: the block's form (``layout.ACTIVATIONS``); ``"swiglu_post_clamp"`` (Step-3.7) clamps the
+      gate after its activation, the others before.
     """
 
     gate_up: torch.Tensor
@@ -51,8 +53,11 @@ class ExpertWeights:
     gemm1_alpha: torch.Tensor | None = None
     gemm1_beta: torch.Tensor | None = None
     gemm1_clamp_limit: torch.Tensor | None = None
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.gate_up.dim() != 3 or self.down.dim() != 3:
             raise ValueError("gate_up must be [E+S, 2I, H] and down [E+S, H, I]")
         NE, I2, H = self.gate_up.shape
@@ -107,10 +112,15 @@ class ExpertWeights:
     def is_fp8(self) -> bool:
         return self.gate_up.dtype == FP8_DTYPE
 
+    @property
+    def post_clamp(self) -> bool:
+        """Whether the clamp comes after the gate's activation (``"swiglu_post_clamp"``, LAYOUT v2 section 3)."""
+        return self.activation == "swiglu_post_clamp"
+
     def to(self, device) -> "ExpertWeights":
         f = lambda t: None if t is None else t.to(device)  # noqa: E731
         return ExpertWeights(f(self.gate_up), f(self.down), f(self.gate_up_scale), f(self.down_scale),
-                             f(self.gemm1_alpha), f(self.gemm1_beta), f(self.gemm1_clamp_limit))
+                             f(self.gemm1_alpha), f(self.gemm1_beta), f(self.gemm1_clamp_limit), self.activation)
 
     def subset(self, start: int, stop: int) -> "ExpertWeights":
         """Experts ``[start, stop)`` as views (e.g. the routed ones alone, or the shared slots)."""
@@ -150,13 +160,14 @@ class _Checkpoint(ModelFolder):
         NE = self.block.num_expert_slots
         has = self.__contains__
         scale_name = names.scale
-        if names.storage == "stacked":
-            gu, dn = names.stacked()
-            w13, w2 = self.get(gu, device), self.get(dn, device)
-            s13 = self.scale(scale_name(gu), device) if has(scale_name(gu)) else None
+        if names.storage in ("stacked", "stacked_split"):
+            *up_side, dn = names.stacked() if names.storage == "stacked" else names.stacked_split()
+            # stacked_split: gate [E+S, I, H] and up apart, joined here (and their scale grids: the gate's, then the up's)
+            w13, w2 = torch.cat([self.get(n, device) for n in up_side], 1), self.get(dn, device)
+            s13 = torch.cat([self.scale(scale_name(n), device) for n in up_side], 1) if has(scale_name(up_side[0])) else None
             s2 = self.scale(scale_name(dn), device) if has(scale_name(dn)) else None
             if w13.shape[0] != NE:
-                raise LayoutError(f"{gu}: {w13.shape[0]} experts, config says E+S = {NE}")
+                raise LayoutError(f"{up_side[0]}: {w13.shape[0]} experts, config says E+S = {NE}")
         else:
             per = [names.per_expert(e) for e in range(NE)]
             w13 = torch.stack([torch.cat([self.get(g, device), self.get(u, device)], 0) for g, u, _ in per])
@@ -166,8 +177,8 @@ class _Checkpoint(ModelFolder):
                 s13 = torch.stack([torch.cat([self.scale(scale_name(g), device), self.scale(scale_name(u), device)], 0)
                                    for g, u, _ in per])
                 s2 = torch.stack([self.scale(scale_name(d), device) for _, _, d in per])
-        alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())
-        return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit)
+        alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())  # per slot, as the converter wrote them
+        return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit, self.block.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's names."""

@@ -54,7 +54,8 @@ def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
         else:
             w13, w2 = experts.gate_up[e].to(torch.float32), experts.down[e].to(torch.float32)
         gu = a[tok] @ w13.T
-        h = swiglu(gu[:, :I], gu[:, I:], experts.gemm1_alpha[e], experts.gemm1_beta[e], experts.gemm1_clamp_limit[e])
+        h = swiglu(gu[:, :I], gu[:, I:], experts.gemm1_alpha[e], experts.gemm1_beta[e], experts.gemm1_clamp_limit[e],
+                   experts.post_clamp)
         h = _quant_dequant(h) if fp8 else h.to(experts.gate_up.dtype).to(torch.float32)
         y = h @ w2.T
         out.index_add_(0, tok, y * weights[tok, slot].to(torch.float32)[:, None])

@@ -76,11 +76,16 @@ def _quant_fp8(a, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _swiglu(g, u, alpha, beta, lim):
-    """LAYOUT section 3: ``min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + beta)``."""
-    g = tl.minimum(g, lim)
+def _swiglu(g, u, alpha, beta, lim, POST_CLAMP: tl.constexpr):
+    """LAYOUT section 3: ``min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + beta)``; POST_CLAMP
+    (``"swiglu_post_clamp"``, Step-3.7): ``min(g * sigmoid(alpha * g), L) * (clamp(u, -L, L) + beta)``."""
+    if not POST_CLAMP:
+        g = tl.minimum(g, lim)
     u = tl.minimum(tl.maximum(u, -lim), lim)
-    return g * tl.sigmoid(alpha * g) * (u + beta)
+    act = g * tl.sigmoid(alpha * g)
+    if POST_CLAMP:
+        act = tl.minimum(act, lim)
+    return act * (u + beta)
 
 
 @triton.jit
@@ -199,7 +204,7 @@ def _moe_gemm_kernel(
     A_DIV: tl.constexpr, A_MODE: tl.constexpr, A_SPLITS: tl.constexpr, GATED: tl.constexpr,
     QUANT_OUT: tl.constexpr, MUL_W: tl.constexpr, W_FP8: tl.constexpr, INTERP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
 
@@ -260,7 +265,7 @@ def _moe_gemm_kernel(
                 for s in tl.static_range(A_SPLITS):
                     g += tl.load(a_base + s * a_split_stride + offs_k[None, :] * stride_ak, mask=amask, other=0.0)
                     u += tl.load(a_base + s * a_split_stride + (K + offs_k[None, :]) * stride_ak, mask=amask, other=0.0)
-                af = _swiglu(g, u, alpha, beta, lim)
+                af = _swiglu(g, u, alpha, beta, lim, POST_CLAMP)
             else:
                 af = tl.load(a_base + offs_k[None, :] * stride_ak, mask=amask, other=0.0).to(tl.float32)
             if W_FP8:
@@ -303,7 +308,7 @@ def _moe_gemm_kernel(
         if GATED:
             acc_u = tl.trans(acc_u)
     if GATED:
-        out = _swiglu(acc_g, acc_u, alpha, beta, lim)
+        out = _swiglu(acc_g, acc_u, alpha, beta, lim, POST_CLAMP)
     else:
         out = acc_g
     if MUL_W:
@@ -453,6 +458,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         A_DIV=KS, A_MODE=1 if prequant else 0, A_SPLITS=1, GATED=fused_act, QUANT_OUT=quant_h, MUL_W=False,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
         BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
+        POST_CLAMP=experts.post_clamp,
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
@@ -473,6 +479,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
         BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
+        POST_CLAMP=experts.post_clamp,
     )
     BH = min(1024, next_pow2(H))
     _sum_kernel[(T, triton.cdiv(H, BH))](c, ids_c, out, nv, H, num_slots, numel * H, KS=KS, SPLITS=split2,

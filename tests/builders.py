@@ -90,6 +90,20 @@ NEW_FAMILIES = {
                          routed_scaling_factor=1.25, index_n_heads=2, index_head_dim=16, index_topk=4, **over),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8,
                            head_dim=16)), "MistralLarge4ForConditionalGeneration"),
+    # Hunyuan 4: swiglu_limit 0.3 bites on the routed experts; the shared MLP is not clamped. Two hyper-connection streams.
+    "hy_v4": (lambda T, moe, I, E, W, L, over: T.HYV4Config(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=0.3, hc_mult=2, **NO_SPECIAL_TOKENS, **over), "HYV4ForCausalLM"),
+    # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
+    # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
+    "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(
+        text_config=dict(**moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E,
+                         share_expert_dim=W or 2 * I,
+                         mlp_layer_types=["dense"] + ["sparse"] * (L - 1), moe_router_scaling_factor=2.5, sliding_window=8,
+                         swiglu_limits=[0] + [0.3 if i % 2 else 0.25 for i in range(1, L)],
+                         swiglu_limits_shared=[0] + [None if i % 2 else 0.2 for i in range(1, L)], **over),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8)),
+        "Step3p7ForConditionalGeneration"),
 }
 
 
@@ -224,6 +238,7 @@ def add_mtp_layer(path: Path) -> None:
     """Append an MTP layer (index = num_hidden_layers) like DeepSeek-V3's layer 61: a full MoE decoder layer plus glue."""
     t = load_all(path)
     cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # a wrapper's text model (Step-3.7)
     n = cfg["num_hidden_layers"]
     last = f"model.layers.{n - 1}."
     for k, v in list(t.items()):
@@ -237,13 +252,15 @@ def add_mtp_layer(path: Path) -> None:
     t[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(H, dtype=dt)
     t[f"model.layers.{n}.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
     rewrite(path, t, shards=2)
-    _edit_config(path, lambda c: c.update(num_nextn_predict_layers=1))
+    _edit_config(path, lambda c: c.get("text_config", c).update(num_nextn_predict_layers=1))
 
 
 _SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.layer\.weight$|eh_proj|shared_head|e_score_correction_bias|"
                        r"indexer\.weights_proj)")
 _DECODER = re.compile(r"(^|\.)layers\.")  # model.layers.L, or Mistral-native layers.L
-_STACKED = ("gate_up_proj", "down_proj", "input_linear.weight", "output_linear.weight")  # 3-D expert stacks, gate_up first
+# 3-D expert stacks: gate_up (quantized per half), down, and Step-3.7's gate, up and down apart.
+_STACKED_GATE_UP = ("gate_up_proj", "input_linear.weight")
+_STACKED = _STACKED_GATE_UP + ("down_proj", "output_linear.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
 def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> None:
@@ -255,7 +272,7 @@ def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> No
             q, s = quantize_block_fp8(v.float(), scale_fmt=scale_fmt)
             out[k], out[k + "_scale_inv"] = q, s
         elif k.endswith(_STACKED) and v.dim() == 3:
-            if k.endswith(_STACKED[::2]):
+            if k.endswith(_STACKED_GATE_UP):
                 halves = [quantize_block_fp8(h.float(), scale_fmt=scale_fmt) for h in v.chunk(2, dim=1)]
                 out[k] = torch.cat([h[0] for h in halves], dim=1)
                 out[k + "_scale_inv"] = torch.cat([h[1] for h in halves], dim=1)

@@ -41,3 +41,9 @@ def index_of(out: Path) -> dict:
 
 def config_block(out: Path):
     return read_config_block(json.loads((out / "config.json").read_text()))
+
+
+def shared_prefix(block: str, table) -> str:
+    """The source shared MLP of a MoE block, under its family's name table (``runtime.families.MoENames``): inside the
+    block, or beside it in the layer (GraniteMoE-Shared's ``shared_mlp``, Step-3.7's ``share_expert``)."""
+    return table.shared_prefix(block, block.rsplit(".", 1)[0])

@@ -206,3 +206,25 @@ def test_hunyuan_per_layer_expert_counts_must_agree(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     code, output = run_convert(src, tmp_path / "out2")
     assert code == 0, output
+
+
+@pytest.mark.parametrize("limit", [0, -1.5])
+def test_hy_v4_with_a_limit_transformers_documents_and_applies_differently_is_refused(tmp_path, limit):
+    src = build_checkpoint("hy_v4", tmp_path / "src", experts=6)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["swiglu_limit"] = limit
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "swiglu_limit", "documents a limit <= 0 as 'no clamp'")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(mlp_bias=True), "no bias terms"),
+    (dict(swiglu_limits=[0, -0.3, 0.25]), "entry 1 is -0.3, expected null or a number >= 0"),
+    (dict(swiglu_limits_shared=[0, None]), "expected a list of 3 limits"),
+])
+def test_step3p7_config_refusals(tmp_path, change, message):
+    src = build_checkpoint("step3p7", tmp_path / "src", experts=6)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"].update(change)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", f"text_config.{next(iter(change))}", message)

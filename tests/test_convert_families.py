@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from builders import FAMILIES, NEW_FAMILIES, build_checkpoint, load_all
-from checks import assert_fp8_close, config_block, dequant, index_of
+from checks import assert_fp8_close, config_block, dequant, index_of, shared_prefix
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
 from runtime.families import describe_model, router_tensor_names
@@ -47,6 +47,12 @@ CASES = {
     "mistral4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 3, 2, True, 1.7, False), v2=dict(group_score="top2_sum")),
     "mistral_large4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 3, 2, True, 1.25, False),
                            v2=dict(group_score="top2_sum")),
+    # Hunyuan 4 clamps its routed experts only: limit (routed, shared) = (swiglu_limit, inf).
+    "hy_v4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)),
+    # Step-3.7: per-layer (routed, shared) limits after the activation; a shared width of 1.5 I (the second slot half padding).
+    "step3p7": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
+                    limit={1: (0.3, math.inf), 2: (0.25, 0.2)}, activation="swiglu_post_clamp",
+                    v2={}),  # swiglu_post_clamp is a version 2 feature
 }
 assert set(CASES) == set(FAMILIES) | set(NEW_FAMILIES)
 
@@ -57,25 +63,28 @@ def sources(tmp_path_factory):
     return {f: build_checkpoint(f, root / f, **c["kw"]) for f, c in CASES.items()}
 
 
-def shared_source(src: dict, sh: str, W: int):
-    """(gate [W,H], up [W,H], down [H,W]) of the source shared MLP at ``sh``: separate (gate/up/down_proj or w1/w3/w2) or one
+def shared_source(src: dict, block: str, W: int, table):
+    """(gate [W,H], up [W,H], down [H,W]) of a source shared MLP: separate (under any of its family's names) or one
     concatenated gate-up tensor (gate_up_proj, GraniteMoE's input_linear)."""
+    sh = shared_prefix(block, table)
     for gate_up, down in (("gate_up_proj", "down_proj"), ("input_linear", "output_linear")):
         if f"{sh}.{gate_up}.weight" in src:
             gu = src[f"{sh}.{gate_up}.weight"].float()
             return gu[:W], gu[W:], src[f"{sh}.{down}.weight"].float()
-    names = PER_EXPERT_NAMES["w13" if f"{sh}.w1.weight" in src else "proj"]
-    return tuple(src[f"{sh}.{p}.weight"].float() for p in names)
+    trio = next(t for t in table.shared_projections + tuple(PER_EXPERT_NAMES.values()) if f"{sh}.{t[0]}.weight" in src)
+    return tuple(src[f"{sh}.{p}.weight"].float() for p in trio)
 
 
-def routed_source(src: dict, block: str, e: int):
-    x = f"{block}.experts"
+def routed_source(src: dict, block: str, x: str, e: int):
+    """(gate, up, down) of routed expert ``e`` of the block ``block`` with experts at ``x``, in any of the layout's storage forms."""
     for form in STACKED_FORMS:
         gu_name, dn_name = stacked_names(block, form)
         if gu_name in src:
             gu = src[gu_name][e].float()
             half = gu.shape[0] // 2
             return gu[:half], gu[half:], src[dn_name][e].float()
+    if f"{x}.gate_proj.weight" in src:  # stacked, gate and up apart (Step-3.7)
+        return tuple(src[f"{x}.{p}.weight"][e].float() for p in ("gate_proj", "up_proj", "down_proj"))
     names = PER_EXPERT_NAMES["w13" if f"{x}.0.w1.weight" in src else "proj"]
     return tuple(src[f"{x}.{e}.{p}.weight"].float() for p in names)
 
@@ -94,6 +103,12 @@ def converted_expert(out: dict, names, e: int):
         scales = (sg[:r], sg[r:], sd)
         parts = (gu[:half], gu[half:], dn)
         vals = tuple(dequant({"w": w, scale_name("w"): s}, "w") for w, s in zip(parts, scales))
+        return vals, scales
+    if names.storage == "stacked_split":
+        w = names.stacked_split()
+        scales = tuple(out[scale_name(n)][e] for n in w) if scale_name(w[0]) in out else None
+        vals = tuple(dequant({"w": out[n][e], scale_name("w"): s}, "w") if scales else out[n][e].float()
+                     for n, s in zip(w, scales or (None,) * 3))
         return vals, scales
     w = names.per_expert(e)
     vals = tuple(dequant(out, n) for n in w)
@@ -137,7 +152,7 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
 
     for L, names in layers.items():
         blk = names.block_prefix
-        sh = names_table.shared_prefix(blk, f"{names_table.layer_prefix}{L}")
+        sh = shared_prefix(blk, names_table)
         assert any(k.startswith(f"{sh}.") for k in src) and not any(k.startswith(f"{sh}.") for k in out), "no shared-expert tensors remain"
         router, biases = router_tensor_names(cfg, blk)
         assert out[router].dtype == torch.float32
@@ -148,18 +163,21 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
             assert torch.equal(out[b], src[b]) and out[b].abs().max() > 0, "the selection bias is copied unchanged (and not zero)"
         alpha, beta, limit = (out[n] for n in names.gemm1_params())
         assert alpha.shape == beta.shape == limit.shape == (E + S,)
+        assert block.activation == case.get("activation", block.activation)
         if block.activation == "swiglu_oai":
             assert torch.allclose(alpha, torch.full((E + S,), 1.702)) and torch.all(beta == 1.0) and torch.all(limit == 7.0)
         else:
             assert torch.all(alpha == 1.0) and torch.all(beta == 0.0)
-            assert torch.equal(limit, torch.full((E + S,), case.get("limit", math.inf), dtype=torch.float32))
-        if names.storage != "stacked":
-            assert f"{names.experts_prefix}.{E + S}.{PER_EXPERT_NAMES[names.storage][0]}.weight" not in out
+            lim = case.get("limit", math.inf)  # every slot's, (routed, shared), or per layer
+            routed_lim, shared_lim = (lim[L] if isinstance(lim, dict) else lim) if not isinstance(lim, float) else (lim, lim)
+            assert torch.equal(limit, torch.tensor([routed_lim] * E + [shared_lim] * S, dtype=torch.float32))
+        if names.storage in ("stacked", "stacked_split"):
+            assert out[names.slot_tensors(0)[0][0]].shape[0] == E + S
         else:
-            assert out[names.stacked()[0]].shape[0] == E + S
+            assert f"{names.experts_prefix}.{E + S}.{PER_EXPERT_NAMES[names.storage][0]}.weight" not in out
 
-        sg, su, sd = shared_source(src, sh, W)
-        wants = [routed_source(src, blk, e) for e in range(E)]
+        sg, su, sd = shared_source(src, blk, W, names_table)
+        wants = [routed_source(src, blk, names.experts_prefix, e) for e in range(E)]
         for j in range(S):
             a, b = j * I, min((j + 1) * I, W)
             pad = lambda t, dim: torch.nn.functional.pad(t, (0, 0, 0, I - t.shape[0])) if dim == 0 else torch.nn.functional.pad(t, (0, I - t.shape[1]))

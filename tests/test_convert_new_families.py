@@ -3,6 +3,7 @@ hybrid attention), each against a tiny checkpoint built by the family's own tran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from builders import NEW_FAMILIES, build_checkpoint, load_all, to_compressed_tensors_channel, to_fp8_block
-from checks import assert_fp8_close, dequant
+from checks import assert_fp8_close, dequant, shared_prefix
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
 from fuse_tool.verify.numerics import verify_against
+from runtime import ExpertWeights
 from runtime.families import describe_model
 from runtime.layout import PER_EXPERT_NAMES, moe_layer_tensors, scale_name
 
@@ -26,19 +28,23 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _rows(t: torch.Tensor, row):
+    return t if row is None else t[row]
+
+
 def _halves(w: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Gate and up (weight, scale) of a concatenated gate-up tensor: the rows in halves, the scale grid in halves."""
     return [(w.chunk(2, dim=-2)[i], s.chunk(2, dim=-2)[i]) for i in (0, 1)]
 
 
-def shared_parts(src: dict, sh: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def shared_parts(src: dict, sh: str, table) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(weight, scale) of the source shared MLP's gate, up and down, whatever its storage."""
     for gate_up, down in (("gate_up_proj", "down_proj"), ("input_linear", "output_linear")):
         if f"{sh}.{gate_up}.weight" in src:
             gu, dn = f"{sh}.{gate_up}.weight", f"{sh}.{down}.weight"
             return _halves(src[gu], src[scale_name(gu)]) + [(src[dn], src[scale_name(dn)])]
-    names = PER_EXPERT_NAMES["w13" if f"{sh}.w1.weight" in src else "proj"]
-    return [(src[f"{sh}.{p}.weight"], src[scale_name(f"{sh}.{p}.weight")]) for p in names]
+    trio = next(t for t in table.shared_projections + tuple(PER_EXPERT_NAMES.values()) if f"{sh}.{t[0]}.weight" in src)
+    return [(src[f"{sh}.{p}.weight"], src[scale_name(f"{sh}.{p}.weight")]) for p in trio]
 
 
 def slot_parts(t: dict, names, e: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,14 +52,15 @@ def slot_parts(t: dict, names, e: int) -> list[tuple[torch.Tensor, torch.Tensor]
     if names.storage == "stacked":
         gu, dn = names.stacked()
         return _halves(t[gu][e], t[scale_name(gu)][e]) + [(t[dn][e], t[scale_name(dn)][e])]
-    return [(t[n], t[scale_name(n)]) for n in names.per_expert(e)]
+    return [(_rows(t[n], row), _rows(t[scale_name(n)], row)) for n, row in names.slot_tensors(e)]
 
 
 @pytest.mark.parametrize("family", FP8_BLOCK_FAMILIES)
 def test_fp8_block_source_copies_blocks_and_verifies(family, tmp_path):
-    """W = 2 x 128 over I = 128: both shared slots are whole blocks, so every expert byte and scale is copied; the
-    converted model then matches the dequantized source within the FP8 bounds of verify --against."""
-    src_dir = build_checkpoint(family, tmp_path / "src", hidden=128, inter=128, experts=6)
+    """W = 2 x 128 over I = 128: both shared slots are whole blocks, so every expert byte and scale is copied (per expert
+    or stacked, wherever each slot lies); the converted model then matches the dequantized source within the FP8 bounds
+    of verify --against."""
+    src_dir = build_checkpoint(family, tmp_path / "src", hidden=128, inter=128, experts=6, shared_width=256)
     to_fp8_block(src_dir)
     out_dir = tmp_path / "out"
     result = convert_checkpoint(src_dir, out_dir, progress=False)
@@ -66,7 +73,7 @@ def test_fp8_block_source_copies_blocks_and_verifies(family, tmp_path):
         for e in range(6):
             for (w, s), (w0, s0) in zip(slot_parts(out, names, e), slot_parts(src, names, e)):
                 assert same_bytes(w, w0) and same_bytes(s, s0), (L, e)
-        shared = shared_parts(src, table.shared_prefix(names.block_prefix, f"{table.layer_prefix}{L}"))
+        shared = shared_parts(src, shared_prefix(names.block_prefix, table), table)
         for j in range(2):
             for p, (got_w, got_s), (w, s) in zip("gud", slot_parts(out, names, 6 + j), shared):
                 want_w, want_s = (w[j * 128:(j + 1) * 128], s[j:j + 1]) if p != "d" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1])
@@ -95,13 +102,16 @@ def test_glm4v_compressed_tensors_source(tmp_path):
     assert verify_against(out_dir, src_dir).passed
 
 
-@pytest.mark.parametrize("family", ["glm4v_moe", "glm5_next"])
+VISION = {"glm4v_moe": ("model.visual.",), "glm5_next": ("model.visual.",), "step3p7": ("vision_model.", "vit_large_projector.")}
+
+
+@pytest.mark.parametrize("family", sorted(VISION))
 def test_vision_tower_copied_unchanged(family, tmp_path):
     src_dir = build_checkpoint(family, tmp_path / "src", experts=6)
     out_dir = tmp_path / "out"
     convert_checkpoint(src_dir, out_dir, progress=False)
     src, out = load_all(src_dir), load_all(out_dir)
-    vision = [k for k in src if k.startswith("model.visual.")]
+    vision = [k for k in src if k.startswith(VISION[family])]
     assert vision
     for k in vision:
         assert same_bytes(out[k], src[k]), k
@@ -129,22 +139,127 @@ def test_hybrid_attention_copied(family, other_linear, tmp_path):
             assert same_bytes(out[k], v), k
 
 
-def test_glm5_next_clamp_bites(tmp_path):
-    """The tiny GLM-5.3's swiglu_limit changes its MoE output: the per-slot limits are doing work, not decoration."""
+def moe_outputs(out_dir, layer: int, *variants) -> list[torch.Tensor]:
+    """Converted MoE layer ``layer`` on fixed random tokens: as converted, then with each variant's changes to its
+    ExpertWeights (a function of the converted per-slot limits giving the fields to replace)."""
     from runtime import FusedSharedMoE
 
-    src_dir = build_checkpoint("glm5_next", tmp_path / "src", experts=6)
-    out_dir = tmp_path / "out"
-    convert_checkpoint(src_dir, out_dir, ConvertOptions(precision="source"), progress=False)
-    moe = FusedSharedMoE.from_checkpoint(out_dir, 1)
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
-    moe.experts = moe.experts.to("cpu")
-    with torch.no_grad():
-        clamped = moe(x.to(moe.experts.w13.dtype)).float()
-        import dataclasses
-        moe.experts = dataclasses.replace(moe.experts, gemm1_clamp_limit=torch.full_like(moe.experts.gemm1_clamp_limit, math.inf))
-        free = moe(x.to(moe.experts.w13.dtype)).float()
-    assert ((clamped - free).norm() / free.norm()).item() > 0.05
+    moe = FusedSharedMoE.from_checkpoint(out_dir, layer)
+    converted = moe.experts
+    x = torch.randn(64, converted.hidden_size, generator=torch.Generator().manual_seed(0)).to(converted.gate_up.dtype)
+    outs = []
+    for changes in (lambda limit: {},) + variants:
+        moe.experts = dataclasses.replace(converted, **changes(converted.gemm1_clamp_limit))
+        with torch.no_grad():
+            outs.append(moe(x).float())
+    return outs
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def no_clamp(limit):
+    return {"gemm1_clamp_limit": torch.full_like(limit, math.inf)}
+
+
+@pytest.fixture(scope="module")
+def clamped(tmp_path_factory):
+    """``clamped(family)``: a tiny model of a clamping family converted with --precision source (its MoE layers then equal
+    transformers' to float32 rounding: tests/integration), built once."""
+    root, cache = tmp_path_factory.mktemp("clamped"), {}
+
+    def get(family, **kw):
+        if family not in cache:
+            src = build_checkpoint(family, root / family, experts=6, **kw)
+            convert_checkpoint(src, root / f"{family}-out", ConvertOptions(precision="source"), progress=False)
+            cache[family] = root / f"{family}-out"
+        return cache[family]
+
+    return get
+
+
+def test_glm5_next_clamp_bites(clamped):
+    """The tiny GLM-5.3's swiglu_limit changes its MoE output: the per-slot limits are doing work, not decoration."""
+    clamped_out, free = moe_outputs(clamped("glm5_next"), 1, no_clamp)
+    assert rel(clamped_out, free) > 0.05
+
+
+def test_hy_v4_routed_clamp_bites_and_shared_slots_stay_free(clamped):
+    """Hunyuan 4 clamps its routed experts only: removing the clamp changes the output, and so does clamping the shared
+    slots too (one limit for every slot, as GLM-5.3 has, would be wrong here)."""
+    out = clamped("hy_v4")
+    limit = ExpertWeights.from_checkpoint(out, 1).gemm1_clamp_limit
+    assert limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
+    as_converted, free, all_slots = moe_outputs(out, 1, no_clamp, lambda lim: {"gemm1_clamp_limit": torch.full_like(lim, lim[0].item())})
+    assert rel(as_converted, free) > 0.05 and rel(as_converted, all_slots) > 0.02
+
+
+def test_step3p7_post_clamp_and_per_layer_limits_bite(clamped):
+    """Step-3.7's limits, per layer and per slot kind, after the activation: each part changes the MoE output. Layer 2
+    clamps routed slots at 0.25 and shared ones at 0.2; layer 1 clamps only its routed slots (0.3)."""
+    out = clamped("step3p7", shared_width=48)
+    assert ExpertWeights.from_checkpoint(out, 1).gemm1_clamp_limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
+    assert ExpertWeights.from_checkpoint(out, 2).gemm1_clamp_limit.tolist() == [pytest.approx(0.25)] * 6 + [pytest.approx(0.2)] * 2
+    as_converted, free, before_activation, shared_free = moe_outputs(
+        out, 2, no_clamp, lambda lim: {"activation": "swiglu"},
+        lambda lim: {"gemm1_clamp_limit": torch.cat([lim[:6], torch.full((2,), math.inf)])})
+    assert ExpertWeights.from_checkpoint(out, 2).activation == "swiglu_post_clamp"
+    assert rel(as_converted, free) > 0.05 and rel(as_converted, before_activation) > 0.02 and rel(as_converted, shared_free) > 0.02
+    layer1, layer1_free = moe_outputs(out, 1, no_clamp)
+    assert rel(layer1, layer1_free) > 0.05
+
+
+def test_step3p7_mtp_layer_fused_with_the_limits_transformers_reads(tmp_path):
+    """Step-3.7's MTP layers (extra decoder layers) are fused with the limits transformers' MTP layers read: its MTP
+    config restarts the layer index, so MTP layer 0 takes entry 0 of the lists (no clamp here, while the last decoder
+    layer clamps: verify --against builds the source block the same way and agrees). A legacy config whose lists are
+    padded with the MTP layer's own entry converts where that entry agrees and is refused where it does not."""
+    from fuse_tool.convert import plan_conversion
+    from runtime.errors import UnsupportedModelError
+
+    src = build_checkpoint("step3p7", tmp_path / "src", experts=6, shared_width=48, mtp=True)
+    out = tmp_path / "out"
+    convert_checkpoint(src, out, ConvertOptions(precision="source"), progress=False)
+    assert list(json.loads((out / "config.json").read_text())["text_config"]["fused_shared_experts"]["moe_layers"]) == [1, 2, 3]
+    assert ExpertWeights.from_checkpoint(out, 3).gemm1_clamp_limit.tolist() == [math.inf] * 8
+    r = verify_against(out, src)
+    assert r.passed, r.failures
+    assert [(lr.kind, lr.moe_rel < 1e-5) for lr in r.layers if lr.index == 3] == [("mtp", True)]
+
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg["text_config"]
+    text["swiglu_limits"] = text["swiglu_limits"] + [0]  # padded, and agreeing (0: no clamp, as entry 0)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert plan_conversion(src).arch.slot_activation(3)[0].clamp_limit == math.inf
+    text["swiglu_limits"][-1] = 0.5
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="swiglu_limits gives MTP layer 3 the limit 0.5 .* refused rather than guessed"):
+        plan_conversion(src)
+
+
+def test_hy_v4_mtp_block_under_its_own_prefix_fused_and_verified(tmp_path):
+    """Hunyuan 4 keeps MTP blocks under ``model.mtp_layers.N`` (transformers ignores them): one whose MoE is
+    ``mlp.experts`` is fused as layer num_hidden_layers + N, routed slots clamped and shared ones not, and verify
+    --against checks its fused block against transformers' HYV4MoE on its own."""
+    from builders import rewrite
+
+    src = build_checkpoint("hy_v4", tmp_path / "src", experts=6)
+    t = load_all(src)
+    for k, v in list(t.items()):  # MTP block 0: a copy of the last decoder layer, slightly changed, plus its glue
+        if k.startswith("model.layers.2."):
+            t["model.mtp_layers.0." + k[len("model.layers.2."):]] = v.clone() * 1.01
+    t["model.mtp_layers.0.eh_proj.weight"] = torch.randn(64, 128).to(torch.bfloat16) * 0.05
+    rewrite(src, t, shards=2)
+    out = tmp_path / "out"
+    result = convert_checkpoint(src, out, ConvertOptions(precision="source"), progress=False)
+    assert [lp.layer for lp in result.plan.layers if lp.is_mtp] == [3]
+    assert list(json.loads((out / "config.json").read_text())["fused_shared_experts"]["moe_layers"]) == [1, 2, 3]
+    assert ExpertWeights.from_checkpoint(out, 3).gemm1_clamp_limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
+    assert not any(k.startswith("model.mtp_layers.0.mlp.shared_experts.") for k in load_all(out))
+    r = verify_against(out, src)
+    assert r.passed, r.failures
+    assert [(lr.kind, lr.moe_rel < 1e-5) for lr in r.layers if lr.index == 3] == [("mtp", True)]
 
 
 @pytest.mark.parametrize("family,change", [
@@ -158,8 +273,6 @@ def test_routing_facts_bite(family, change, tmp_path):
     """The tiny models' routing facts change their MoE output, so matching transformers checks them: Mistral's groups
     (scored by their top-2 sum) and ERNIE's selection bias on softmax scores. ERNIE's max(sum, 1e-12) denominator differs
     from sum + 1e-20 only when the chosen scores sum below 1e-12 (tests/runtime/test_routing_transformers.py builds that)."""
-    import dataclasses
-
     from runtime import FusedSharedMoE
 
     src_dir = build_checkpoint(family, tmp_path / "src", experts=6)

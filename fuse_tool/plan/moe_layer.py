@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from runtime.layout import (
-    PER_EXPERT_NAMES, STACKED_FORMS, block_scale_tensor, gemm1_param_names, scale_grid, scale_name, selection_bias_shapes, stacked_names,
+    GEMM1_PARAMS, PER_EXPERT_NAMES, STACKED_FORMS, STACKED_SPLIT_NAMES, block_scale_tensor, gemm1_param_names, scale_grid, scale_name,
+    selection_bias_shapes, slot_params, stacked_names,
 )
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
@@ -19,13 +21,20 @@ LAYER_RE = re.compile(r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
 SHARED_CONCAT_FORMS = (("gate_up_proj.weight", "down_proj.weight"), ("input_linear.weight", "output_linear.weight"))
 
 
-def _expert_tensor_of(rest: str, block_names: tuple[str, ...]) -> bool:
+def _expert_tensor_of(rest: str, names) -> bool:
     """Whether ``rest`` (a name inside a decoder layer) is a routed-expert tensor of one of the family's blocks."""
-    for b in block_names:
+    for b in names.block_names:
         inside = f"{b}." if b else ""
-        if rest.startswith(f"{inside}experts.") or any(rest == f"{inside}{n}" for form in STACKED_FORMS.values() for n in form):
+        if any(rest == f"{inside}{n}" for form in STACKED_FORMS.values() for n in form):
+            return True
+        if rest.startswith(f"{inside}{names.experts}.") if names.experts else rest in (f"{inside}{n}" for n in STACKED_SPLIT_NAMES):
             return True
     return False
+
+
+def _first_expert_tensors(P: str, X: str) -> tuple[str, ...]:
+    """Names of which one is present in a MoE block at ``P`` with experts at ``X``: expert 0's gate, or a stacked gate(_up)."""
+    return (f"{X}.0.gate_proj.weight", f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(stacked_names(P, f)[0] for f in STACKED_FORMS)
 
 
 @dataclass(frozen=True)
@@ -46,13 +55,13 @@ def layers_with_experts(inputs: PlanInputs) -> dict[int, str]:
     for name in inputs.tensors:
         if names.mtp_prefix and name.startswith(names.mtp_prefix):
             n, _, rest = name[len(names.mtp_prefix):].partition(".")
-            if n.isdigit() and _expert_tensor_of(rest, names.block_names):
+            if n.isdigit() and _expert_tensor_of(rest, names):
                 found.setdefault(inputs.arch.num_hidden_layers + int(n), name)
             continue
         if not name.startswith(names.layer_prefix):
             continue
         m = LAYER_RE.match(name)
-        if m and m.group("prefix") == names.layer_prefix and _expert_tensor_of(m.group("rest"), names.block_names):
+        if m and m.group("prefix") == names.layer_prefix and _expert_tensor_of(m.group("rest"), names):
             found.setdefault(int(m.group("layer")), name)
     return found
 
@@ -68,26 +77,30 @@ def layer_root(inputs: PlanInputs, layer: int) -> str:
 def block_prefix(inputs: PlanInputs, layer: int) -> str:
     """The MoE block of a layer: the first of the family's block names whose expert 0 is present."""
     names = inputs.arch.names
-    firsts = ("experts.0.gate_proj.weight", "experts.0.w1.weight") + tuple(form[0] for form in STACKED_FORMS.values())
+    root = layer_root(inputs, layer)
     for b in names.block_names:
-        p = names.block(layer_root(inputs, layer), b)
-        if any(f"{p}.{n}" in inputs.tensors for n in firsts):
+        p = names.block(root, b)
+        if any(n in inputs.tensors for n in _first_expert_tensors(p, names.experts_prefix(p))):
             return p
-    raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {layer_root(inputs, layer)}."
-                       f"{{{','.join(names.block_names)}}}.{{{','.join(firsts)}}})")
+    looked = ", ".join(_first_expert_tensors(names.block(root, names.block_names[0]), names.experts_prefix(names.block(root, names.block_names[0]))))
+    raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {looked}"
+                       + (f", and the same under blocks {', '.join(names.block_names[1:])}" if len(names.block_names) > 1 else "") + ")")
 
 
-def _routed_experts(inputs: PlanInputs, parts: PlanParts, P: str, g: Geometry, H: int) -> tuple[str, str, list[tuple[SourceWeight, ...]]]:
+def _routed_experts(inputs: PlanInputs, parts: PlanParts, P: str, X: str, g: Geometry, H: int) -> tuple[str, str, list[tuple[SourceWeight, ...]]]:
     """The storage form, the stacked form (:data:`STACKED_FORMS`, for stacked storage) and (gate, up, down) source
-    weights of each routed expert of the block at ``P``."""
+    weights of each routed expert of the block at ``P`` whose experts are at ``X``."""
     E, I = g.E, g.I  # noqa: E741
-    X = f"{P}.experts"
     for form in STACKED_FORMS:
         gu_name, dn_name = stacked_names(P, form)
         if gu_name in inputs.tensors:
             gu = source_weight(inputs, parts, gu_name, expect=(E, 2 * I, H))
             dn = source_weight(inputs, parts, dn_name, expect=(E, H, I))
             return "stacked", form, [(half(a, 0, I), half(a, 1, I), d) for a, d in zip(gu, dn)]
+    if f"{X}.{STACKED_SPLIT_NAMES[0]}" in inputs.tensors and f"{X}.0.gate_proj.weight" not in inputs.tensors:
+        gate, up, down = (source_weight(inputs, parts, f"{X}.{n}", expect=shape)
+                          for n, shape in zip(STACKED_SPLIT_NAMES, ((E, I, H), (E, I, H), (E, H, I))))
+        return "stacked_split", "", list(zip(gate, up, down))
     storage = "w13" if f"{X}.0.w1.weight" in inputs.tensors else "proj"
     routed = []
     for e in range(E):
@@ -102,12 +115,14 @@ def _routed_experts(inputs: PlanInputs, parts: PlanParts, P: str, g: Geometry, H
 
 def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int, H: int) -> tuple[SourceWeight, ...]:
     """The shared MLP as (gate, up, down) source weights of width W."""
-    SH = inputs.arch.names.shared_prefix(P, layer_root(inputs, layer))
+    names = inputs.arch.names
+    SH = names.shared_prefix(P, layer_root(inputs, layer))
     for gate_up, down in SHARED_CONCAT_FORMS:  # one concatenated gate-up tensor, gate rows first
         if f"{SH}.{gate_up}" in inputs.tensors:
             gu = source_weight(inputs, parts, f"{SH}.{gate_up}", expect=(2 * W, H))[0]
             return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.{down}", expect=(H, W))[0])
-    for gate, up, down in PER_EXPERT_NAMES.values():  # gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
+    # The family's own names first, then gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
+    for gate, up, down in names.shared_projections + tuple(PER_EXPERT_NAMES.values()):
         if f"{SH}.{gate}.weight" in inputs.tensors:
             return (
                 source_weight(inputs, parts, f"{SH}.{gate}.weight", expect=(W, H))[0],
@@ -128,36 +143,43 @@ def _slot_cuts(g: Geometry, H: int) -> list[tuple[Cut, Cut, Cut]]:
     return cuts
 
 
-def _plan_stacked(inputs: PlanInputs, parts: PlanParts, P: str, form: str, g: Geometry, H: int, slots, cuts, fmt: str, order) -> list[str]:
-    """Stacked output under the source's names (``form``): gate_up [E+S, 2I, H] and down [E+S, H, I], filled by one task
-    per expert and projection."""
-    E, I = g.E, g.I  # noqa: E741
+def _stacked_outputs(P: str, X: str, storage: str, form: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A stacked layer's output tensors, each ``[E+S, rows, H or I]`` holding per slot these projections (0 gate, 1 up,
+    2 down) one after another: gate_up and down under the source's stacked names, or gate, up and down apart."""
+    if storage == "stacked":
+        gate_up, down = stacked_names(P, form)
+        return ((gate_up, (0, 1)), (down, (2,)))
+    return tuple((f"{X}.{n}", (i,)) for i, n in enumerate(STACKED_SPLIT_NAMES))
+
+
+def _plan_stacked(inputs: PlanInputs, parts: PlanParts, stacks, g: Geometry, slots, cuts, fmt: str, order) -> list[str]:
+    """Stacked output (``stacks``, from :func:`_stacked_outputs`), each tensor filled by one task per expert and
+    projection, its block scales stacked the same way."""
     fp8 = inputs.out_fp8
-    gu_name, dn_name = stacked_names(P, form)
     out_dtype = FP8_DTYPE_CODE if fp8 else fmt
     item = DTYPE_SIZES[out_dtype]
-    gr, gc = scale_grid(I, H)
-    dr, dc = scale_grid(H, I)
-    gu_tasks, dn_tasks, shared_modes = [], [], []
-    for e, ((gate, up, down), (cg, cu, cd)) in enumerate(zip(slots, cuts)):
-        slab = 2 * I * H * item
-        gs = Target(scale_name(gu_name), e * 2 * gr * gc * 4) if fp8 else None
-        us = Target(scale_name(gu_name), e * 2 * gr * gc * 4 + gr * gc * 4) if fp8 else None
-        gu_tasks.append(projection_task(inputs, gate, cg, fp8, Target(gu_name, e * slab), gs))
-        gu_tasks.append(projection_task(inputs, up, cu, fp8, Target(gu_name, e * slab + I * H * item), us))
-        dn_tasks.append(projection_task(inputs, down, cd, fp8, Target(dn_name, e * H * I * item),
-                                        Target(scale_name(dn_name), e * dr * dc * 4) if fp8 else None))
-        if e >= E:
-            shared_modes += [gu_tasks[-2].mode, gu_tasks[-1].mode, dn_tasks[-1].mode]
-    n = E + g.S
-    gu_t = [OutputTensor(gu_name, out_dtype, (n, 2 * I, H))]
-    dn_t = [OutputTensor(dn_name, out_dtype, (n, H, I))]
-    if fp8:
-        gu_t.append(OutputTensor(scale_name(gu_name), "F32", (n, 2 * gr, gc)))
-        dn_t.append(OutputTensor(scale_name(dn_name), "F32", (n, dr, dc)))
-    parts.groups.append(Group(gu_t, gu_tasks, order))
-    parts.groups.append(Group(dn_t, dn_tasks, order))
-    return shared_modes
+    n = g.E + g.S
+    tasks: dict[int, list] = {}
+    for e, (trio, cut3) in enumerate(zip(slots, cuts)):
+        for tensor, projs in stacks:
+            offset = scale_offset = 0
+            sizes = [(cut3[p].out_rows, cut3[p].out_cols) for p in projs]
+            slab = sum(r * c for r, c in sizes) * item
+            scale_slab = sum(math.prod(scale_grid(r, c)) for r, c in sizes) * 4
+            for p, (rows, cols) in zip(projs, sizes):
+                scale = Target(scale_name(tensor), e * scale_slab + scale_offset) if fp8 else None
+                task = projection_task(inputs, trio[p], cut3[p], fp8, Target(tensor, e * slab + offset), scale)
+                tasks.setdefault(p, []).append(task)
+                offset += rows * cols * item
+                scale_offset += math.prod(scale_grid(rows, cols)) * 4
+    for tensor, projs in stacks:
+        rows, cols = sum(cuts[0][p].out_rows for p in projs), cuts[0][projs[0]].out_cols
+        grid_rows = sum(scale_grid(cuts[0][p].out_rows, cols)[0] for p in projs)
+        tensors = [OutputTensor(tensor, out_dtype, (n, rows, cols))]
+        if fp8:
+            tensors.append(OutputTensor(scale_name(tensor), "F32", (n, grid_rows, scale_grid(rows, cols)[1])))
+        parts.groups.append(Group(tensors, [tasks[p][e] for e in range(n) for p in projs], order))
+    return [tasks[p][e].mode for e in range(g.E, n) for p in (0, 1, 2)]
 
 
 def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, storage: str, slots, cuts) -> list[str]:
@@ -187,7 +209,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
     """Plan one MoE layer; returns its LayerPlan and whether it has a selection bias."""
     names = inputs.arch.names
     P = block_prefix(inputs, layer)
-    X = f"{P}.experts"
+    X = names.experts_prefix(P)
     router_name = f"{P}.{names.router}"
     gate_info = inputs.tensors.get(router_name)
     if gate_info is None:
@@ -198,7 +220,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
         raise inputs.error(f"has dtype {gate_info.dtype}, expected a float router (F32/F16/BF16) to write as F32", gate_info.name)
     H = gate_info.shape[1]
 
-    storage, form, routed = _routed_experts(inputs, parts, P, g, H)
+    storage, form, routed = _routed_experts(inputs, parts, P, X, g, H)
     fmt = routed[0][0].fmt
     for trio in routed:
         for sw in trio:
@@ -213,8 +235,8 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
     slots = list(routed) + [shared] * g.S
     cuts = _slot_cuts(g, H)
     order = (str(gate_info.file), min(sw.weight.info.offset for sw in routed[0]))
-    if storage == "stacked":
-        shared_modes = _plan_stacked(inputs, parts, P, form, g, H, slots, cuts, fmt, order)
+    if storage in ("stacked", "stacked_split"):
+        shared_modes = _plan_stacked(inputs, parts, _stacked_outputs(P, X, storage, form), g, slots, cuts, fmt, order)
     else:
         shared_modes = _plan_per_expert(inputs, parts, X, g, storage, slots, cuts)
 
@@ -234,12 +256,9 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
             parts.groups.append(Group([OutputTensor(bias_name, b.dtype, b.shape)], [CopyTask(b, Target(bias_name))], (str(b.file), b.offset)))
             has_bias = True
     is_hash = _plan_hash_table(inputs, parts, P, layer, g, has_bias)
-    act = inputs.arch.activation_params
-    values = {"gemm1_alpha": act.alpha, "gemm1_beta": act.beta, "gemm1_clamp_limit": act.clamp_limit}
-    num_slots = g.E + g.S
-    for pname in gemm1_param_names(X):
-        v = values[pname.rsplit(".", 1)[1]]
-        parts.groups.append(Group([OutputTensor(pname, "F32", (num_slots,))], [ConstantTask((v,) * num_slots, Target(pname))], order))
+    values = slot_params(*inputs.arch.slot_activation(layer), g.E, g.S)  # routed slots, then shared: per layer, per slot kind
+    for pname, key in zip(gemm1_param_names(X), GEMM1_PARAMS):
+        parts.groups.append(Group([OutputTensor(pname, "F32", (g.E + g.S,))], [ConstantTask(values[key], Target(pname))], order))
 
     return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash), has_bias
 

@@ -10,7 +10,7 @@
    ``model.safetensors``) agrees with the shard headers (every tensor the index places in a shard is
    there, nothing else is, ``total_size``); headers parsed strictly (``runtime.safetensors_io``).
 3. Every MoE layer of ``moe_layers`` is there and follows the layout: expert shapes ``[I, H]`` /
-   ``[H, I]`` (stacked ``[E+S, 2I, H]`` / ``[E+S, H, I]``), one dtype for every expert, FP8 weights
+   ``[H, I]`` (stacked ``[E+S, 2I, H]`` / ``[E+S, H, I]``, or gate, up and down stacked apart), one dtype for every expert, FP8 weights
    with a float32 ``_scale_inv`` of the 128x128 grid, the router ``[E, H]`` float32, the bias
    ``[E]``, ``gemm1_*`` float32 ``[E+S]``; no layer has converted experts that the block omits.
 4. The manifest lists every file the conversion wrote (version 2; version 1 listed the shards)
@@ -197,14 +197,19 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
     for p in names.gemm1_params():
         _want(tensors, p, (n,), ("F32",), f"one value per expert, E+S = {E}+{block.num_fused_shared_experts}")
     dtypes = set()
-    if names.storage == "stacked":
-        gu, dn = names.stacked()
-        g = _want(tensors, gu, (n, 2 * I, H), None, f"E+S = {n} experts of gate and up rows [2I, H]")
-        d = _want(tensors, dn, (n, H, I), None, f"E+S = {n} experts of [H, I]")
+    if names.storage in ("stacked", "stacked_split"):
+        # (tensor, rows of one expert, scale-grid rows, what): gate_up [2I, H] (the gate's grid then the up's) and down
+        # [H, I]; or gate, up [I, H] and down apart
         r, c = scale_grid(I, H)
-        _check_scale(tensors, g, (n, 2 * r, c), names.scale_storage)
-        _check_scale(tensors, d, (n, *scale_grid(H, I)), names.scale_storage)
-        dtypes = {g.dtype, d.dtype}
+        if names.storage == "stacked":
+            stacks = zip(names.stacked(), ((2 * I, H), (H, I)), (2 * r, scale_grid(H, I)[0]), ("gate and up rows [2I, H]", "[H, I]"))
+        else:
+            stacks = zip(names.stacked_split(), ((I, H), (I, H), (H, I)), (r, r, scale_grid(H, I)[0]),
+                         ("gate [I, H]", "up [I, H]", "[H, I]"))
+        for name, shape, grid_rows, what in stacks:
+            t = _want(tensors, name, (n, *shape), None, f"E+S = {n} experts of {what}")
+            _check_scale(tensors, t, (n, grid_rows, scale_grid(*shape)[1]), names.scale_storage)
+            dtypes.add(t.dtype)
     else:
         for e in range(n):
             kind = f"{'routed' if e < E else 'fused shared'} expert {e} of E+S = {n}"

@@ -247,7 +247,7 @@ def _has_fp8_experts(conv) -> bool:
     layers = moe_layer_tensors(names)
     for layer in sorted(layers):
         tn = layers[layer]
-        probe = tn.stacked()[0] if tn.storage == "stacked" else tn.per_expert(0)[0]
+        probe = tn.first_weight()
         return tn.scale(probe) in names or conv.reader.dtype(probe) == "F8_E4M3"
     return False
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
@@ -33,11 +33,13 @@ class MoENames:
 
     ``block_names``: the MoE block's module name inside a layer (the first that holds experts
     wins; ``""``: the decoder layer itself is the block, Mistral-native ``layers.L.{experts,gate,shared_experts}``);
-    ``router``, ``bias`` and ``shared``: names inside the block (``shared_in_layer``: the shared MLP is the
-    block's sibling in the decoder layer, GraniteMoE-Shared ``layers.L.shared_mlp``). Routed experts are found
-    in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``, ``experts.e.{w1,w3,w2}``
-    or stacked, ``layout.STACKED_FORMS``); the shared MLP as separate ``gate_proj`` / ``up_proj`` / ``down_proj``
-    (or ``w1`` / ``w3`` / ``w2``) or one concatenated gate-up tensor (``gate_up_proj``, GraniteMoE's ``input_linear``).
+    ``router``, ``bias`` and ``shared``: names inside the block (``shared_in_layer``: the shared MLP is the block's
+    sibling in the decoder layer, GraniteMoE-Shared ``layers.L.shared_mlp``, Step-3.7 ``layers.L.share_expert``).
+    Routed experts are found under ``experts`` in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``,
+    ``experts.e.{w1,w3,w2}``, stacked, ``layout.STACKED_FORMS``, or, with ``experts=""``, stacked gate, up and down
+    ``{gate,up,down}_proj.weight`` in the block itself, Step-3.7); the shared MLP as separate ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` (or ``w1`` / ``w3`` / ``w2``, or a family's own ``shared_projections``) or one
+    concatenated gate-up tensor (``gate_up_proj``, GraniteMoE's ``input_linear``).
     """
 
     layer_prefix: str = "model.layers."
@@ -46,6 +48,8 @@ class MoENames:
     bias: tuple[str, ...] = ("gate.e_score_correction_bias", "e_score_correction_bias")
     shared: str = "shared_experts"
     shared_in_layer: bool = False
+    experts: str = "experts"  # the routed experts' module inside the block; "" where they are the block's own tensors
+    shared_projections: tuple[tuple[str, str, str], ...] = ()  # the family's own (gate, up, down) shared MLP names, tried first
     # Layer-relative module names that are never FP8-quantized (MTP glue, indexers the release keeps in BF16).
     mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
     keep_unquantized: tuple[str, ...] = ()
@@ -68,6 +72,10 @@ class MoENames:
         layer is attention, norms and so on)."""
         return (f"{block_prefix}.experts.",) if block_prefix == layer_root else (f"{block_prefix}.",)
 
+    def experts_prefix(self, block_prefix: str) -> str:
+        """Where a block's routed experts are: ``{block}.experts``, or the block itself (``experts=""``)."""
+        return f"{block_prefix}.{self.experts}" if self.experts else block_prefix
+
 
 @dataclass(frozen=True)
 class TransformersClasses:
@@ -77,15 +85,19 @@ class TransformersClasses:
     name to get the transformers module name. ``layers_path``: the decoder-layer ``ModuleList``.
     ``text_config_key``: where a wrapper keeps the text model's config. ``concats``: ``(module suffix, on-disk
     suffixes)`` pairs of module tensors stored in parts and concatenated along dim 0 in that order (after renaming),
+    or ``(module suffix, on-disk suffixes, dim)`` along another dim (Step-3.7's stacked gate and up, dim 1),
     besides the shared MLP's ``gate_up_proj`` that every family may store as ``gate_proj`` + ``up_proj``.
+    ``splits``: ``(on-disk suffix, module suffixes)``: one tensor stored for several, cut into equal parts along dim 0
+    (a vision tower's fused ``in_proj_weight``). ``rope_permute``: ``(module name pattern, config attribute path of the
+    head count)``: rows stored interleaved per rotary pair that the module wants as halves (transformers' PermuteForRope).
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
     everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
     ``moe_module``: the MoE block's module name in a decoder layer, which a fused layer replaces. ``shared_module``: a
     shared MLP the decoder layer runs beside its MoE block and adds to its output (GraniteMoE-Shared ``shared_mlp``):
-    a fused layer has none (set to None; its slots are in the fused block). ``permutes``: ``(module-name pattern, config
-    attribute path of the head count)`` of weights stored for interleaved RoPE that transformers permutes to
-    rotate-half when it loads them (its ``PermuteForRope``, e.g. a Pixtral vision tower's q/k in Mistral-native files).
+    a fused layer has none (set to None; its slots are in the fused block).
+    ``mtp_restarts_layer_index``: transformers builds MTP block ``n`` as layer ``n`` of its MTP config (Step-3.7: its
+    per-layer limits are read at ``n``), not like the last decoder layer.
     """
 
     config_class: str
@@ -93,11 +105,13 @@ class TransformersClasses:
     layers_path: str = "model.layers"
     renames: tuple[tuple[str, str], ...] = ()
     text_config_key: str | None = None
-    concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    concats: tuple[tuple, ...] = ()
     mtp_moe_prefix: str | None = None
     moe_module: str = "mlp"
     shared_module: str | None = None
-    permutes: tuple[tuple[str, str], ...] = ()
+    splits: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    rope_permute: tuple[tuple[str, str], ...] = ()
+    mtp_restarts_layer_index: bool = False
 
     @property
     def mtp_prefix(self) -> str | None:
@@ -134,14 +148,24 @@ class MoEArchitecture:
     shared_width: int  # W
     routing: RoutingSpec
     activation: str
-    activation_params: ActivationParams
+    activation_params: ActivationParams  # the routed experts' SwiGLU parameters (and the shared MLP's, unless said below)
     names: MoENames = MoENames()
     expects_bias: bool = True  # False: the family has no selection bias, so its absence is no news
     router_in_model_dtype: bool = False  # the family's reference computes router logits in the model's dtype, not float32
+    shared_activation_params: ActivationParams | None = None  # the shared MLP's, where they differ from the routed experts'
+    # Per-layer (routed, shared) parameters where a layer differs from the two above (Step-3.7's per-layer limits).
+    layer_activation_params: Mapping[int, tuple[ActivationParams, ActivationParams]] = field(default_factory=dict)
 
     @property
     def layer_prefix(self) -> str:
         return self.names.layer_prefix
+
+    def slot_activation(self, layer: int) -> tuple[ActivationParams, ActivationParams]:
+        """The (routed, shared) SwiGLU parameters of MoE layer ``layer`` (MTP layers included): what the planner writes
+        into the layer's per-slot ``gemm1_*`` tensors (LAYOUT section 3)."""
+        if layer in self.layer_activation_params:
+            return self.layer_activation_params[layer]
+        return self.activation_params, self.shared_activation_params or self.activation_params
 
 
 class Family:

@@ -65,5 +65,5 @@ class MistralLarge4(DeepSeekStyleFamily):
     transformers = TransformersClasses(
         "MistralLarge4Config", "MistralLarge4ForConditionalGeneration", layers_path="model.language_model.layers",
         text_config_key="text_config", renames=_RENAMES,
-        permutes=((r"^model\.vision_tower\.transformer\.layers\.\d+\.attention\.[qk]_proj\.weight$", "vision_config.num_attention_heads"),),
+        rope_permute=((r"^model\.vision_tower\.transformer\.layers\.\d+\.attention\.[qk]_proj\.weight$", "vision_config.num_attention_heads"),),
     )

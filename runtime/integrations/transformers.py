@@ -165,12 +165,18 @@ _PROJ_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "d
 class Recipe:
     """How one module tensor is made from checkpoint tensors.
 
-    ``op``: ``"copy"`` (``sources[0]``), ``"cat0"`` (the parts in order along dim 0: gate then up, or a family's ``concats``),
-    ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``.
+    ``op``: ``"copy"`` (``sources[0]``), ``"cat"`` (the parts in order along ``dim``: gate then up, or a family's ``concats``),
+    ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``, ``"chunk"`` (part ``index`` of
+    ``count`` equal parts of ``sources[0]`` along dim 0, a family's ``splits``). ``rope_heads``: rows permuted from
+    interleaved rotary pairs to halves over that many heads (a family's ``rope_permute``).
     """
 
     op: str
     sources: list[str]
+    dim: int = 0
+    index: int = 0
+    count: int = 1
+    rope_heads: int | None = None
 
 
 @dataclass
@@ -216,9 +222,11 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         replaced += tuple(f"{family.layers_path}.{layer}.{family.shared_module}." for layer in fused_paths)
     expected = {k for k in expected if not k.startswith(replaced)}
     fused_blocks = tuple(p + "." for p in fused_paths.values())
+    # On disk, the experts (and their gemm1_* parameters) of every fused block, MTP blocks included, whatever the renames.
+    fused_experts = tuple(tn.experts_prefix + "." for tn in fused.values())
 
     # Module tensors stored in parts: a shared MLP's gate_up_proj as gate_proj + up_proj, and the family's own.
-    concats = (("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),) + tuple(family.concats)
+    concats = tuple((c + (0,))[:3] for c in (("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),) + tuple(family.concats))
     recipes: dict[str, Recipe] = {}
     ignored: list[str] = []
     leftovers: list[str] = []
@@ -226,6 +234,8 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
     split: dict[str, dict[str, str]] = {}
     for name in sorted(names):
         if _is_scale_companion(name, names):
+            continue
+        if name.startswith(fused_experts):
             continue
         if family.mtp_prefix and name.startswith(family.mtp_prefix):
             ignored.append(name)  # MTP blocks under their own prefix (DeepSeek-V4): no module in transformers
@@ -240,11 +250,16 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         if m_name in expected:
             recipes[m_name] = Recipe("copy", [name])
             continue
+        cut, targets = next(((m_name[: -len(src)], t) for src, t in family.splits if m_name.endswith("." + src)), (None, ()))
+        if cut is not None and all(cut + t in expected for t in targets):
+            for i, t in enumerate(targets):
+                recipes[cut + t] = Recipe("chunk", [name], index=i, count=len(targets))
+            continue
         m = _PER_EXPERT.match(m_name)
         if m:
             experts.setdefault(m.group("prefix"), {}).setdefault(int(m.group("e")), {})[_PROJ_ROLE[m.group("proj")]] = name
             continue
-        for target, parts in concats:
+        for target, parts, _ in concats:
             part = next((p for p in parts if m_name.endswith("." + p)), None)
             if part is not None and m_name[: -len(part)] + target in expected:
                 split.setdefault(m_name[: -len(part)] + target, {})[part] = name
@@ -263,10 +278,13 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         recipes[gu] = Recipe("stack_gate_up", [per[e][r] for e in range(n_exp) for r in ("gate", "up")])
         recipes[dn] = Recipe("stack", [per[e]["down"] for e in range(n_exp)])
     for target, parts in split.items():
-        order = next(p for t, p in concats if target.endswith("." + t))
+        order, dim = next((p, d) for t, p, d in concats if target.endswith("." + t))
         if set(parts) != set(order):
             raise LayoutError(f"{target}: needs {' and '.join(order)}, found {sorted(parts)}")
-        recipes[target] = Recipe("cat0", [parts[p] for p in order])
+        recipes[target] = Recipe("cat", [parts[p] for p in order], dim=dim)
+    for pattern, heads_path in family.rope_permute:
+        for k in [k for k in recipes if re.search(pattern, k)]:
+            recipes[k].rope_heads = _config_value(model.config, heads_path)
 
     if leftovers:
         raise LayoutError(f"{len(leftovers)} checkpoint tensor(s) fit no module of {type(model).__name__}: "
@@ -284,6 +302,19 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
     for k in recipes:
         by_layer.setdefault(_module_layer(k, family.layers_path), []).append(k)
     return TensorPlan(recipes, by_layer, fused_paths, extra, ignored)
+
+
+def _config_value(config, path: str) -> int:
+    """``config.a.b`` for ``path = "a.b"`` (sub-configs as attributes or dicts)."""
+    for key in path.split("."):
+        config = config[key] if isinstance(config, Mapping) else getattr(config, key)
+    return int(config)
+
+
+def _permute_for_rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows ``[heads * half * 2, ...]`` stored as interleaved rotary pairs, as halves per head (transformers' PermuteForRope)."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 # ----------------------------------------------------------------------------- streamed model
@@ -357,27 +388,19 @@ class StreamedModel:
         dt = torch.float32 if any(p in name for p in self._fp32) else self.dtype
         get = lambda n: rd.read_float(n, dt, self.device)  # noqa: E731
         if r.op == "copy":
-            return self._permuted(name, get(r.sources[0]))
-        if r.op == "cat0":
-            return torch.cat([get(n) for n in r.sources], 0)
-        if r.op == "stack_gate_up":
+            t = get(r.sources[0])
+        elif r.op == "cat":
+            t = torch.cat([get(n) for n in r.sources], r.dim)
+        elif r.op == "chunk":
+            t = torch.chunk(get(r.sources[0]), r.count, dim=0)[r.index].contiguous()
+        elif r.op == "stack_gate_up":
             s = r.sources
-            return torch.stack([torch.cat([get(s[i]), get(s[i + 1])], 0) for i in range(0, len(s), 2)])
-        if r.op == "stack":
-            return torch.stack([get(n) for n in r.sources])
-        raise AssertionError(r.op)
-
-    def _permuted(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as transformers loads module tensor ``name``: interleaved-RoPE q/k rows permuted to rotate-half where the
-        family says so (``TransformersClasses.permutes``, transformers' ``PermuteForRope``)."""
-        for pattern, heads_path in self.family.permutes:
-            if re.search(pattern, name):
-                cfg = self.config
-                for attr in heads_path.split("."):
-                    cfg = getattr(cfg, attr)
-                n_heads = int(cfg)
-                return t.reshape(n_heads, t.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(t.shape).contiguous()
-        return t
+            t = torch.stack([torch.cat([get(s[i]), get(s[i + 1])], 0) for i in range(0, len(s), 2)])
+        elif r.op == "stack":
+            t = torch.stack([get(n) for n in r.sources])
+        else:
+            raise AssertionError(r.op)
+        return t if r.rope_heads is None else _permute_for_rope(t, r.rope_heads)
 
     def _load_names(self, names: Iterable[str]) -> None:
         for name in names:
@@ -453,8 +476,9 @@ class StreamedModel:
         """The source MoE block of ``layer`` built as ``type(like)`` (for MTP layers, which the model lacks)."""
         if self.kind != "source":
             raise ValueError("source_moe_module needs kind='source'")
+        mtp_index = layer - self.num_layers if self.family.mtp_restarts_layer_index and layer >= self.num_layers else None
         with torch.device("meta"):
-            mod = _moe_block_like(like, self.text_config)
+            mod = _moe_block_like(like, self.text_config, mtp_index)
         mod.eval()
         prefix = f"{self.family.layers_path}.{layer}.{self.family.moe_module}."
         renames = self.family.renames
@@ -485,16 +509,17 @@ def _input_ids_as_token_ids(module, args, kwargs):
     return None
 
 
-def _moe_block_like(like: torch.nn.Module, text_config) -> torch.nn.Module:
+def _moe_block_like(like: torch.nn.Module, text_config, index: int | None = None) -> torch.nn.Module:
     """A fresh MoE block of ``like``'s class. Classes built per layer (DeepseekV4SparseMoeBlock(config, layer_idx),
-    which reads mlp_layer_types[layer_idx]) get ``like``'s own layer index when it has one, else the last layer's
-    (a score-routed one in V4: MTP blocks route by score)."""
+    which reads mlp_layer_types[layer_idx]) get ``index`` when given (the MTP layer's own index where transformers
+    restarts the numbering for MTP layers, Step-3.7), else ``like``'s own layer index when it has one, else the last
+    layer's (a score-routed one in V4: MTP blocks route by score)."""
     import inspect
 
     cls = type(like)
     if "layer_idx" not in inspect.signature(cls.__init__).parameters:
         return cls(text_config)
-    idx = getattr(like, "layer_idx", None)
+    idx = index if index is not None else getattr(like, "layer_idx", None)
     return cls(text_config, idx if isinstance(idx, int) else int(text_config.num_hidden_layers) - 1)
 
 

@@ -38,6 +38,8 @@ CASES = {
     "granitemoeshared": dict(experts=6, shared_width=48),  # shared width 48 over I = 32: the second slot zero-padded
     "mistral4": dict(experts=6),  # 3 groups by their top-2 sum, 2 kept
     "mistral_large4": dict(experts=6),  # Mistral-native names, Pixtral vision tower (q/k permuted at load)
+    "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not
+    "step3p7": dict(experts=6, shared_width=48),  # per-layer routed and shared limits after the activation; padded slot
 }
 
 
@@ -86,7 +88,7 @@ def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) 
             return (torch.randn(t.shape, generator=g) * 64).clamp(-448, 448).to(t.dtype)
         return (torch.randn(t.shape, generator=g) * t.float().std()).to(t.dtype)
 
-    targets = {n: e for n in tn.stacked()} if tn.storage == "stacked" else {n: None for n in tn.per_expert(e)}
+    targets = dict(tn.slot_tensors(e))
     for name, row in targets.items():
         path = out_dir / index[name]
         with safe_open(str(path), "pt") as f:

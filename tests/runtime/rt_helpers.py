@@ -49,8 +49,9 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
     NE = E + S
     names = {"proj": ("gate_proj", "up_proj", "down_proj"), "w13": ("w1", "w3", "w2")}
     for L in layers:
-        block = f"model.layers.{L}.mlp"
-        ex = f"{block}.experts"
+        # stacked_split (Step-3.7): gate, up and down stacked apart, in the MoE block itself
+        block = f"model.layers.{L}.{'moe' if storage == 'stacked_split' else 'mlp'}"
+        ex = block if storage == "stacked_split" else f"{block}.experts"
         gate = torch.randn(NE, I, H, generator=gen) / math.sqrt(H)
         up = torch.randn(NE, I, H, generator=gen) / math.sqrt(H)
         down = torch.randn(NE, H, I, generator=gen) / math.sqrt(I)
@@ -58,6 +59,8 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
         bias = torch.randn(E, generator=gen) * 0.1
         if activation == "swiglu_oai":
             alpha, beta, limit = torch.full((NE,), 1.702), torch.ones(NE), torch.full((NE,), 7.0)
+        elif activation == "swiglu_post_clamp":  # routed and shared slots clamped at different limits
+            alpha, beta, limit = torch.ones(NE), torch.zeros(NE), torch.tensor([0.4] * E + [0.7] * S)
         else:
             alpha, beta, limit = torch.ones(NE), torch.zeros(NE), torch.full((NE,), math.inf)
         truth[L] = dict(gate=gate, up=up, down=down, router=router, bias=bias if bias_name else None,
@@ -71,7 +74,10 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
             else:
                 tensors[name] = w.to(torch.bfloat16)
 
-        if storage == "stacked":
+        if storage == "stacked_split":
+            for name, w in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, down)):
+                put(f"{ex}.{name}.weight", w)
+        elif storage == "stacked":
             if fp8:
                 gq, gs = quantize_block_fp8(gate)
                 uq, us = quantize_block_fp8(up)
@@ -95,7 +101,8 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
         tensors[f"{ex}.gemm1_clamp_limit"] = limit
     tensors["model.embed_tokens.weight"] = torch.randn(8, H, generator=gen)
     fse = {
-        "version": 1, "num_routed_experts": E, "num_fused_shared_experts": S, "expert_intermediate_size": I,
+        "version": 2 if activation == "swiglu_post_clamp" else 1,  # swiglu_post_clamp is a version-2 form
+        "num_routed_experts": E, "num_fused_shared_experts": S, "expert_intermediate_size": I,
         "source_shared_intermediate_size": S * I, "moe_layers": list(layers), "activation": activation,
         "routing": {"scoring": "sigmoid", "top_k": K, "n_group": n_group, "topk_group": topk_group,
                     "renormalize": True, "routed_scaling_factor": 2.5, "has_bias": bool(bias_name)},

@@ -1,5 +1,7 @@
 """ExpertWeights / FusedSharedMoE from tiny converted checkpoints written here with safetensors."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ VARIANTS = [
     dict(storage="stacked", fp8=True, nested=True, activation="swiglu_oai"),
     dict(storage="proj", fp8=False, bias_name=None),
     dict(storage="stacked", fp8=False, n_group=4, topk_group=2),
+    dict(storage="stacked_split", fp8=True, activation="swiglu_post_clamp"),
+    dict(storage="stacked_split", fp8=False, activation="swiglu_post_clamp", sharded=False),
 ]
 
 
@@ -24,7 +28,7 @@ def test_from_checkpoint(tmp_path, v):
     g = torch.Generator().manual_seed(7)
     truth = write_checkpoint(tmp_path, E=E, S=S, H=H, I=I, K=K, layers=(1, 3), gen=g, **v)[3]
     ew = ExpertWeights.from_checkpoint(tmp_path, 3)
-    assert ew.num_expert_slots == E + S and ew.is_fp8 == v["fp8"]
+    assert ew.num_expert_slots == E + S and ew.is_fp8 == v["fp8"] and ew.activation == v.get("activation", "swiglu")
     for e in (0, E):
         if v["fp8"]:
             gi = I // 128
@@ -42,7 +46,10 @@ def test_from_checkpoint(tmp_path, v):
     torch.testing.assert_close(ew.gemm1_clamp_limit, truth["limit"])
 
     moe = FusedSharedMoE.from_checkpoint(tmp_path, 3, backend="torch")
-    assert moe.cfg == RoutingConfig(E, K, S, "sigmoid", v.get("n_group", 1), v.get("topk_group", 1), True, 2.5)
+    want = RoutingConfig(E, K, S, "sigmoid", v.get("n_group", 1), v.get("topk_group", 1), True, 2.5)
+    if v.get("activation") == "swiglu_post_clamp":  # a version-2 block (swiglu_post_clamp is v2) spells its group rule
+        want = dataclasses.replace(want, group_score="top2_sum")
+    assert moe.cfg == want
     assert (moe.e_score_correction_bias is None) == (v.get("bias_name", "x") is None)
     x = torch.randn(2, 5, H, generator=g, dtype=torch.bfloat16)
     y = moe(x)

@@ -11,10 +11,13 @@ import torch
 
 from runtime.layout import (
     ActivationParams,
+    ExpertTensorNames,
     FusedSharedExperts,
     LayoutError,
     RoutingSpec,
+    moe_layer_tensors,
     read_config_block,
+    slot_params,
 )
 from runtime.moe_reference import swiglu
 from runtime.routing import RoutingConfig
@@ -207,6 +210,30 @@ def test_activation_params():
         ActivationParams(clamp_limit=float("nan"))
     with pytest.raises(LayoutError, match="gemm1_alpha must be finite"):
         ActivationParams(alpha=float("inf"))
+
+
+def test_slot_params_routed_then_shared():
+    """A layer's gemm1_* values: E routed slots, then S shared ones, each kind with its own parameters (Hunyuan 4 clamps
+    only its routed experts; Step-3.7 clamps both, at different limits)."""
+    got = slot_params(ActivationParams(clamp_limit=7.0), ActivationParams(), 3, 2)
+    assert got == {"gemm1_alpha": (1.0,) * 5, "gemm1_beta": (0.0,) * 5, "gemm1_clamp_limit": (7.0, 7.0, 7.0, math.inf, math.inf)}
+    oai = ActivationParams.for_activation("swiglu_oai")
+    assert slot_params(oai, oai, 2, 0)["gemm1_alpha"] == (1.702, 1.702)
+
+
+def test_stacked_split_layer_found_from_names():
+    """Step-3.7's storage: gate, up and down stacked apart in the MoE block ``moe`` itself, the gemm1_* tensors beside them."""
+    blk = "model.layers.4.moe"
+    names = [f"{blk}.{n}" for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate.weight", "router_bias",
+                                    "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "gate_proj.weight_scale_inv")]
+    names += ["model.layers.4.mlp.gate_proj.weight", "model.layers.5.mlp.experts.gate_up_proj", "model.layers.5.mlp.experts.gemm1_alpha"]
+    found = moe_layer_tensors(names)
+    assert found[4] == ExpertTensorNames(blk, "stacked_split") and found[4].block_prefix == blk
+    assert found[5].storage == "stacked" and found[5].block_prefix == "model.layers.5.mlp"
+    assert found[4].slot_tensors(9) == [(f"{blk}.gate_proj.weight", 9), (f"{blk}.up_proj.weight", 9), (f"{blk}.down_proj.weight", 9)]
+    assert found[4].first_weight() == f"{blk}.gate_proj.weight" and found[4].gemm1_params()[2] == f"{blk}.gemm1_clamp_limit"
+    with pytest.raises(LayoutError, match="no expert tensors beside it"):
+        moe_layer_tensors([f"{blk}.gemm1_alpha"])
 
 
 def test_swiglu_forms_match_transformers():

@@ -46,9 +46,12 @@ def independent_moe(x, ew, ids, w):
             else:
                 g, u, d = ew.gate_up[e, :I].double(), ew.gate_up[e, I:].double(), ew.down[e].double()
             a, b, lim = float(ew.gemm1_alpha[e]), float(ew.gemm1_beta[e]), float(ew.gemm1_clamp_limit[e])
-            gv = (g @ xs[t]).clamp(max=lim)
-            uv = (u @ xs[t]).clamp(-lim, lim)
-            h = gv * torch.sigmoid(a * gv) * (uv + b)
+            gv, uv = g @ xs[t], (u @ xs[t]).clamp(-lim, lim)
+            if ew.post_clamp:  # swiglu_post_clamp: the gate's activation is clamped, not its input
+                h = (gv * torch.sigmoid(a * gv)).clamp(max=lim) * (uv + b)
+            else:
+                gv = gv.clamp(max=lim)
+                h = gv * torch.sigmoid(a * gv) * (uv + b)
             h = _q64(h[None])[0] if ew.is_fp8 else h.to(ew.gate_up.dtype).double()
             out[t] += float(w[t, k]) * (d @ h)
     return out
@@ -81,6 +84,37 @@ def test_clamp_and_offsets_act():
     ids = torch.tensor([[0, 2], [1, 2]], dtype=torch.int32)
     w = torch.ones(2, 2)
     assert rel(fused_moe(x, ew, ids, w, backend="torch"), fused_moe(x, plain, ids, w, backend="torch")) > 0.05
+
+
+def per_slot_clamped(ew, activation="swiglu_post_clamp", S=2, routed=0.4, shared=0.7):
+    """``ew`` with Step-3.7-like per-slot limits: the routed slots at ``routed``, the last S (shared) at ``shared``."""
+    import dataclasses
+
+    NE = ew.num_expert_slots
+    limit = torch.tensor([routed] * (NE - S) + [shared] * S, dtype=torch.float32)
+    return dataclasses.replace(ew, gemm1_alpha=torch.ones(NE), gemm1_beta=torch.zeros(NE), gemm1_clamp_limit=limit,
+                               activation=activation)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_post_clamp_with_per_slot_limits_matches_independent_float64(fp8):
+    """swiglu_post_clamp with limits that differ between routed and shared slots: each slot's own limit, after the
+    activation; and both the form and the per-slot values change the output (the clamps bite)."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(11)
+    ew = per_slot_clamped(random_experts(7, 256, 128, fp8=fp8, gen=g))
+    x = torch.randn(6, 256, generator=g) * 2
+    ids = random_ids(6, 4, 7, gen=g)
+    ids[:, 3] = 6  # every token also uses a shared slot
+    w = torch.rand(6, 4, generator=g)
+    y = fused_moe(x, ew, ids, w, backend="torch")
+    assert rel(y, independent_moe(x, ew, ids, w)) < (2e-3 if fp8 else 1e-4)
+    pre = fused_moe(x, dataclasses.replace(ew, activation="swiglu"), ids, w, backend="torch")
+    same = fused_moe(x, dataclasses.replace(ew, gemm1_clamp_limit=torch.full((7,), 0.4)), ids, w, backend="torch")
+    assert rel(pre, y) > 0.05 and rel(same, y) > 0.02
+    with pytest.raises(ValueError, match="activation must be one of"):
+        dataclasses.replace(ew, activation="geglu")
 
 
 CASES = [
@@ -180,6 +214,28 @@ def test_tile_variants_match_reference(variant, shape):
     assert not torch.isnan(out).any()
     bar = 6e-3 if VARIANTS[variant].get("down_output_dtype") == "bfloat16" else 3e-3
     assert rel(out, ref) < bar
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["default", "plain-split", "epilogue-quant-swap", "bf16-weights"])
+def test_triton_post_clamp_with_per_slot_limits(variant):
+    """swiglu_post_clamp through every place the kernel applies SwiGLU (GEMM1's epilogue, or GEMM2's load of split
+    GEMM1 sums), with routed and shared slots clamped at different limits."""
+    NE, H, I, T, KS = 7, 256, 256, 9, 3
+    g = torch.Generator().manual_seed(17)
+    fp8 = variant != "bf16-weights"
+    ew = per_slot_clamped(random_experts(NE, H, I, fp8=fp8, gen=g))
+    x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16)
+    ids = random_ids(T, KS, NE, gen=g)
+    ids[:, 2] = NE - 1
+    w = torch.rand(T, KS, generator=g)
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+    fused_moe(x, ew, ids, w, backend="triton", tile_config=VARIANTS.get(variant), out=out)
+    assert rel(out, ref) < 3e-3
+    import dataclasses
+    pre = fused_moe(x, dataclasses.replace(ew, activation="swiglu"), ids, w, backend="triton", tile_config=VARIANTS.get(variant))
+    assert rel(pre, ref) > 0.05, "the kernel's post-clamp flag changes its result"
 
 
 @needs_triton

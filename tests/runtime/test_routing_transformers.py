@@ -154,7 +154,7 @@ def _step3p7():
     # the summed routed output by moe_router_scaling_factor (the same as rsf on the weights).
     cfg = m.Step3p7TextConfig(hidden_size=H, moe_num_experts=20, moe_top_k=3, moe_router_scaling_factor=3.0)
     r = m.Step3p7TopKRouter(cfg)
-    rc = dict(scoring="sigmoid", renormalize=True, routed_scaling_factor=cfg.moe_router_scaling_factor)
+    rc = dict(scoring="sigmoid", renormalize=True, renormalize_eps=0.0, routed_scaling_factor=cfg.moe_router_scaling_factor)
     return r, "e_score_correction_bias", lambda r, h, b, t: r(h), rc, cfg.moe_router_scaling_factor, cfg
 
 
