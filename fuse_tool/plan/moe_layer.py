@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from runtime.int4 import packed_name
 from runtime.layout import PER_EXPERT_NAMES, STACKED_DOWN, STACKED_GATE_UP, block_scale_tensor, gemm1_param_names, scale_grid, scale_name
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
@@ -57,7 +58,7 @@ def block_prefix(inputs: PlanInputs, layer: int) -> str:
     names = inputs.arch.names
     for b in names.block_names:
         p = f"{layer_root(inputs, layer)}.{b}"
-        if any(f"{p}.experts.{n}" in inputs.tensors for n in (STACKED_GATE_UP, "0.gate_proj.weight", "0.w1.weight")):
+        if any(f"{p}.experts.{n}" in inputs.tensors for n in (STACKED_GATE_UP, "0.gate_proj.weight", packed_name("0.gate_proj.weight"), "0.w1.weight")):
             return p
     raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {layer_root(inputs, layer)}."
                        f"{{{','.join(names.block_names)}}}.experts.0.gate_proj.weight / .w1.weight / experts.gate_up_proj)")
@@ -89,7 +90,7 @@ def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int
         gu = source_weight(inputs, parts, f"{SH}.gate_up_proj.weight", expect=(2 * W, H))[0]
         return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.down_proj.weight", expect=(H, W))[0])
     for gate, up, down in PER_EXPERT_NAMES.values():  # gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
-        if f"{SH}.{gate}.weight" in inputs.tensors:
+        if f"{SH}.{gate}.weight" in inputs.tensors or packed_name(f"{SH}.{gate}.weight") in inputs.tensors:
             return (
                 source_weight(inputs, parts, f"{SH}.{gate}.weight", expect=(W, H))[0],
                 source_weight(inputs, parts, f"{SH}.{up}.weight", expect=(W, H))[0],
@@ -159,7 +160,10 @@ def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, 
 
 
 def _mixed_formats_ok(inputs: PlanInputs, routed: str, shared: str) -> bool:
-    """MXFP4 routed experts beside an FP8-block shared expert (DeepSeek-V4): both become FP8 blocks."""
+    """MXFP4 routed experts beside an FP8-block shared expert (DeepSeek-V4), or INT4 routed experts beside a float or
+    FP8-block shared expert (Kimi-K2.5 / K2.6: BF16): all become FP8 blocks."""
+    if routed == "int4":
+        return inputs.out_fp8 and (shared in FLOAT_DTYPES or shared == "fp8-block")
     return inputs.out_fp8 and routed == "mxfp4" and shared == "fp8-block"
 
 

@@ -53,6 +53,20 @@ class MoENames:
 
 
 @dataclass(frozen=True)
+class Split:
+    """One on-disk tensor (module suffix ``source`` after renaming, e.g. ``attn.wqkv``) that transformers' loader cuts into
+    ``len(targets)`` equal parts along dim 0 (``attn.q_proj``, ``attn.k_proj``, ``attn.v_proj``), for ``.weight`` and
+    ``.bias`` alike. The parts named in ``rope_permuted`` are then permuted from interleaved rotary pairs to split halves
+    per head, as transformers' ``PermuteForRope`` does, with the head count ``num_attention_heads`` of the sub-config
+    ``heads_config`` (``"vision_config"``)."""
+
+    source: str
+    targets: tuple[str, ...]
+    rope_permuted: tuple[str, ...] = ()
+    heads_config: str | None = None
+
+
+@dataclass(frozen=True)
 class TransformersClasses:
     """How a family's transformers classes map onto its on-disk names.
 
@@ -64,6 +78,7 @@ class TransformersClasses:
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
     everything under ``mtp_prefix`` is left out of the model (the MoE is checked on its own).
+    ``splits``: module tensors stored as one on-disk tensor cut in equal parts along dim 0 (:class:`Split`).
     """
 
     config_class: str
@@ -73,6 +88,7 @@ class TransformersClasses:
     text_config_key: str | None = None
     concats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     mtp_moe_prefix: str | None = None
+    splits: tuple["Split", ...] = ()
 
     @property
     def mtp_prefix(self) -> str | None:

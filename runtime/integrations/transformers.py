@@ -15,7 +15,9 @@ transformers module: their fused MoE is loaded on its own (:meth:`StreamedModel.
 through the rename table of its family module (``runtime.families``); FP8 weights (``X.weight`` e4m3
 with ``X.weight_scale_inv`` 128x128 block scales, DeepSeek-V4's one-byte E8M0 ``X.scale``, or
 compressed-tensors ``X.weight_scale``) are dequantized into the model dtype at load, and so are
-MXFP4 weights (V4 release experts, read with ``runtime.mxfp4``). Loading streams tensor by tensor and layer by layer,
+MXFP4 weights (V4 release experts, read with ``runtime.mxfp4``) and compressed-tensors pack-quantized INT4 weights
+(Kimi-K2.5 / K2.6 release experts: ``X.weight_packed`` / ``weight_scale`` / ``weight_shape`` read as ``X.weight``
+with ``runtime.int4``). Loading streams tensor by tensor and layer by layer,
 so peak host memory is the model plus about one layer.
 
 :class:`StreamedModel` is the same machinery without materializing everything: a meta skeleton
@@ -43,6 +45,7 @@ from ..errors import UnsupportedModelError
 from ..families import TransformersClasses, family_for
 from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, LayoutError, converted_moe_layers, e8m0_scale_name, read_config_block
 from ..moe import FusedSharedMoE
+from ..int4 import PACKED_SUFFIX, SCALE_SUFFIX as INT4_SCALE_SUFFIX, SHAPE_SUFFIX, dequantize_int4
 from ..mxfp4 import MX_GROUP, dequantize_mxfp4, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
 
@@ -92,12 +95,45 @@ class ShardReader(ModelFolder):
     def weight_map(self) -> dict[str, str]:
         return {name: info.file.name for name, info in self.tensors.items()}
 
+    @property
+    def int4_weights(self) -> dict[str, str]:
+        """``{X.weight: X.weight_packed}`` for every pack-quantized INT4 weight (I32 ``weight_packed`` beside its
+        ``weight_scale`` and ``weight_shape``): each triple reads as the one float weight it stores."""
+        if not hasattr(self, "_int4"):
+            self._int4 = {}
+            for name, info in self.tensors.items():
+                if name.endswith(PACKED_SUFFIX) and info.dtype == "I32":
+                    base = name[: -len(PACKED_SUFFIX)]
+                    if base + INT4_SCALE_SUFFIX in self.tensors and base + SHAPE_SUFFIX in self.tensors:
+                        self._int4[base] = name
+        return self._int4
+
+    def names(self) -> list[str]:
+        """Every tensor name, an INT4 triple as its weight's name ``X.weight`` (once, where its ``weight_packed`` is)."""
+        int4 = self.int4_weights
+        if not int4:
+            return super().names()
+        parts = {b + s for b in int4 for s in (PACKED_SUFFIX, INT4_SCALE_SUFFIX, SHAPE_SUFFIX)}
+        return [n[: -len(PACKED_SUFFIX)] if n.endswith(PACKED_SUFFIX) and n[: -len(PACKED_SUFFIX)] in int4 else n
+                for n in self.tensors if n not in parts or n.endswith(PACKED_SUFFIX)]
+
+    def read_int4(self, name: str) -> torch.Tensor:
+        """INT4 weight ``name`` (``X.weight``) dequantized to float32 ``[out, in]`` (exact), its shape from ``weight_shape``."""
+        packed, scale = self.get(self.int4_weights[name]), self.get(name + INT4_SCALE_SUFFIX)
+        rows, cols = (int(v) for v in self.get(name + SHAPE_SUFFIX).tolist())
+        if packed.dim() != 2 or packed.shape[0] != rows:
+            raise LayoutError(f"{self.path}: {name}{SHAPE_SUFFIX} says [{rows}, {cols}], but {name}{PACKED_SUFFIX} is {list(packed.shape)}")
+        try:
+            return dequantize_int4(packed, scale, cols)
+        except ValueError as e:
+            raise LayoutError(f"{self.path}: {name}: {e}") from None
+
     def close(self) -> None:
         """Nothing is held open between reads (kept for callers that release readers explicitly)."""
 
     def is_float(self, name: str) -> bool:
         """Whether ``name`` holds floating-point (FP8 and MXFP4 included) data, from its header alone."""
-        return self.dtype(name).startswith(("F", "BF")) or self.is_mxfp4(name)
+        return name in self.int4_weights or self.dtype(name).startswith(("F", "BF")) or self.is_mxfp4(name)
 
     def is_mxfp4(self, name: str) -> bool:
         """An MXFP4 weight (DeepSeek-V4 routed experts): packed e2m1 ``I8``/``U8`` ``[out, in/2]`` beside an
@@ -119,6 +155,8 @@ class ShardReader(ModelFolder):
     def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales (float32
         ``_scale_inv``, compressed-tensors ``_scale``, or DeepSeek-V4's E8M0 ``.scale``), MXFP4 weights unpacked."""
+        if name in self.int4_weights:
+            return self.read_int4(name).to(device=device, dtype=dtype)
         if self.is_mxfp4(name):
             return dequantize_mxfp4(self.get(name), self.e8m0_bytes(e8m0_scale_name(name))).to(device=device, dtype=dtype)
         t = self.get(name)
@@ -165,11 +203,16 @@ class Recipe:
     """How one module tensor is made from checkpoint tensors.
 
     ``op``: ``"copy"`` (``sources[0]``), ``"cat0"`` (the parts in order along dim 0: gate then up, or a family's ``concats``),
-    ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``.
+    ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``, ``"chunk0"`` (part ``index`` of
+    ``parts`` equal parts of ``sources[0]`` along dim 0, a family's ``splits``; with ``rope_heads``, permuted from
+    interleaved rotary pairs to split halves per head).
     """
 
     op: str
     sources: list[str]
+    index: int = 0
+    parts: int = 1
+    rope_heads: int | None = None
 
 
 @dataclass
@@ -240,6 +283,8 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         if m:
             experts.setdefault(m.group("prefix"), {}).setdefault(int(m.group("e")), {})[_PROJ_ROLE[m.group("proj")]] = name
             continue
+        if _split_recipes(model, family, name, m_name, expected, recipes):
+            continue
         for target, parts in concats:
             part = next((p for p in parts if m_name.endswith("." + p)), None)
             if part is not None and m_name[: -len(part)] + target in expected:
@@ -280,6 +325,32 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
     for k in recipes:
         by_layer.setdefault(_module_layer(k, family.layers_path), []).append(k)
     return TensorPlan(recipes, by_layer, fused_paths, extra, ignored)
+
+
+def _split_recipes(model, family: TransformersClasses, name: str, m_name: str, expected: set[str], recipes: dict[str, Recipe]) -> bool:
+    """Recipes for the module tensors a family stores as one on-disk tensor (its ``splits``); False when ``m_name`` is none."""
+    for split in family.splits:
+        for leaf in (".weight", ".bias"):
+            suffix = f".{split.source}{leaf}"
+            if not m_name.endswith(suffix):
+                continue
+            targets = [m_name[: -len(suffix)] + f".{t}{leaf}" for t in split.targets]
+            if not all(t in expected for t in targets):
+                return False
+            sub = getattr(model.config, split.heads_config) if split.heads_config else model.config
+            heads = int(getattr(sub, "num_attention_heads"))
+            for i, (t, short) in enumerate(zip(targets, split.targets)):
+                recipes[t] = Recipe("chunk0", [name], i, len(targets), heads if short in split.rope_permuted else None)
+            return True
+    return False
+
+
+def rope_pairs_to_halves(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Per head, rows in interleaved rotary pairs (x0, y0, x1, y1, ...) reordered to halves (x0, x1, ..., y0, y1, ...),
+    along dim 0 of a weight or bias: transformers' ``PermuteForRope`` on load."""
+    dim0 = t.shape[0]
+    half = dim0 // heads // 2
+    return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 # ----------------------------------------------------------------------------- streamed model
@@ -359,6 +430,9 @@ class StreamedModel:
             return torch.stack([torch.cat([get(s[i]), get(s[i + 1])], 0) for i in range(0, len(s), 2)])
         if r.op == "stack":
             return torch.stack([get(n) for n in r.sources])
+        if r.op == "chunk0":
+            part = get(r.sources[0]).chunk(r.parts, 0)[r.index]
+            return (rope_pairs_to_halves(part, r.rope_heads) if r.rope_heads else part).contiguous()
         raise AssertionError(r.op)
 
     def _load_names(self, names: Iterable[str]) -> None:
