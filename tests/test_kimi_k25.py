@@ -138,6 +138,21 @@ def test_convert(k25):
     assert result.plan.tasks_of_mode("int4") == len(exact) == 2 * E * 3
 
 
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_requantized_bytes_are_the_fp8_of_the_int4_values(scale_fmt, tmp_path):
+    """Weights of several 128-row strips and edge blocks (H = 320, I = 160): the FP8 bytes and scales are exactly
+    runtime.fp8's quantization of the whole exact INT4 weight, however the converter cut it into strips."""
+    from runtime.fp8 import quantize_block_fp8
+
+    _, exact = build_int4(tmp_path / "src", hidden=320, inter=160, experts=3, layers=2, n_shared=1)
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", ConvertOptions(scale_fmt=scale_fmt), progress=False)
+    out = load_all(tmp_path / "out")
+    assert {tuple(w.shape) for w in exact.values()} == {(160, 320), (320, 160)}
+    for n, w in exact.items():
+        q, sc = quantize_block_fp8(w, scale_fmt=scale_fmt)
+        assert torch.equal(out[n].view(torch.uint8), q.view(torch.uint8)) and torch.equal(out[scale_name(n)], sc), n
+
+
 def _independent_error(k25):
     _, _, exact, out_dir, _ = k25
     out = load_all(out_dir)

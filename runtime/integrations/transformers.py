@@ -6,7 +6,7 @@
 
 The model is the source architecture's own transformers class (DeepSeek-V2/V3, Kimi-K2 as
 DeepSeek-V3, GLM-4.5 ``glm4_moe``, GLM-4.7-Flash ``glm4_moe_lite``, GLM-5 ``glm_moe_dsa``,
-MiniMax-M3 text and VL, DeepSeek-V4 ``deepseek_v4``), built on the meta device from the converted
+MiniMax-M3 text and VL, DeepSeek-V4 ``deepseek_v4``, Kimi-K2.5 / K2.6 ``kimi_k25``), built on the meta device from the converted
 config.json, with every MoE block (``<layer>.mlp``) replaced by :class:`runtime.FusedSharedMoE` read
 from the converted expert tensors. DeepSeek-V4's decoder layers hand their MoE block ``input_ids``;
 a forward pre-hook on each installed block passes them on as ``token_ids``, which the hash-routed
