@@ -143,9 +143,12 @@ def _int4_weight(inputs: PlanInputs, parts: PlanParts, name: str, expect: tuple[
     if group is None:
         raise inputs.error(f"is INT4 pack-quantized, but config.json has no compressed-tensors quantization_config with format "
                            f"'{PACK_QUANTIZED}' saying how", packed.name)
-    if expect is None or len(expect) != 2:
+    if expect is None:
         raise inputs.error("is INT4 pack-quantized outside the routed experts and shared expert; fuse-shared converts INT4 "
                            "only there", packed.name)
+    if len(expect) != 2:
+        raise inputs.error(f"is INT4 pack-quantized as a stacked {list(expect)} expert tensor; only per-expert 2-D INT4 weights "
+                           "are supported", packed.name)
     rows, cols = expect
     if packed.dtype != "I32":
         raise inputs.error(f"has dtype {packed.dtype}, expected I32 ({PACK_QUANTIZED}: eight 4-bit codes per int32)", packed.name)
