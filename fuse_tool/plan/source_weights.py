@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from runtime.int4 import PACKED_SUFFIX, SHAPE_SUFFIX, ZERO_POINT_SUFFIX, packed_cols
+from runtime.int4 import EXACT_SCALE_DTYPES, PACKED_SUFFIX, SHAPE_SUFFIX, ZERO_POINT_SUFFIX, packed_cols
 from runtime.layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, e8m0_scale_name, scale_grid, scale_name
 from runtime.mxfp4 import MX_GROUP
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
@@ -93,7 +93,8 @@ def source_quantization(config: Mapping, tensors: Mapping[str, TensorInfo], conf
             raise ConversionError(f"compressed-tensors format {fmt!r} is not supported (only FP8 'float-quantized' and INT4 "
                                   f"'{PACK_QUANTIZED}')", file=config_path)
         return "compressed-tensors fp8"
-    raise ConversionError(f"quantization_config.quant_method {method!r} is not supported (expected fp8 or compressed-tensors FP8)",
+    raise ConversionError(f"quantization_config.quant_method {method!r} is not supported (expected fp8, or compressed-tensors FP8 "
+                          f"or INT4 {PACK_QUANTIZED})",
                           file=config_path)
 
 
@@ -173,6 +174,10 @@ def _int4_weight(inputs: PlanInputs, parts: PlanParts, name: str, expect: tuple[
         raise inputs.error(f"is missing: the INT4 weight {packed.name!r} needs its logical shape (I32 [2])", name + SHAPE_SUFFIX)
     if shape.dtype not in ("I32", "I64") or shape.shape != (2,):
         raise inputs.error(f"has dtype {shape.dtype} and shape {list(shape.shape)}, expected I32 [2] (the weight's logical [out, in])", shape.name)
+    if scale.dtype not in EXACT_SCALE_DTYPES:
+        note = f"INT4 group scales stored as {scale.dtype}: code x scale is rounded once in float32 (exact only with BF16/F16 scales)"
+        if note not in parts.notes:
+            parts.notes.append(note)
     parts.consumed.update((packed.name, scale.name, shape.name))
     return SourceWeight(name, Matrix(packed, 0, rows, packed.shape[1]), Matrix(scale, 0, rows, scale.shape[1]), "int4",
                         Int4Facts(cols, group, shape))
