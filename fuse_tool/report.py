@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .plan import ConversionPlan
-from .plan.exactness import describe_exactness
+from .plan.exactness import describe_exactness, describe_requantization
 
 
 def _ranges(xs: list[int]) -> str:
@@ -80,5 +80,7 @@ def describe_plan(plan: ConversionPlan) -> str:
     lines += [f"note           {n}" for n in plan.notes]
     lines += [f"not copied     {name}: {why}" for name, why in plan.source.skipped]
     if plan.exactness is not None:
-        lines += describe_exactness(plan.exactness, sum(getattr(t, "mode", None) == "mxfp4" for s in plan.shards for t in s.tasks))
+        lines += describe_exactness(plan.exactness, plan.tasks_of_mode("mxfp4"))
+    if plan.requantization is not None:
+        lines += describe_requantization(plan.requantization, plan.tasks_of_mode("int4"))
     return "\n".join(lines)

@@ -27,6 +27,9 @@ EXPECTED = {
     "minimax-m3": (128, 1, 3072, range(3, 60), [], 23_416, "BF16"),
     # GLM-5.2: indexer tensors only on the layers indexer_types calls "full" (and MTP layer 78); the rest is GLM-5.1's.
     "glm-5.2": (256, 1, 2048, range(3, 78), [78], 59_585, "BF16"),
+    # Kimi-K2.6: the kimi_k25 wrapper (text under language_model.model), routed experts INT4 pack-quantized (requantized to
+    # FP8 blocks), shared expert and everything else BF16.
+    "kimi-k2.6": (384, 1, 2048, range(1, 61), [], 208_550, "int4"),
 }
 REFUSED = {
     "minimax-m2.5": "has no shared expert",
@@ -65,6 +68,11 @@ def test_plan_of_real_layout(name, skeleton_root):
     n_layers = len(plan.layers)
     expected_out = n_src - len(shared) + S * len(shared) + 3 * n_layers
     # (compressed-tensors weight_scale [out, 1] becomes one weight_scale_inv grid: one for one)
+    # An INT4 triple (weight_packed, weight_scale, weight_shape) becomes an FP8 weight and its scale, and a BF16 shared
+    # expert beside INT4 experts is quantized: its slots gain a scale per weight.
+    expected_out -= sum(n.endswith(".weight_shape") for n in inventory)
+    if fmt == "int4":
+        expected_out += S * len(shared)
     assert plan.num_tensors == expected_out
     out_names = {t.name for s in plan.shards for t in s.tensors}
     L = plan.layers[0]
@@ -74,6 +82,15 @@ def test_plan_of_real_layout(name, skeleton_root):
     if fmt == "fp8-block":
         assert set(plan.bytes_by_kind()) <= {"copy", "cast", "constant"}, "FP8 releases are copied, not requantized"
         assert {m for lp in plan.layers for m in lp.shared_modes} == {"copy"}
+    if fmt == "int4":
+        assert plan.tasks_of_mode("int4") == sum(n.endswith(".weight_packed") for n in inventory) == len(plan.layers) * E * 3
+        assert {m for lp in plan.layers for m in lp.shared_modes} == {"quantize"}
+        vision = [n for n in inventory if n.startswith(("vision_tower.", "mm_projector."))]
+        assert len(vision) == 335 and all(out_tensors[n].dtype == "BF16" for n in vision), "the vision tower is copied unchanged"
+        expert = f"{plan.layers[-1].block_prefix}.experts.{E - 1}.down_proj.weight"
+        assert out_tensors[expert].dtype == "F8_E4M3" and out_tensors[expert].shape == (7168, 2048)
+        assert out_tensors[expert + "_scale_inv"].shape == (56, 16)
+        assert out_tensors[L.block_prefix.replace(".mlp", ".self_attn.q_a_proj.weight")].dtype == "BF16", "the release's BF16 choices kept"
     assert all(s.nbytes <= 5 * 10**9 or len(s.tensors) <= 2 for s in plan.shards)
 
 
@@ -110,3 +127,18 @@ def test_glm_5_2_indexer_only_where_the_config_says(skeleton_root):
     with_indexer = {int(n.split(".")[2]) for n in out if ".self_attn.indexer." in n}
     assert with_indexer == {i for i, t in enumerate(types) if t == "full"} | {78}
     assert all(out[n].dtype == "BF16" for n in out if ".indexer.weights_proj." in n), "weights_proj stays unquantized"
+
+
+def test_kimi_k2_6_inspect_and_dry_run_cli(skeleton_root, tmp_path):
+    """The INT4 release: inspect and --dry-run name the format, the requantization, and copy the vision tower unchanged."""
+    path = build_skeleton("kimi-k2.6", skeleton_root / "kimi-k2.6-cli")
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "kimi_k25 (Kimi-K2.5 / K2.6)" in r.output and "E=384 routed + S=1" in r.output and "60 decoder (1-60) + 0 MTP" in r.output
+    assert "208,550 tensors" in r.output and "quantization: compressed-tensors int4 pack-quantized (symmetric, groups of 32)" in r.output
+    assert "source format int4" in r.output and "INT4 -> FP8    69,120 tensors requantized" in r.output
+    assert "sigmoid, top-8, renormalized, rsf 2.827, with selection bias" in r.output
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(path), str(out), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "nothing written" in r.output and "139,790 tensors" in r.output and not out.exists()

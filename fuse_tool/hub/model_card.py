@@ -72,6 +72,39 @@ def _md_cell(v: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _num(v: Any, fmt: str) -> str | None:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _requantization_lines(req: Any) -> list[str]:
+    """The card's section on weights requantized from another format (INT4 -> FP8), from the manifest's
+    ``requantization`` (``fuse_tool.plan.exactness.RequantizationReport.summary``); nothing when it is absent or unreadable."""
+    if not isinstance(req, dict) or _num(req.get("relative_error"), ".3e") is None:
+        return []
+    lines = [
+        "",
+        "## Requantization error",
+        "",
+        f"The source's routed experts are {_md_cell(req.get('source_format', 'INT4'))}. They were dequantized exactly "
+        f"(INT4 code x group scale, exact in float32) and quantized to {_md_cell(req.get('target_format', 'FP8'))}, so these "
+        "weights differ from the source's by the FP8 rounding below (measured against the dequantized INT4 weights):",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| tensors requantized | {_num(req.get('tensors_measured'), ',') or '?'} of {_num(req.get('tensors_planned'), ',') or '?'} "
+        f"({_num(req.get('elements'), ',') or '?'} values) |",
+        f"| relative error, all tensors (‖fp8 − int4‖ / ‖int4‖) | {_num(req.get('relative_error'), '.3e')} |",
+        f"| largest relative error of one tensor | {_num(req.get('worst_tensor_relative_error'), '.3e') or '?'} |",
+        f"| largest absolute error of one value | {_num(req.get('max_abs_error'), '.3g') or '?'} |",
+    ]
+    worst = [w for w in req.get("worst_tensors") or [] if isinstance(w, dict) and _num(w.get("relative_error"), ".3e")]
+    if worst:
+        lines += ["", "Worst tensors:", "", "| tensor | relative error | max abs error |", "|---|---|---|"]
+        lines += [f"| `{_md_cell(w.get('tensor'))}` | {_num(w['relative_error'], '.3e')} | {_num(w.get('max_abs_error'), '.3g') or '?'} |"
+                  for w in worst]
+    return lines
+
+
 def render_model_card(
     checked: CheckedOutput,
     *,
@@ -156,6 +189,7 @@ def render_model_card(
     ]
     if is_fp8:
         lines.append(f"| quantization_config | `{json.dumps(qcfg, sort_keys=True)}` |")
+    lines += _requantization_lines(manifest.get("requantization"))
     where = f"`config.json` → `{sub_key}.{CONFIG_KEY}`" if sub_key else f"`config.json` → `{CONFIG_KEY}`"
     rev_arg = f', revision="{revision}"' if revision and revision != "main" else ""
     lines += [

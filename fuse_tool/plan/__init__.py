@@ -30,7 +30,7 @@ from .options import DEFAULT_MAX_SHARD_SIZE, OTHER_LINEAR, PRECISIONS, ConvertOp
 from .other_tensors import plan_other_tensors
 from .output_config import output_config
 from .shards import assign_shards
-from .source_weights import source_quantization, source_scale_fmt
+from .source_weights import int4_group_size, source_quantization, source_scale_fmt
 from .tasks import (
     CastTask, ConstantTask, ConversionPlan, CopyTask, Cut, Group, LayerPlan, Matrix, OutputTensor, PlannedShard, ProjectionTask,
     SourceWeight, Target, Task, task_output_bytes,
@@ -43,6 +43,7 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
         arch = describe_model(src.config)
         quant = source_quantization(src.config, src.tensors, config_path)
         src_fmt = source_scale_fmt(src.config)
+        int4_group = int4_group_size(src.config)
     except ModelError as e:  # config checks name the field; name the file it is in
         raise type(e)(e.detail, file=config_path if e.file in (None, CONFIG_NAME) else e.file, tensor=e.tensor, field=e.field) from None
     scale_fmt = options.scale_fmt or src_fmt
@@ -54,10 +55,11 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
     if options.precision == "source" and quant != "none":
         raise ConversionError(
             f"--precision source keeps the source's precision and writes no FP8, but this source is already "
-            f"quantized ({quant}); use --precision fp8 (its FP8 blocks are copied unchanged)",
+            f"quantized ({quant}); use --precision fp8 "
+            + ("(its INT4 experts are requantized to FP8 blocks, with the error reported)" if int4_group else "(its FP8 blocks are copied unchanged)"),
             file=config_path,
         )
-    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt)
+    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt, int4_group=int4_group)
 
 
 def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[int]]:
@@ -143,7 +145,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         shards=assign_shards(parts.groups, options.max_shard_size),
         config=output_config(src.config, arch.config_key, block, inputs.out_fp8, inputs.scale_fmt, modules),
         scale_fmt=inputs.scale_fmt, source_quantization=source_quantization,
-        modules_to_not_convert=modules, notes=parts.notes, exactness=inputs.exactness,
+        modules_to_not_convert=modules, notes=parts.notes, exactness=inputs.exactness, requantization=inputs.requantization,
     )
 
 

@@ -1,4 +1,7 @@
-"""What the MXFP4 -> FP8 conversion measured: per output tensor, its blocks, those that were not exact, and how far they moved.
+"""What the conversions that change a source's number format measured, per output tensor.
+
+MXFP4 -> FP8 (:class:`ExactnessReport`): its blocks, those that were not exact, and how far they moved.
+INT4 -> FP8 (:class:`RequantizationReport`): the error of the FP8 weight against the exactly dequantized INT4 source.
 
 LAYOUT v2 section 4: a 128x128 block is converted exactly when its smallest 32-group scale is at least ``2^-8`` of the
 block's power-of-two scale ``B``; elsewhere values are rounded on the e4m3 grid and move by at most ``2^-10 * B``.
@@ -70,5 +73,81 @@ def describe_exactness(report: ExactnessReport, planned: int | None = None, limi
         lines.append(f"  not exact    ... and {len(worst) - limit} more tensors")
     if planned is not None and planned > len(report.tensors):
         lines.append(f"  measured     {len(report.tensors):,} of the plan's {planned:,} MXFP4 tensors (the others are in shards written by an "
+                     "earlier run and kept by --resume)")
+    return lines
+
+
+# ----------------------------------------------------------------------------- INT4 -> FP8
+
+
+@dataclass
+class TensorError:
+    elements: int = 0
+    sq_err: float = 0.0  # sum over elements of (fp8 value - source value)^2
+    sq_ref: float = 0.0  # sum over elements of source value^2
+    max_abs: float = 0.0  # the largest |fp8 value - source value|
+
+    @property
+    def rel(self) -> float:
+        """Relative Frobenius error ``||fp8 - source|| / ||source||`` (0 for an all-zero source converted exactly)."""
+        return math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref else (0.0 if self.sq_err == 0 else math.inf)
+
+    def merge(self, other: "TensorError") -> None:
+        self.elements += other.elements
+        self.sq_err += other.sq_err
+        self.sq_ref += other.sq_ref
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+
+@dataclass
+class RequantizationReport:
+    """The error of INT4 weights requantized to FP8 128x128 blocks, against the exactly dequantized INT4 source
+    (``fuse_tool.write.int4`` fills it while the plan runs; the summary, the manifest and the model card show it)."""
+
+    tensors: dict[str, TensorError] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, tensor: str, part: TensorError) -> None:
+        with self._lock:
+            self.tensors.setdefault(tensor, TensorError()).merge(part)
+
+    def total(self) -> TensorError:
+        t = TensorError()
+        for e in self.tensors.values():
+            t.merge(e)
+        return t
+
+    def worst(self, limit: int) -> list[tuple[str, TensorError]]:
+        return sorted(self.tensors.items(), key=lambda kv: (-kv[1].rel, kv[0]))[:limit]
+
+    def summary(self, planned: int, limit: int = 10) -> dict:
+        """A JSON-ready summary (the manifest's ``requantization``): totals and the ``limit`` worst tensors."""
+        t = self.total()
+        return {
+            "source_format": "int4 pack-quantized (compressed-tensors)",
+            "target_format": "fp8 e4m3, 128x128 block scales",
+            "tensors_planned": planned,
+            "tensors_measured": len(self.tensors),
+            "elements": t.elements,
+            "relative_error": t.rel,
+            "max_abs_error": t.max_abs,
+            "worst_tensor_relative_error": max((e.rel for e in self.tensors.values()), default=0.0),
+            "worst_tensors": [{"tensor": n, "relative_error": e.rel, "max_abs_error": e.max_abs} for n, e in self.worst(limit)],
+        }
+
+
+def describe_requantization(report: RequantizationReport, planned: int, limit: int = 5) -> list[str]:
+    """Summary lines: the total relative error of the INT4 -> FP8 requantization and the worst tensors."""
+    if not report.tensors:
+        return [] if not planned else [f"INT4 -> FP8    {planned:,} tensors requantized (errors measured while converting)"]
+    t = report.total()
+    lines = [f"INT4 -> FP8    {len(report.tensors):,} tensors ({t.elements:,} values) requantized to FP8 128x128 blocks: relative error "
+             f"{t.rel:.3e} against the dequantized INT4 source in total, max |error| {t.max_abs:.3g}"]
+    for name, e in report.worst(limit):
+        lines.append(f"  error        {name}: relative {e.rel:.3e}, max |error| {e.max_abs:.3g}")
+    if len(report.tensors) > limit:
+        lines.append(f"  error        ... and {len(report.tensors) - limit:,} more tensors (the manifest lists the worst)")
+    if planned > len(report.tensors):
+        lines.append(f"  measured     {len(report.tensors):,} of the plan's {planned:,} INT4 tensors (the others are in shards written by an "
                      "earlier run and kept by --resume)")
     return lines

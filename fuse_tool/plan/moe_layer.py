@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from runtime.int4 import packed_name
 from runtime.layout import (
     GEMM1_PARAMS, PER_EXPERT_NAMES, STACKED_FORMS, STACKED_SPLIT_NAMES, block_scale_tensor, gemm1_param_names, scale_grid, scale_name,
     selection_bias_shapes, slot_params, stacked_names,
@@ -33,8 +34,10 @@ def _expert_tensor_of(rest: str, names) -> bool:
 
 
 def _first_expert_tensors(P: str, X: str) -> tuple[str, ...]:
-    """Names of which one is present in a MoE block at ``P`` with experts at ``X``: expert 0's gate, or a stacked gate(_up)."""
-    return (f"{X}.0.gate_proj.weight", f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(stacked_names(P, f)[0] for f in STACKED_FORMS)
+    """Names of which one is present in a MoE block at ``P`` with experts at ``X``: expert 0's gate (INT4-packed too), or a
+    stacked gate(_up)."""
+    return (f"{X}.0.gate_proj.weight", packed_name(f"{X}.0.gate_proj.weight"), f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(
+        stacked_names(P, f)[0] for f in STACKED_FORMS)
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int
             return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.{down}", expect=(H, W))[0])
     # The family's own names first, then gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
     for gate, up, down in names.shared_projections + tuple(PER_EXPERT_NAMES.values()):
-        if f"{SH}.{gate}.weight" in inputs.tensors:
+        if f"{SH}.{gate}.weight" in inputs.tensors or packed_name(f"{SH}.{gate}.weight") in inputs.tensors:
             return (
                 source_weight(inputs, parts, f"{SH}.{gate}.weight", expect=(W, H))[0],
                 source_weight(inputs, parts, f"{SH}.{up}.weight", expect=(W, H))[0],
@@ -201,7 +204,10 @@ def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, 
 
 
 def _mixed_formats_ok(inputs: PlanInputs, routed: str, shared: str) -> bool:
-    """MXFP4 routed experts beside an FP8-block shared expert (DeepSeek-V4): both become FP8 blocks."""
+    """MXFP4 routed experts beside an FP8-block shared expert (DeepSeek-V4), or INT4 routed experts beside a float or
+    FP8-block shared expert (Kimi-K2.5 / K2.6: BF16): all become FP8 blocks."""
+    if routed == "int4":
+        return inputs.out_fp8 and (shared in FLOAT_DTYPES or shared == "fp8-block")
     return inputs.out_fp8 and routed == "mxfp4" and shared == "fp8-block"
 
 

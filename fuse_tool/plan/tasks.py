@@ -40,24 +40,37 @@ class Matrix:
 
 
 @dataclass(frozen=True)
+class Int4Facts:
+    """What a pack-quantized INT4 weight needs beyond its packed words and scales (``runtime.int4``): the logical input
+    count, the group size, and the ``weight_shape`` tensor, whose values are checked when the weight is converted."""
+
+    cols: int
+    group: int
+    shape: TensorInfo
+
+
+@dataclass(frozen=True)
 class SourceWeight:
     """One logical 2-D weight in the source and how it is stored.
 
     ``scale_kind``: None (a float weight), ``"block"`` (128x128 grid, DeepSeek
     ``weight_scale_inv``, or an F8_E8M0 ``.scale``), ``"channel"`` (``[out, 1]``) or ``"tensor"``
-    (one value), the last two from compressed-tensors ``weight_scale``, or ``"mxfp4"`` (``weight``
-    holds packed e2m1 bytes ``[out, in/2]``, ``scale`` the E8M0 bytes ``[out, in/32]``).
+    (one value), the last two from compressed-tensors ``weight_scale``, ``"mxfp4"`` (``weight``
+    holds packed e2m1 bytes ``[out, in/2]``, ``scale`` the E8M0 bytes ``[out, in/32]``), or ``"int4"``
+    (``weight`` holds compressed-tensors ``weight_packed`` int32 words ``[out, ceil(in/8)]``, ``scale``
+    its ``weight_scale`` ``[out, in/group]``, ``int4`` the rest).
     """
 
     label: str
     weight: Matrix
     scale: Matrix | None = None
     scale_kind: str | None = None
+    int4: Int4Facts | None = None
 
     @property
     def fmt(self) -> str:
-        if self.scale_kind == "mxfp4":
-            return "mxfp4"
+        if self.scale_kind in ("mxfp4", "int4"):
+            return self.scale_kind
         return f"fp8-{self.scale_kind}" if self.scale_kind else self.weight.dtype
 
 
@@ -116,7 +129,8 @@ class ProjectionTask:
     whole blocks copied, zero padding added, scales copied), ``"quantize"`` (dequantized to
     float32 and quantized to FP8 128x128 blocks), ``"mxfp4"`` (MXFP4 converted to FP8 with
     power-of-two block scales, exact where LAYOUT section 4's rule holds; ``report`` collects
-    the blocks that were not). ``scale_dtype``: F32, or F8_E8M0 for a family that stores one-byte scales.
+    the blocks that were not), ``"int4"`` (pack-quantized INT4 dequantized exactly and quantized
+    to FP8 128x128 blocks; ``report`` collects the error). ``scale_dtype``: F32, or F8_E8M0 for a family that stores one-byte scales.
     """
 
     source: SourceWeight
@@ -127,7 +141,7 @@ class ProjectionTask:
     scale: Target | None
     scale_fmt: str = "float"
     scale_dtype: str = "F32"
-    report: Any = field(default=None, compare=False, repr=False)  # an ExactnessReport for "mxfp4" tasks
+    report: Any = field(default=None, compare=False, repr=False)  # an ExactnessReport ("mxfp4") or RequantizationReport ("int4")
 
     @property
     def read_key(self) -> tuple[str, int]:
@@ -227,6 +241,11 @@ class ConversionPlan:
     modules_to_not_convert: list[str]
     notes: list[str] = field(default_factory=list)
     exactness: Any = None  # the ExactnessReport the MXFP4 conversions fill while the plan runs
+    requantization: Any = None  # the RequantizationReport the INT4 conversions fill while the plan runs
+
+    def tasks_of_mode(self, mode: str) -> int:
+        """How many of the plan's tasks convert with ``mode`` (``"mxfp4"``, ``"int4"``)."""
+        return sum(getattr(t, "mode", None) == mode for s in self.shards for t in s.tasks)
 
     @property
     def total_size(self) -> int:

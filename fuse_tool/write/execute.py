@@ -184,6 +184,8 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) 
             "inputs_fingerprint": journal.fingerprint,
             "files": manifest_files,
         }
+        if plan.requantization is not None and (planned := plan.tasks_of_mode("int4")):
+            manifest["requantization"] = plan.requantization.summary(planned)  # INT4 -> FP8: the model card shows it
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, _json(manifest)), out / MANIFEST_NAME))
         config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)

@@ -192,6 +192,11 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
 
         yield from mxfp4_projection(task, device, allow_non_finite)
         return
+    if task.mode == "int4":  # INT4 pack-quantized source (Kimi-K2.5 / K2.6 experts): fuse_tool/write/int4.py
+        from .int4 import int4_projection
+
+        yield from int4_projection(task, device, allow_non_finite)
+        return
     yield from _quantize(task, device, allow_non_finite)
 
 

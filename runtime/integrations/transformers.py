@@ -15,7 +15,9 @@ transformers module: their fused MoE is loaded on its own (:meth:`StreamedModel.
 through the rename table of its family module (``runtime.families``); FP8 weights (``X.weight`` e4m3
 with ``X.weight_scale_inv`` 128x128 block scales, DeepSeek-V4's one-byte E8M0 ``X.scale``, or
 compressed-tensors ``X.weight_scale``) are dequantized into the model dtype at load, and so are
-MXFP4 weights (V4 release experts, read with ``runtime.mxfp4``). Loading streams tensor by tensor and layer by layer,
+MXFP4 weights (V4 release experts, read with ``runtime.mxfp4``) and compressed-tensors pack-quantized INT4 weights
+(Kimi-K2.5 / K2.6 release experts: ``X.weight_packed`` / ``weight_scale`` / ``weight_shape`` read as ``X.weight``
+with ``runtime.int4``). Loading streams tensor by tensor and layer by layer,
 so peak host memory is the model plus about one layer.
 
 :class:`StreamedModel` is the same machinery without materializing everything: a meta skeleton
@@ -43,6 +45,7 @@ from ..errors import UnsupportedModelError
 from ..families import TransformersClasses, family_for
 from ..layout import E8M0_DTYPE_CODE, SCALE_SUFFIX, STACKED_FORMS, LayoutError, converted_moe_layers, e8m0_scale_name, read_config_block
 from ..moe import FusedSharedMoE
+from ..int4 import PACKED_SUFFIX, SCALE_SUFFIX as INT4_SCALE_SUFFIX, SHAPE_SUFFIX, dequantize_int4
 from ..mxfp4 import MX_GROUP, dequantize_mxfp4, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
 
@@ -92,12 +95,45 @@ class ShardReader(ModelFolder):
     def weight_map(self) -> dict[str, str]:
         return {name: info.file.name for name, info in self.tensors.items()}
 
+    @property
+    def int4_weights(self) -> dict[str, str]:
+        """``{X.weight: X.weight_packed}`` for every pack-quantized INT4 weight (I32 ``weight_packed`` beside its
+        ``weight_scale`` and ``weight_shape``): each triple reads as the one float weight it stores."""
+        if not hasattr(self, "_int4"):
+            self._int4 = {}
+            for name, info in self.tensors.items():
+                if name.endswith(PACKED_SUFFIX) and info.dtype == "I32":
+                    base = name[: -len(PACKED_SUFFIX)]
+                    if base + INT4_SCALE_SUFFIX in self.tensors and base + SHAPE_SUFFIX in self.tensors:
+                        self._int4[base] = name
+        return self._int4
+
+    def names(self) -> list[str]:
+        """Every tensor name, an INT4 triple as its weight's name ``X.weight`` (once, where its ``weight_packed`` is)."""
+        int4 = self.int4_weights
+        if not int4:
+            return super().names()
+        parts = {b + s for b in int4 for s in (PACKED_SUFFIX, INT4_SCALE_SUFFIX, SHAPE_SUFFIX)}
+        return [n[: -len(PACKED_SUFFIX)] if n.endswith(PACKED_SUFFIX) and n[: -len(PACKED_SUFFIX)] in int4 else n
+                for n in self.tensors if n not in parts or n.endswith(PACKED_SUFFIX)]
+
+    def read_int4(self, name: str) -> torch.Tensor:
+        """INT4 weight ``name`` (``X.weight``) dequantized to float32 ``[out, in]`` (exact), its shape from ``weight_shape``."""
+        packed, scale = self.get(self.int4_weights[name]), self.get(name + INT4_SCALE_SUFFIX)
+        rows, cols = (int(v) for v in self.get(name + SHAPE_SUFFIX).tolist())
+        if packed.dim() != 2 or packed.shape[0] != rows:
+            raise LayoutError(f"{self.path}: {name}{SHAPE_SUFFIX} says [{rows}, {cols}], but {name}{PACKED_SUFFIX} is {list(packed.shape)}")
+        try:
+            return dequantize_int4(packed, scale, cols)
+        except ValueError as e:
+            raise LayoutError(f"{self.path}: {name}: {e}") from None
+
     def close(self) -> None:
         """Nothing is held open between reads (kept for callers that release readers explicitly)."""
 
     def is_float(self, name: str) -> bool:
         """Whether ``name`` holds floating-point (FP8 and MXFP4 included) data, from its header alone."""
-        return self.dtype(name).startswith(("F", "BF")) or self.is_mxfp4(name)
+        return name in self.int4_weights or self.dtype(name).startswith(("F", "BF")) or self.is_mxfp4(name)
 
     def is_mxfp4(self, name: str) -> bool:
         """An MXFP4 weight (DeepSeek-V4 routed experts): packed e2m1 ``I8``/``U8`` ``[out, in/2]`` beside an
@@ -119,6 +155,8 @@ class ShardReader(ModelFolder):
     def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         """Tensor ``name`` in ``dtype`` on ``device``; FP8 weights dequantized with their scales (float32
         ``_scale_inv``, compressed-tensors ``_scale``, or DeepSeek-V4's E8M0 ``.scale``), MXFP4 weights unpacked."""
+        if name in self.int4_weights:
+            return self.read_int4(name).to(device=device, dtype=dtype)
         if self.is_mxfp4(name):
             return dequantize_mxfp4(self.get(name), self.e8m0_bytes(e8m0_scale_name(name))).to(device=device, dtype=dtype)
         t = self.get(name)
