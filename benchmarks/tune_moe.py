@@ -37,6 +37,14 @@ _EPQ = dict(gemm1_fused_activation=True, gemm1_block_n=128, quantize_in_epilogue
             down_output_dtype="bfloat16", group_m=8)
 _EPQ_SWAP = dict(_EPQ, block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=64, gemm1_stages=4,
                  gemm2_stages=4, group_m=1, down_output_dtype="float32")
+_PLAIN_SPLIT_HQ = dict(_SWAP1, gemm1_fused_activation=False, gemm1_block_n=64, gemm1_split_k=2, quantize_hidden_first=True,
+                       gemm2_block_n=64, gemm2_swap_ab=True, gemm2_stages=4)
+# Prefill as the peer's GEMMs run: plain GEMM1 (one 64x128 float32 accumulator per program, 4 warps) writing float32
+# gate | up sums, then SwiGLU + FP8 quantization of h in their own launch; GEMM2 reads FP8 h.
+_PLAIN_HQ_M64 = dict(block_m=64, gemm1_fused_activation=False, gemm1_block_n=128, gemm1_split_k=1, gemm1_swap_ab=False,
+                     gemm1_warps=4, gemm1_stages=3, quantize_input_first=True, quantize_in_epilogue=False,
+                     quantize_hidden_first=True, gemm2_block_n=128, gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3,
+                     group_m=32, down_output_dtype="bfloat16")
 # Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
 # quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
 # 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower.
@@ -51,6 +59,14 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "plain-swap-pq": dict(_SWAP1, gemm1_fused_activation=False),
         "epq-swap-pq": _EPQ_SWAP,
         "epq-swap-pq-k2x2": dict(_EPQ_SWAP, gemm2_split_k=2),
+        # Split GEMM1 (plain gate | up columns, float32 partial sums) for more programs than SMs' multiples of the
+        # paired 288; the sums, SwiGLU and FP8 quantization of h in their own launch so GEMM2 reads FP8 and swaps.
+        "plain-split2-hq": _PLAIN_SPLIT_HQ,
+        "plain-split3-hq": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=3),
+        "plain-split4-hq": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4),
+        "plain-split2-hq-s5": dict(_PLAIN_SPLIT_HQ, gemm1_stages=5, gemm2_stages=5),
+        "plain-split2-hq-n1x128": dict(_PLAIN_SPLIT_HQ, gemm1_block_n=128),
+        "plain-split2-hq-k2x2": dict(_PLAIN_SPLIT_HQ, gemm2_split_k=2),
     },
     "small": {
         "m16-epq-swap": dict(_EPQ_SWAP, quantize_input_first=False, gemm1_stages=3, gemm2_stages=3,
@@ -60,6 +76,8 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
         "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
                                        gemm1_stages=3, group_m=8),
+        "plain-split2-hq": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3),
+        "plain-split2-hq-g8": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3, group_m=8),
     },
     "mid": {
         "m32-epq-swap": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128),
@@ -67,6 +85,9 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
                                 gemm1_stages=4, gemm2_stages=4),
         "m32-epq-swap-g32": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
                                  group_m=32),
+        "m64-plain-hq": _PLAIN_HQ_M64,
+        "m32-plain-hq-swap": dict(_PLAIN_HQ_M64, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True),
+        "m64-paired-n64-hq": dict(_PLAIN_HQ_M64, gemm1_fused_activation=True, gemm1_block_n=64),
     },
     "prefill": {
         "m64-epq": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=128, gemm2_warps=4),
@@ -77,6 +98,13 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
                            group_m=16),
         "m64-epq-n2x256-s4": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8,
                                   group_m=16),
+        "m64-plain-hq": _PLAIN_HQ_M64,
+        "m64-plain-hq-g8": dict(_PLAIN_HQ_M64, group_m=8),
+        "m64-plain-hq-s4": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4),
+        "m64-plain-hq-w8": dict(_PLAIN_HQ_M64, gemm1_warps=8, gemm2_warps=8),
+        "m64-paired-n64-hq": dict(_PLAIN_HQ_M64, gemm1_fused_activation=True, gemm1_block_n=64),
+        "m128-plain-hq-w8": dict(_PLAIN_HQ_M64, block_m=128, gemm1_warps=8, gemm2_warps=8),
+        "m64-plain-hq-n256-w8": dict(_PLAIN_HQ_M64, gemm1_block_n=256, gemm1_warps=8),
     },
 }
 

@@ -29,8 +29,9 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``quantize_input_first``: FP8-quantize x in its own launch (else GEMM1 quantizes on load).
 - ``quantize_in_epilogue``: GEMM1 writes FP8 h and its scales (needs fused activation and
   ``gemm1_block_n == 128``), else h is float32 and GEMM2 quantizes on load.
-- ``quantize_hidden_first``: with fused activation and float32 h, FP8-quantize h in its own launch
-  so that GEMM2 reads FP8 from memory (what swapped GEMM2 operands need) instead of quantizing on load.
+- ``quantize_hidden_first``: FP8-quantize h in its own launch (after summing plain GEMM1's K splits and
+  applying SwiGLU, where GEMM1 is plain) so that GEMM2 reads FP8 from memory (what swapped GEMM2 operands
+  need) instead of quantizing on load. Ignored with ``quantize_in_epilogue``.
 - ``down_output_dtype``: ``"float32"`` or ``"bfloat16"`` for GEMM2's per-slot outputs.
 """
 
@@ -107,8 +108,6 @@ def check_tile_config(cfg: Mapping[str, Any]) -> None:
         raise ValueError("gemm1_split_k > 1 needs gemm1_fused_activation=False (SwiGLU needs the full sum)")
     if cfg.get("quantize_in_epilogue") and not (cfg.get("gemm1_fused_activation", True) and cfg.get("gemm1_block_n") == 128):
         raise ValueError("quantize_in_epilogue needs gemm1_fused_activation and gemm1_block_n == 128 (one 1x128 group per tile)")
-    if cfg.get("quantize_hidden_first") and not cfg.get("gemm1_fused_activation", True):
-        raise ValueError("quantize_hidden_first needs gemm1_fused_activation (plain GEMM1 writes pre-activation sums)")
 
 
 @functools.lru_cache(maxsize=None)

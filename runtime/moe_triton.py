@@ -9,15 +9,16 @@ forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing betw
    (token, slot) pairs bucketed by slot, buckets padded to ``block_m``, one slot id per M block and
    the padded total.
 2. Optional ``_quant_kernel``: 1x128 FP8 quantization of x (else GEMM1 quantizes its A tile on load,
-   with the same formula).
+   with the same formula, bit for bit the reference's).
 3. ``_moe_gemm_kernel`` for GEMM1, either
 
    - fused activation: gate and up tiles of one slot side by side in one program,
      ``acc += dot(a_fp8, b_fp8) * a_scale * b_scale`` per 128-wide K block in float32, then the
      slot's SwiGLU(-OAI) in the epilogue; h is written float32, or FP8 with its 1x128 scales when
      the tile is one 128-column group wide (``quantize_in_epilogue``); or
-   - plain: the ``2I`` gate and up rows as ordinary columns, optionally split over K; float32
-     partial sums ``[split, pairs, 2I]``, SwiGLU applied by GEMM2 when it loads them.
+   - plain: the ``2I`` gate and up rows as ordinary columns, optionally split over K (more programs
+     for the few rows of decode); float32 partial sums ``[split, pairs, 2I]``, summed and put through
+     SwiGLU either by GEMM2 when it loads them or by ``_quant_kernel``, which writes FP8 h.
 4. ``_moe_gemm_kernel`` for GEMM2: ``[.., I] x [H, I]^T`` times the routing weight, optionally
    split over K into partial outputs.
 5. ``_sum_kernel``: sum over the K+S slots (and GEMM2's K splits) per token, cast to x's dtype,
@@ -65,10 +66,13 @@ def _round_bf16(x):
 
 @triton.jit
 def _quant_fp8(a, INTERP: tl.constexpr):
-    """Per-row FP8 quantization of a float32 tile ``[R, 128]``: (fp8 tile, scale [R])."""
+    """Per-row FP8 quantization of a float32 tile ``[R, 128]``: (fp8 tile, scale [R]), bit for bit what
+    ``fp8.quantize_activations`` computes. Both divisions round correctly (``div_rn``): Triton's ``/`` is
+    approximate, which moved scales by an ulp and, through them, FP8 codes."""
     amax = tl.max(tl.abs(a), axis=1)
-    scale = tl.maximum(amax, 1.1754943508222875e-38) / 448.0
-    q = a / scale[:, None]
+    scale = tl.math.div_rn(tl.maximum(amax, 1.1754943508222875e-38), tl.full(amax.shape, 448.0, tl.float32))
+    # An all-zero row (padding) divides by 1 instead of its subnormal scale: the same zeros, without div_rn's slow path.
+    q = tl.math.div_rn(a, tl.where(amax > 0, scale, 1.0)[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if INTERP:
         q = _round_e4m3(q)
@@ -180,14 +184,31 @@ def _align_kernel(
 
 
 @triton.jit
-def _quant_kernel(a_ptr, q_ptr, s_ptr, R, K, stride_ar, stride_ak, stride_sr,
-                  BR: tl.constexpr, INTERP: tl.constexpr):
+def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, R, K, num_slots,
+                  stride_ar, stride_ak, stride_sr, split_stride,
+                  BR: tl.constexpr, INTERP: tl.constexpr, SWIGLU_SPLITS: tl.constexpr, POST_CLAMP: tl.constexpr):
+    """1x128 FP8 quantization of ``a [R, K]`` into ``q [R, K]`` and its scales ``s [R, ceil(K/128)]``.
+
+    SWIGLU_SPLITS > 0: ``a`` is plain GEMM1's float32 partial sums ``[SWIGLU_SPLITS, R, 2K]`` of gate | up; each row (a
+    (token, slot) pair) is summed over the splits and put through its slot's SwiGLU (slot ``ids[row]``) first."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
     cols = g * 128 + tl.arange(0, 128)
     mask = (rows[:, None] < R) & (cols[None, :] < K)
-    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :] * stride_ak, mask=mask, other=0.0)
-    q, s = _quant_fp8(a.to(tl.float32), INTERP)
+    ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :] * stride_ak
+    if SWIGLU_SPLITS > 0:
+        gate = tl.zeros([BR, 128], tl.float32)
+        up = tl.zeros([BR, 128], tl.float32)
+        for sp in tl.static_range(SWIGLU_SPLITS):
+            gate += tl.load(ptrs + sp * split_stride, mask=mask, other=0.0)
+            up += tl.load(ptrs + sp * split_stride + K * stride_ak, mask=mask, other=0.0)
+        e = tl.load(ids_ptr + rows, mask=rows < R, other=0)
+        e = tl.where((e >= 0) & (e < num_slots), e, 0)
+        a = _swiglu(gate, up, tl.load(alpha_ptr + e)[:, None], tl.load(beta_ptr + e)[:, None],
+                    tl.load(limit_ptr + e)[:, None], POST_CLAMP)
+    else:
+        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    q, s = _quant_fp8(a, INTERP)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sr + g, s, mask=rows < R)
 
@@ -369,10 +390,16 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
                    quantize_hidden_first=False)
     if not cfg["gemm1_fused_activation"] or cfg["gemm1_block_n"] != 128:
         cfg["quantize_in_epilogue"] = False
-    if not cfg["gemm1_fused_activation"] or cfg["quantize_in_epilogue"]:
+    if cfg["quantize_in_epilogue"]:
         cfg["quantize_hidden_first"] = False
     check_tile_config(cfg)
     return cfg
+
+
+def _quant_rows(rows: int) -> int:
+    """Rows per ``_quant_kernel`` program: about 32 programs per 128-column group for few rows (a program's unused rows
+    still cost their divisions), 16 rows per program for many (H200: 1.3-1.9 us for up to 72 rows, 26 us for 4096 x 7168)."""
+    return min(16, next_pow2(triton.cdiv(rows, 32)))
 
 
 def _alloc(shape, dtype, like):
@@ -424,6 +451,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
                                    max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
                                    BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
     prequant = fp8 and cfg["quantize_input_first"]
+    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     dot_dtype = _TL_DTYPES[experts.gate_up.dtype] if not fp8 else tl.float32
     BK = 128 if fp8 else 64
     gi = triton.cdiv(I, 128)
@@ -431,13 +459,13 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if prequant:
         a = _alloc((T, H), FP8_DTYPE, x)
         a_s = _alloc((T, triton.cdiv(H, 128)), torch.float32, x)
-        _quant_kernel[(triton.cdiv(T, 32), triton.cdiv(H, 128))](x, a, a_s, T, H, x.stride(0), x.stride(1), a_s.stride(0),
-                                                                 BR=32, INTERP=interp, num_warps=4)
+        _quant_kernel[(triton.cdiv(T, _quant_rows(T)), triton.cdiv(H, 128))](
+            x, a, a_s, ids_c, *act, T, H, num_slots, x.stride(0), x.stride(1), a_s.stride(0), 0,
+            BR=_quant_rows(T), INTERP=interp, SWIGLU_SPLITS=0, POST_CLAMP=False, num_warps=4)
     w13, w2 = experts.gate_up, experts.down
     s13 = experts.gate_up_scale if fp8 else w13
     s2 = experts.down_scale if fp8 else w2
     sstr = lambda s: (s.stride(0), s.stride(1), s.stride(2)) if fp8 else (0, 0, 0)  # noqa: E731
-    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     fused_act = cfg["gemm1_fused_activation"]
     quant_h = cfg["quantize_in_epilogue"]
     split1 = 1 if fused_act else cfg["gemm1_split_k"]
@@ -464,8 +492,10 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if cfg["quantize_hidden_first"]:
         hq = _alloc((numel, I), FP8_DTYPE, x)
         h_s = _alloc((numel, gi), torch.float32, x)
-        _quant_kernel[(triton.cdiv(numel, 32), gi)](h, hq, h_s, numel, I, h.stride(1), 1, h_s.stride(0),
-                                                    BR=32, INTERP=interp, num_warps=4)
+        _quant_kernel[(triton.cdiv(numel, _quant_rows(numel)), gi)](
+            h, hq, h_s, ids_c, *act, numel, I, num_slots, h.stride(1), 1, h_s.stride(0), numel * N1,
+            BR=_quant_rows(numel), INTERP=interp, SWIGLU_SPLITS=0 if fused_act else split1, POST_CLAMP=experts.post_clamp,
+            num_warps=4)
         h, h_quant_mode = hq, 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
@@ -474,7 +504,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     _moe_gemm_kernel[grid2](
         h, h_s, w2, s2, c, c, sorted_ids, expert_ids, total, w_c, *act,
         H, I, numel, EM // BM, H, 0, numel * N1, numel * H,
-        N1, 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
+        h.stride(-2), 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
         H, 0,
         A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,

@@ -8,8 +8,9 @@ import os
 
 import torch
 
-from runtime.fp8 import quantize_block_fp8
+from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 from runtime.moe import ExpertWeights
+from runtime.moe_reference import swiglu
 
 
 def random_experts(NE, H, I, fp8=True, oai=False, dtype=torch.bfloat16, device="cpu", gen=None):
@@ -150,6 +151,24 @@ def random_fp8_experts(NE, H, I, oai=False, device="cuda", seed=0):
                   gemm1_clamp_limit=torch.full((NE,), 7.0, device=device))
     return ExpertWeights(codes(NE, 2 * I, H), codes(NE, H, I), scales(NE, 2 * gi, gh, fan_in=H),
                          scales(NE, gh, gi, fan_in=I), **kw)
+
+
+def exact_moe(x, experts, ids, weights):
+    """The fused MoE in float64 with the FP8 weights dequantized and the activations NOT quantized: the exact math both
+    the Triton path and the reference approximate (each quantizes x and h to FP8). ``[T, H]`` float64."""
+    I = experts.intermediate_size  # noqa: E741
+    half = experts.gate_up_scale.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in torch.unique(ids[(ids >= 0) & (ids < experts.num_expert_slots)]).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        g = dequantize_block_fp8(experts.gate_up[e][:I], experts.gate_up_scale[e][:half]).double()
+        u = dequantize_block_fp8(experts.gate_up[e][I:], experts.gate_up_scale[e][half:]).double()
+        dn = dequantize_block_fp8(experts.down[e], experts.down_scale[e]).double()
+        a = x[tok].double()
+        p = [t[e].double() for t in (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)]
+        h = swiglu(a @ g.T, a @ u.T, *p, experts.post_clamp)
+        out.index_add_(0, tok, (h @ dn.T) * weights[tok, slot].double()[:, None])
+    return out
 
 
 MODELS = {

@@ -186,6 +186,9 @@ VARIANTS = {
     "plain-split": DECODE_SPLIT,
     "plain-split3-noswap": dict(DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=3, gemm1_swap_ab=False, gemm2_swap_ab=False),
     "plain-nosplit-prequant": dict(DECODE_SPLIT, gemm1_split_k=1, gemm2_split_k=1, quantize_input_first=True),
+    # Decode: split GEMM1 sums added, put through SwiGLU and FP8-quantized in their own launch; both GEMMs read FP8 A.
+    "plain-split-hidden-quant": dict(DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=1, quantize_input_first=True,
+                                     quantize_hidden_first=True),
     "epilogue-quant": dict(block_m=32, gemm1_block_n=128, quantize_in_epilogue=True, quantize_input_first=True,
                            down_output_dtype="bfloat16", group_m=4),
     "epilogue-quant-swap": dict(block_m=16, gemm1_block_n=128, quantize_in_epilogue=True, gemm1_swap_ab=True,
@@ -195,7 +198,8 @@ VARIANTS = {
 
 
 SMALL, LARGER = (9, 256, 256, 5, 3), (7, 384, 384, 37, 4)
-VARIANT_CASES = [(v, SMALL) for v in VARIANTS] + [(v, LARGER) for v in ("plain-split", "epilogue-quant", "hidden-quant-first")]
+VARIANT_CASES = [(v, SMALL) for v in VARIANTS] + [(v, LARGER) for v in ("plain-split", "epilogue-quant", "hidden-quant-first",
+                                                                          "plain-split-hidden-quant")]
 
 
 @needs_triton
@@ -217,10 +221,10 @@ def test_tile_variants_match_reference(variant, shape):
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["default", "plain-split", "epilogue-quant-swap", "bf16-weights"])
+@pytest.mark.parametrize("variant", ["default", "plain-split", "plain-split-hidden-quant", "epilogue-quant-swap", "bf16-weights"])
 def test_triton_post_clamp_with_per_slot_limits(variant):
-    """swiglu_post_clamp through every place the kernel applies SwiGLU (GEMM1's epilogue, or GEMM2's load of split
-    GEMM1 sums), with routed and shared slots clamped at different limits."""
+    """swiglu_post_clamp through every place the kernel applies SwiGLU (GEMM1's epilogue, GEMM2's load of split GEMM1
+    sums, or the launch that quantizes h), with routed and shared slots clamped at different limits."""
     NE, H, I, T, KS = 7, 256, 256, 9, 3
     g = torch.Generator().manual_seed(17)
     fp8 = variant != "bf16-weights"
