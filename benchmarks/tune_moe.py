@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MODELS, TOKENS, find_peer_dir, graph_time_us, load_peer, random_fp8_experts, versions  # noqa: E402
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
+from runtime.moe_triton import resolve_tile_config  # noqa: E402
 from runtime.moe_tiles import (builtin_tile_config, check_tile_config, dtype_tag, shape_key,  # noqa: E402
                                table_file_name)
 
@@ -47,64 +48,44 @@ _PLAIN_HQ_M64 = dict(block_m=64, gemm1_fused_activation=False, gemm1_block_n=128
                      group_m=32, down_output_dtype="bfloat16")
 # Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
 # quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
-# 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower.
+# 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower. Dropped after
+# the runs in benchmarks/results/2026-12-03-h200-tune-{1..5}: in-register A at decode, 5 stages, 128-row tiles (spills),
+# 8-warp plain GEMM1, 256-column plain GEMM1 tiles. Every cell also times "current": the table's own entry.
+_TMA = dict(weight_tma=True)
+_HQ_SWAP = dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True, gemm2_stages=4)
 CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
     "decode": {
-        "builtin": {},
-        "builtin-pq": _PQ,
-        "paired-swap-pq": _SWAP1,
-        "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
-        "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
-                                       gemm2_stages=4),
-        "plain-swap-pq": dict(_SWAP1, gemm1_fused_activation=False),
+        "paired-swap-pq-hq-swap": _HQ_SWAP,
+        "paired-swap-pq-hq-swap-tma": dict(_HQ_SWAP, **_TMA),
         "epq-swap-pq": _EPQ_SWAP,
-        "epq-swap-pq-k2x2": dict(_EPQ_SWAP, gemm2_split_k=2),
-        # Split GEMM1 (plain gate | up columns, float32 partial sums) for more programs than SMs' multiples of the
-        # paired 288; the sums, SwiGLU and FP8 quantization of h in their own launch so GEMM2 reads FP8 and swaps.
+        # Split GEMM1 (plain gate | up columns, float32 partial sums): more programs in flight than the paired
+        # GEMM1's 288; the sums, SwiGLU and FP8 quantization of h in their own launch so GEMM2 reads FP8 and swaps.
         "plain-split2-hq": _PLAIN_SPLIT_HQ,
-        "plain-split3-hq": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=3),
         "plain-split4-hq": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4),
-        "plain-split2-hq-s5": dict(_PLAIN_SPLIT_HQ, gemm1_stages=5, gemm2_stages=5),
-        "plain-split2-hq-n1x128": dict(_PLAIN_SPLIT_HQ, gemm1_block_n=128),
-        "plain-split2-hq-k2x2": dict(_PLAIN_SPLIT_HQ, gemm2_split_k=2),
+        "plain-split4-hq-tma": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4, **_TMA),
     },
     "small": {
-        "m16-epq-swap": dict(_EPQ_SWAP, quantize_input_first=False, gemm1_stages=3, gemm2_stages=3,
-                             down_output_dtype="bfloat16"),
         "m16-epq-swap-pq": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, group_m=8),
-        "m16-epq-swap-pq-n2x128": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, gemm2_block_n=128, group_m=8),
-        "paired-swap-pq-n2x64": dict(_SWAP1, gemm2_block_n=64),
-        "paired-swap-pq-hq-swap": dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True,
-                                       gemm1_stages=3, group_m=8),
+        "paired-swap-pq-hq-swap": dict(_HQ_SWAP, gemm1_stages=3, group_m=8),
+        "paired-swap-pq-hq-swap-tma": dict(_HQ_SWAP, gemm1_stages=3, group_m=8, **_TMA),
         "plain-split2-hq": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3),
-        "plain-split2-hq-g8": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3, group_m=8),
     },
     "mid": {
-        "m32-epq-swap": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128),
-        "m32-epq-swap-s4": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
-                                gemm1_stages=4, gemm2_stages=4),
         "m32-epq-swap-g32": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
                                  group_m=32),
-        "m64-plain-hq": _PLAIN_HQ_M64,
-        "m32-plain-hq-swap": dict(_PLAIN_HQ_M64, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True),
-        "m64-paired-n64-hq": dict(_PLAIN_HQ_M64, gemm1_fused_activation=True, gemm1_block_n=64),
+        "m32-epq-swap-g32-tma": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
+                                     group_m=32, **_TMA),
+        "m32-plain-hq-swap-tma": dict(_PLAIN_HQ_M64, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, **_TMA),
+        "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
     },
     "prefill": {
-        "m64-epq": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=128, gemm2_warps=4),
-        "m64-epq-n2x256": dict(_EPQ, block_m=64, gemm1_warps=8, gemm2_block_n=256, gemm2_warps=8),
-        "m64-epq-s4-g16": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=128, gemm2_warps=4,
-                               gemm2_stages=4, group_m=16),
-        "m64-epq-w4": dict(_EPQ, block_m=64, gemm1_warps=4, gemm2_block_n=128, gemm2_warps=4, gemm2_stages=4,
-                           group_m=16),
         "m64-epq-n2x256-s4": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8,
                                   group_m=16),
-        "m64-plain-hq": _PLAIN_HQ_M64,
-        "m64-plain-hq-g8": dict(_PLAIN_HQ_M64, group_m=8),
-        "m64-plain-hq-s4": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4),
-        "m64-plain-hq-w8": dict(_PLAIN_HQ_M64, gemm1_warps=8, gemm2_warps=8),
-        "m64-paired-n64-hq": dict(_PLAIN_HQ_M64, gemm1_fused_activation=True, gemm1_block_n=64),
-        "m128-plain-hq-w8": dict(_PLAIN_HQ_M64, block_m=128, gemm1_warps=8, gemm2_warps=8),
-        "m64-plain-hq-n256-w8": dict(_PLAIN_HQ_M64, gemm1_block_n=256, gemm1_warps=8),
+        "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
+        "m64-plain-hq-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, **_TMA),
+        "m64-plain-hq-g8-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, **_TMA),
+        "m64-plain-hq-s4-tma-n2x256": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8,
+                                           **_TMA),
     },
 }
 
@@ -141,7 +122,8 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log):
     out = torch.empty_like(x)
     row = dict(model=name, T=T, ours={}, peer={})
     base = builtin_tile_config(T, True)
-    for label, over in CANDIDATES[band(T)].items():
+    current = resolve_tile_config(T, ew, ids0.shape[1], x.device)
+    for label, over in dict(CANDIDATES[band(T)], current=current).items():
         full = dict(base, **over)
         try:
             check_tile_config(full)

@@ -3,7 +3,8 @@
 Launches (every size fixed by T, K+S and E+S; no host sync, no data-dependent shapes, so the whole
 forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing between replays):
 
-1. Alignment. Small T: ``_align_kernel`` alone, one program. Large T: ``_count_kernel`` (one
+1. Alignment. One token: none (its K+S pairs are distinct slots; each is its own M block and the
+   GEMMs read the slot ids directly). Small T: ``_align_kernel`` alone, one program. Large T: ``_count_kernel`` (one
    program per chunk of pairs: its histogram, and the sentinel fill of ``sorted_ids``), then
    ``_align_kernel`` with one program per chunk (each scatters its own chunk). Result: the valid
    (token, slot) pairs bucketed by slot, buckets padded to ``block_m``, one slot id per M block and
@@ -218,7 +219,7 @@ def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr,
     sorted_ptr, expert_ids_ptr, total_ptr, topk_w_ptr,
     alpha_ptr, beta_ptr, limit_ptr,
-    N, K, numel, num_pid_m, up_row, up_scale_row, a_split_stride, c_split_stride,
+    N, K, numel, num_pid_m, num_slots, up_row, up_scale_row, a_split_stride, c_split_stride,
     stride_am, stride_ak, stride_asm,
     stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_csm,
@@ -226,6 +227,7 @@ def _moe_gemm_kernel(
     QUANT_OUT: tl.constexpr, MUL_W: tl.constexpr, W_FP8: tl.constexpr, INTERP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
+    NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
 
@@ -233,6 +235,10 @@ def _moe_gemm_kernel(
     2: A is float32 partial sums ``[A_SPLITS, pairs, 2K]`` of gate | up, summed and put through the
     slot's SwiGLU on load. GATED: gate rows ``n`` and up rows ``up_row + n`` of B in one program,
     SwiGLU epilogue. QUANT_OUT: the epilogue writes FP8 and one scale per row (BN == 128).
+    NAIVE (one token): M block ``m`` is pair ``m`` alone, its slot ``sorted_ptr[m]`` (the ids themselves; no
+    alignment ran); ``total_ptr`` is then ``num_valid_tokens`` (read where HAS_NVALID).
+    B_TMA: ``b_ptr`` is a tensor descriptor over the weights seen as ``[slots * rows, K]`` with ``[BN, BK]`` blocks
+    (Hopper's TMA loads them; the strides still describe the 3-D tensor).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -242,19 +248,30 @@ def _moe_gemm_kernel(
     gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % gsize
     pid_n = (pid % (GROUP_M * num_pid_n)) // gsize
-    if pid_m * BM >= tl.load(total_ptr):
-        return
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + offs_m)
+    if NAIVE:
+        e = tl.load(sorted_ptr + pid_m).to(tl.int64)
+        if (e < 0) | (e >= num_slots):
+            return
+        if HAS_NVALID:
+            if tl.load(total_ptr) < 1:
+                return
+        pair = tl.where(tl.arange(0, BM) == 0, pid_m, numel)
+    else:
+        if pid_m * BM >= tl.load(total_ptr):
+            return
+        pair = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     m_mask = pair < numel
     a_row = (pair // A_DIV).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     a_base = a_ptr + a_row[:, None] * stride_am
-    b_base = b_ptr + e * stride_be
-    bg_rows = b_base + offs_n[None, :].to(tl.int64) * stride_bn
-    bu_rows = b_base + (up_row + offs_n[None, :]).to(tl.int64) * stride_bn
+    if B_TMA:
+        b_row = (e * (stride_be // stride_bn)).to(tl.int32) + pid_n * BN  # in the [slots * rows, K] view
+    else:
+        b_base = b_ptr + e * stride_be
+        bg_rows = b_base + offs_n[None, :].to(tl.int64) * stride_bn
+        bu_rows = b_base + (up_row + offs_n[None, :]).to(tl.int64) * stride_bn
     sg_ptrs = b_scale_ptr + e * stride_bse + tl.where(offs_n < up_row, offs_n // 128,
                                                       up_scale_row + (offs_n - up_row) // 128) * stride_bsn
     su_ptrs = b_scale_ptr + e * stride_bse + (up_scale_row + offs_n // 128) * stride_bsn
@@ -299,10 +316,15 @@ def _moe_gemm_kernel(
                     a = af.to(DOT_DTYPE).to(tl.float32)
             else:
                 a = af.to(DOT_DTYPE)
-        bmask = k_mask[:, None] & n_mask[None, :]
-        bg = tl.load(bg_rows + offs_k[:, None] * stride_bk, mask=bmask, other=0.0)
-        if GATED:
-            bu = tl.load(bu_rows + offs_k[:, None] * stride_bk, mask=bmask, other=0.0)
+        if B_TMA:  # [BN, BK] tiles by the copy engine; rows past this slot's N only reach masked output columns
+            bg = tl.trans(b_ptr.load([b_row, kb * BK]))
+            if GATED:
+                bu = tl.trans(b_ptr.load([b_row + up_row, kb * BK]))
+        else:
+            bmask = k_mask[:, None] & n_mask[None, :]
+            bg = tl.load(bg_rows + offs_k[:, None] * stride_bk, mask=bmask, other=0.0)
+            if GATED:
+                bu = tl.load(bu_rows + offs_k[:, None] * stride_bk, mask=bmask, other=0.0)
         if W_FP8:
             kscale = ((kb * BK) // 128) * stride_bsk
             sg = tl.load(sg_ptrs + kscale, mask=n_mask, other=0.0)
@@ -338,7 +360,7 @@ def _moe_gemm_kernel(
     c_ptrs = c_ptr + split * c_split_stride + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     cmask = m_mask[:, None] & n_mask[None, :]
     if QUANT_OUT:
-        q, s = _quant_fp8(out, INTERP)
+        q, s = _quant_fp8(tl.where(n_mask[None, :], out, 0.0), INTERP)  # columns past N never set the row's scale
         tl.store(c_ptrs, q, mask=cmask)
         tl.store(c_scale_ptr + pair.to(tl.int64) * stride_csm + pid_n, s, mask=m_mask)
     else:
@@ -406,6 +428,66 @@ def _alloc(shape, dtype, like):
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
+def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor over contiguous expert weights ``[slots, rows, K]`` seen as ``[slots * rows, K]``, blocks
+    ``[block_n, block_k]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+
+
+def _quantize_rows(a, rows: int, K: int, row_stride: int, col_stride: int, split_stride: int = 0, swiglu_splits: int = 0,
+                   slots=None, post_clamp: bool = False):
+    """One ``_quant_kernel`` launch over ``rows`` rows of ``K`` values: (FP8 ``[rows, K]``, float32 scales
+    ``[rows, ceil(K/128)]``). ``swiglu_splits`` > 0: the rows are plain GEMM1's partial sums, put through SwiGLU with
+    ``slots = (ids, (alpha, beta, limit), num_slots)`` first."""
+    q = _alloc((rows, K), FP8_DTYPE, a)
+    s = _alloc((rows, triton.cdiv(K, 128)), torch.float32, a)
+    ids, act, num_slots = slots if slots is not None else (a, (a, a, a), 0)
+    BR = _quant_rows(rows)
+    _quant_kernel[(triton.cdiv(rows, BR), triton.cdiv(K, 128))](
+        a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), split_stride,
+        BR=BR, INTERP=interpreting(), SWIGLU_SPLITS=swiglu_splits, POST_CLAMP=post_clamp, num_warps=4)
+    return q, s
+
+
+def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 1x128 quantization of activations ``x [R, K]`` (bf16/fp16/fp32, on the GPU or under the interpreter) by the
+    fused MoE's own launch: ``(xq [R, K] float8_e4m3fn, scales [R, ceil(K/128)] float32)``, bit for bit
+    :func:`runtime.fp8.quantize_activations` (both divisions correctly rounded, codes rounded to nearest even)."""
+    return _quantize_rows(x, x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+
+
+def _align(ids_c, num_valid_tokens, numel: int, KS: int, num_slots: int, BM: int):
+    """Bucket the (token, slot) pairs by slot, buckets padded to ``BM``: (sorted pair ids ``[EM]``, slot of each M block
+    ``[EM / BM]``, padded total ``[1]``, number of M blocks ``EM / BM``), all on the device (no host sync)."""
+    max_blocks = (numel + min(numel, num_slots) * (BM - 1)) // BM
+    EM = max_blocks * BM
+    sorted_ids = _alloc((EM,), torch.int32, ids_c)
+    expert_ids = _alloc((max_blocks,), torch.int32, ids_c)
+    total = _alloc((1,), torch.int32, ids_c)
+    NEP = next_pow2(num_slots + 1)
+    has_nv = num_valid_tokens is not None
+    nv = num_valid_tokens if has_nv else total
+    BB = 64 if NEP <= 256 else 32
+    if numel <= SINGLE_ALIGN_MAX_PAIRS:
+        cursor = _alloc((NEP,), torch.int32, ids_c)
+        _align_kernel[(1,)](ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
+                            max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
+                            CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
+    else:
+        n_chunks = triton.cdiv(numel, ALIGN_CHUNK)
+        counts = _alloc((n_chunks, NEP), torch.int32, ids_c)
+        cursor = _alloc((n_chunks, NEP), torch.int32, ids_c)
+        _count_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
+                                   triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK,
+                                   num_warps=4)
+        _align_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
+                                   max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
+                                   BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
+    return sorted_ids, expert_ids, total, max_blocks
+
+
 def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
     """Triton fused MoE: the same arguments, result and errors as :func:`runtime.moe.fused_moe` (which
     checks shapes and dtypes before calling this), with ``tile_config`` overriding the tuned tiles
@@ -426,43 +508,22 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     ids_c = ids.to(torch.int32).contiguous()
     w_c = weights.to(torch.float32).contiguous()
     numel = T * KS
-    max_blocks = (numel + min(numel, num_slots) * (BM - 1)) // BM
-    EM = max_blocks * BM
-    sorted_ids = _alloc((EM,), torch.int32, x)
-    expert_ids = _alloc((max_blocks,), torch.int32, x)
-    total = _alloc((1,), torch.int32, x)
-    NEP = next_pow2(num_slots + 1)
     has_nv = num_valid_tokens is not None
-    nv = num_valid_tokens if has_nv else total
-    BB = 64 if NEP <= 256 else 32
-    if numel <= SINGLE_ALIGN_MAX_PAIRS:
-        cursor = _alloc((NEP,), torch.int32, x)
-        _align_kernel[(1,)](ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
-                            max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
-                            CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
+    # One token: its K+S pairs are distinct slots, so each pair is its own M block and no alignment launch is needed
+    # (the GEMMs read the slot ids directly, NAIVE); more tokens share slots and are bucketed by slot first.
+    naive = T == 1
+    if naive:
+        sorted_ids, expert_ids, bound, num_pid_m = ids_c, ids_c, num_valid_tokens if has_nv else ids_c, numel
     else:
-        n_chunks = triton.cdiv(numel, ALIGN_CHUNK)
-        counts = _alloc((n_chunks, NEP), torch.int32, x)
-        cursor = _alloc((n_chunks, NEP), torch.int32, x)
-        _count_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
-                                   triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK,
-                                   num_warps=4)
-        _align_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
-                                   max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
-                                   BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
+        sorted_ids, expert_ids, bound, num_pid_m = _align(ids_c, num_valid_tokens, numel, KS, num_slots, BM)
     prequant = fp8 and cfg["quantize_input_first"]
     act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     dot_dtype = _TL_DTYPES[experts.gate_up.dtype] if not fp8 else tl.float32
     BK = 128 if fp8 else 64
     gi = triton.cdiv(I, 128)
-    a, a_s = x, x
-    if prequant:
-        a = _alloc((T, H), FP8_DTYPE, x)
-        a_s = _alloc((T, triton.cdiv(H, 128)), torch.float32, x)
-        _quant_kernel[(triton.cdiv(T, _quant_rows(T)), triton.cdiv(H, 128))](
-            x, a, a_s, ids_c, *act, T, H, num_slots, x.stride(0), x.stride(1), a_s.stride(0), 0,
-            BR=_quant_rows(T), INTERP=interp, SWIGLU_SPLITS=0, POST_CLAMP=False, num_warps=4)
+    a, a_s = quantize_activations_triton(x) if prequant else (x, x)
     w13, w2 = experts.gate_up, experts.down
+    tma = fp8 and cfg["weight_tma"] and w13.is_contiguous() and w2.is_contiguous()
     s13 = experts.gate_up_scale if fp8 else w13
     s2 = experts.down_scale if fp8 else w2
     sstr = lambda s: (s.stride(0), s.stride(1), s.stride(2)) if fp8 else (0, 0, 0)  # noqa: E731
@@ -477,41 +538,38 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         h = _alloc((split1, numel, N1), torch.float32, x)
         h_s = h
     BN1 = cfg["gemm1_block_n"]
-    grid1 = ((EM // BM) * triton.cdiv(N1, BN1), split1)
+    grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
     _moe_gemm_kernel[grid1](
-        a, a_s, w13, s13, h, h_s, sorted_ids, expert_ids, total, w_c, *act,
-        N1, H, numel, EM // BM, I, gi, 0, numel * N1,
+        a, a_s, _weight_tiles(w13, BN1, BK) if tma else w13, s13, h, h_s, sorted_ids, expert_ids, bound, w_c, *act,
+        N1, H, numel, num_pid_m, num_slots, I, gi, 0, numel * N1,
         a.stride(0), a.stride(1), a_s.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), *sstr(s13),
         N1, h_s.stride(0) if quant_h else 0,
         A_DIV=KS, A_MODE=1 if prequant else 0, A_SPLITS=1, GATED=fused_act, QUANT_OUT=quant_h, MUL_W=False,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
         BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
-        POST_CLAMP=experts.post_clamp,
+        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
-        hq = _alloc((numel, I), FP8_DTYPE, x)
-        h_s = _alloc((numel, gi), torch.float32, x)
-        _quant_kernel[(triton.cdiv(numel, _quant_rows(numel)), gi)](
-            h, hq, h_s, ids_c, *act, numel, I, num_slots, h.stride(1), 1, h_s.stride(0), numel * N1,
-            BR=_quant_rows(numel), INTERP=interp, SWIGLU_SPLITS=0 if fused_act else split1, POST_CLAMP=experts.post_clamp,
-            num_warps=4)
-        h, h_quant_mode = hq, 1
+        h, h_s = _quantize_rows(h, numel, I, h.stride(1), 1, split_stride=numel * N1, swiglu_splits=0 if fused_act else split1,
+                                slots=(ids_c, act, num_slots), post_clamp=experts.post_clamp)
+        h_quant_mode = 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
     BN2 = cfg["gemm2_block_n"]
-    grid2 = ((EM // BM) * triton.cdiv(H, BN2), split2)
+    grid2 = (num_pid_m * triton.cdiv(H, BN2), split2)
     _moe_gemm_kernel[grid2](
-        h, h_s, w2, s2, c, c, sorted_ids, expert_ids, total, w_c, *act,
-        H, I, numel, EM // BM, H, 0, numel * N1, numel * H,
+        h, h_s, _weight_tiles(w2, BN2, BK) if tma else w2, s2, c, c, sorted_ids, expert_ids, bound, w_c, *act,
+        H, I, numel, num_pid_m, num_slots, H, 0, numel * N1, numel * H,
         h.stride(-2), 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
         H, 0,
         A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
         BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
-        POST_CLAMP=experts.post_clamp,
+        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
     )
-    BH = min(1024, next_pow2(H))
-    _sum_kernel[(T, triton.cdiv(H, BH))](c, ids_c, out, nv, H, num_slots, numel * H, KS=KS, SPLITS=split2,
+    BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
+    _sum_kernel[(T, triton.cdiv(H, BH))](c, ids_c, out, num_valid_tokens if has_nv else ids_c, H, num_slots, numel * H,
+                                         KS=KS, SPLITS=split2,
                                          HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
     return out

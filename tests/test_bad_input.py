@@ -148,6 +148,7 @@ def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
     ("minimax_m2", "has no shared expert"),
     ("qwen2_moe", "per-token sigmoid gate"),
     ("qwen3_next", "per-token sigmoid gate"),
+    ("qwen3_5_moe", "per-token sigmoid gate"),
     ("llama4", "scales the expert input"),
     ("qwen4_exp", "per-token sigmoid gate"),
     ("qwen4_exp_text", "per-token sigmoid gate"),

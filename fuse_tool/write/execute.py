@@ -84,7 +84,7 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
     pipeline = ShardPipeline(out_dir, journal)
     threads = torch.get_num_threads()
     if device == "cpu":
-        torch.set_num_threads(1)  # the quantizer runs one thread per core itself (transform._strip_pool)
+        torch.set_num_threads(1)  # the quantizer runs one thread per core itself (transform.strip_pool)
     try:
         for shard in todo:
             digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite)

@@ -17,7 +17,7 @@ from runtime.safetensors_io import bytes_to_tensor, read_bytes
 from ..errors import ConversionError
 from ..plan import ProjectionTask
 from ..plan.exactness import TensorError
-from .transform import CHUNK_BYTES, Write, _check_finite, _read_matrix_f32, _read_rows, _strip_pool
+from .transform import CHUNK_BYTES, Write, _check_finite, _read_matrix_f32, _read_rows, strip_pool
 
 
 def _check_weight_shape(task: ProjectionTask) -> None:
@@ -55,7 +55,7 @@ def int4_projection(task: ProjectionTask, device: str, allow_non_finite: bool) -
         packed = _read_rows(w, r0, r1).to(device)
         n = WEIGHT_BLOCK if device == "cpu" else r1 - r0
         convert = lambda a: _convert_rows(packed[a:a + n], scales[r0 + a:r0 + a + n].to(device), cols, group, task.scale_fmt)  # noqa: E731
-        parts = list(_strip_pool().map(convert, range(0, r1 - r0, n))) if device == "cpu" else [convert(0)]
+        parts = list(strip_pool().map(convert, range(0, r1 - r0, n))) if device == "cpu" else [convert(0)]
         for _, _, m in parts:
             measured.merge(m)
         yield Write(task.weight.tensor, task.weight.offset + r0 * cols, torch.cat([q for q, _, _ in parts]))

@@ -240,7 +240,7 @@ def quantize_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _strip_pool() -> ThreadPoolExecutor:
+def strip_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=quantize_threads(), thread_name_prefix="fuse-quantize")
@@ -329,7 +329,7 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
             if threaded:
                 q = torch.empty((t1 - t0, cut.out_cols), dtype=FP8_DTYPE)
                 s = torch.empty((-(-(t1 - t0) // WEIGHT_BLOCK), -(-cut.out_cols // WEIGHT_BLOCK)), dtype=torch.float32)
-                running.append((t0, q, s, [_strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt)
+                running.append((t0, q, s, [strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt)
                                            for r in range(0, t1 - t0, WEIGHT_BLOCK)]))
                 if len(running) == 2:
                     yield from _finish_chunk(task, running.pop(0), scale_rows)

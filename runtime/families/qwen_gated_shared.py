@@ -7,7 +7,7 @@ from .base import RefusedFamily, register
 
 @register
 class QwenGatedShared(RefusedFamily):
-    family = "Qwen2-MoE / Qwen3-Next"
+    family = "Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE"
     model_types = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
     reason = (
         "its shared expert output is multiplied by a per-token sigmoid gate (shared_expert_gate), "

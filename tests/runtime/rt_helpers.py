@@ -153,6 +153,26 @@ def random_fp8_experts(NE, H, I, oai=False, device="cuda", seed=0):
                          scales(NE, gh, gi, fan_in=I), **kw)
 
 
+def awkward_activations(device="cpu", K=320) -> torch.Tensor:
+    """bf16 activations ``[11, K]`` (K not a multiple of 128) that test a quantizer's rounding: rows at very different
+    magnitudes, an all-zero row, a row with one non-zero value, and rows whose group maxima make codes land on exact
+    ties of the e4m3 grid. No subnormal floats: groups whose maximum is below 2**-126 are outside the bit-for-bit claim
+    (the interpreter flushes them)."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(K, generator=g) * m for m in (1e-3, 0.1, 1.0, 7.0, 300.0, 3e4)]
+    rows.append(torch.zeros(K))
+    one = torch.zeros(K)
+    one[K // 2] = -2.5
+    rows.append(one)
+    ties = torch.full((K,), 448.0)
+    ties[1::2] = torch.tensor(448.0 * 9 / 16)  # 252: a code; the odd columns near ties after scaling by 1/448 * 448
+    ties[2::4] = 17.0  # 17 = between e4m3 codes 16 and 18: a tie, rounded to even (16)
+    rows.append(ties)
+    rows.append(-ties)
+    rows.append(torch.randn(K, generator=g).abs() + 100.0)
+    return torch.stack(rows).to(torch.bfloat16).to(device)
+
+
 def exact_moe(x, experts, ids, weights):
     """The fused MoE in float64 with the FP8 weights dequantized and the activations NOT quantized: the exact math both
     the Triton path and the reference approximate (each quantizes x and h to FP8). ``[T, H]`` float64."""

@@ -6,7 +6,7 @@ import torch
 
 from runtime import RoutingConfig, fused_moe, route
 
-from rt_helpers import MODELS, exact_moe, random_fp8_experts
+from rt_helpers import MODELS, awkward_activations, exact_moe, random_fp8_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -147,3 +147,16 @@ def test_deepseek_v4_layer_real_shape(hash_routed, T):
     ref = fused_moe(x, ew, ids, w, backend="torch")
     out = fused_moe(x, ew, ids, w, backend="triton")
     assert_as_exact_as_reference(out, ref, exact_moe(x, ew, ids, w))
+
+
+@pytest.mark.parametrize("K", [320, 7168])
+def test_activation_quantization_bit_for_bit(K):
+    """The fused MoE's FP8 quantization launch on the card equals fp8.quantize_activations (torch, on the same card)."""
+    from runtime.fp8 import quantize_activations
+    from runtime.moe_triton import quantize_activations_triton
+
+    x = torch.cat([awkward_activations("cuda", K), torch.randn(300, K, device="cuda").to(torch.bfloat16)])
+    q, s = quantize_activations_triton(x)
+    q_ref, s_ref = quantize_activations(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

@@ -10,7 +10,7 @@ from runtime import ExpertWeights, fused_moe
 from runtime._backend import triton_available
 from runtime.fp8 import FP8_MAX, dequantize_block_fp8
 
-from rt_helpers import random_experts, random_ids
+from rt_helpers import awkward_activations, random_experts, random_ids
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 
@@ -194,18 +194,25 @@ VARIANTS = {
     "epilogue-quant-swap": dict(block_m=16, gemm1_block_n=128, quantize_in_epilogue=True, gemm1_swap_ab=True,
                                 gemm2_swap_ab=True, gemm2_split_k=2),
     "bf16-down": dict(block_m=64, down_output_dtype="bfloat16", gemm2_block_n=128),
+    # Weight tiles by TMA descriptors; 256-column GEMM2 tiles over H = 384 reach into the next slot's rows.
+    "weight-tma": dict(block_m=16, weight_tma=True, gemm2_block_n=256),
+    "weight-tma-swap-epilogue": dict(block_m=16, weight_tma=True, gemm1_block_n=128, quantize_in_epilogue=True,
+                                     gemm1_swap_ab=True, gemm2_swap_ab=True, quantize_input_first=True),
+    "weight-tma-plain-hidden-quant": dict(DECODE_SPLIT, weight_tma=True, quantize_input_first=True, quantize_hidden_first=True,
+                                          gemm2_split_k=1),
 }
 
 
-SMALL, LARGER = (9, 256, 256, 5, 3), (7, 384, 384, 37, 4)
+SMALL, LARGER, RAGGED = (9, 256, 256, 5, 3), (7, 384, 384, 37, 4), (5, 384, 320, 7, 3)
 VARIANT_CASES = [(v, SMALL) for v in VARIANTS] + [(v, LARGER) for v in ("plain-split", "epilogue-quant", "hidden-quant-first",
-                                                                          "plain-split-hidden-quant")]
+                                                                          "plain-split-hidden-quant", "weight-tma")] + [
+    (v, RAGGED) for v in ("weight-tma-swap-epilogue", "epilogue-quant-swap")]
 
 
 @needs_triton
 @pytest.mark.parametrize("variant,shape", VARIANT_CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
 def test_tile_variants_match_reference(variant, shape):
-    """E+S = 9 and 7 (not powers of two); I of two 128-groups and of three."""
+    """E+S = 9, 7 and 5 (not powers of two); I of two 128-groups, of three, and of two and a half."""
     NE, H, I, T, KS = shape
     g = torch.Generator().manual_seed(NE * 1000 + T)
     ew = random_experts(NE, H, I, fp8=True, oai=NE == 7, gen=g)
@@ -316,3 +323,44 @@ def test_tile_tables_are_package_data():
     with open(os.path.join(root, "pyproject.toml")) as f:
         text = f.read()
     assert '[tool.setuptools.package-data]' in text and 'runtime = ["configs/*.json"]' in text
+
+
+@needs_triton
+def test_triton_activation_quantization_is_the_references_bit_for_bit():
+    """The fused MoE's own FP8 quantization launch gives the same codes and scales as fp8.quantize_activations (the
+    reference's), ties to even, zero rows, a ragged last group included. On the GPU: test_gpu.py."""
+    from runtime.fp8 import quantize_activations
+    from runtime.moe_triton import quantize_activations_triton
+
+    x = awkward_activations()
+    q, s = quantize_activations_triton(x)
+    q_ref, s_ref = quantize_activations(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["default", "plain-split-hidden-quant", "epilogue-quant-swap"])
+def test_one_token_without_alignment(variant):
+    """One token runs without the alignment launch (each pair its own M block): a skipped slot (-1), and a
+    num_valid_tokens of 1 then 0 in the same buffers, as a replayed decode graph would see."""
+    NE, H, I, KS = 9, 256, 256, 4
+    g = torch.Generator().manual_seed(23)
+    ew = random_experts(NE, H, I, gen=g)
+    x = torch.randn(1, H, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[3, -1, 8, 0]], dtype=torch.int32)
+    w = torch.rand(1, KS, generator=g)
+    tiles = None if variant == "default" else VARIANTS[variant]
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, ew, ids, w, backend="triton", tile_config=tiles, out=out)
+    assert rel(out, ref) < 3e-3
+    nv = torch.tensor([1], dtype=torch.int32)
+    for n in (1, 0):
+        nv.fill_(n)
+        out.fill_(float("nan"))
+        fused_moe(x, ew, ids, w, nv, backend="triton", tile_config=tiles, out=out)
+        if n:
+            assert rel(out, ref) < 3e-3
+        else:
+            assert torch.all(out == 0)
