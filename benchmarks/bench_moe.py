@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("--peer-dir", default=None)
     ap.add_argument("--peer-configs", default=None, help="tune_moe.py results: time only the peer's best per cell")
     ap.add_argument("--unfused", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="ours and the peer's best timed alternately this many times; medians reported (default 3)")
     args = ap.parse_args()
     override = json.loads(args.tile_config) if args.tile_config else None
     peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
@@ -94,8 +97,11 @@ def main():
             err = rel(y, ref)
             r = dict(model=name, T=T, rel_ours=err, ok=bool(err < TOL_OURS and not torch.isnan(y).any()),
                      tiles=resolve_tile_config(T, ew, K + S, x.device, override))
-            tf = graph_time_us(lambda: [fused_moe(x, ew, i, w, tile_config=override, out=out) for i, w in sets],
-                               ROT, args.trials)
+            def ours():
+                return [fused_moe(x, ew, i, w, tile_config=override, out=out) for i, w in sets]
+
+            ours_rounds = [graph_time_us(ours, ROT, args.trials)]
+            tf = ours_rounds[0]
             experts = sum(torch.unique(i).numel() for i, _ in sets) / ROT
             nbytes = experts * per_expert + 2 * x.numel() * x.element_size()
             flops = 2 * T * (K + S) * 3 * H * I
@@ -127,9 +133,20 @@ def main():
                                                                            for i, w in sets], ROT, args.trials), perr)
                 if peer_times:
                     best = min(peer_times, key=lambda k: peer_times[k][0])
-                    tp = peer_times[best][0]
-                    r.update(peer_us=tp, peer_config=best, rel_peer=peer_times[best][1], peer_over_ours=tp / tf,
-                             peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw, peer_all={k: v[0] for k, v in peer_times.items()})
+                    act, label, c = next(t for t in peer_candidates(peer_mod, ew, T, K + S, recorded.get((name, T)))
+                                         if f"{t[0]} {t[1]}" == best)
+                    peer = peer_mod.Peer(ew, act)
+                    peer_rounds = [peer_times[best][0]]
+                    for _ in range(args.rounds - 1):  # interleaved: ours, peer, ours, peer, ...
+                        ours_rounds.append(graph_time_us(ours, ROT, args.trials))
+                        peer_rounds.append(graph_time_us(lambda: [peer(x, i, w, out=out, config=c) for i, w in sets],
+                                                         ROT, args.trials))
+                    tf, tp = statistics.median(ours_rounds), statistics.median(peer_rounds)
+                    r.update(ours_us=tf, ours_rounds=ours_rounds, pct_copy=100 * nbytes / (tf * 1e-6) / bw,
+                             tflops=flops / (tf * 1e-6) / 1e12)
+                    r.update(peer_us=tp, peer_rounds=peer_rounds, peer_config=best, rel_peer=peer_times[best][1],
+                             peer_over_ours=tp / tf, peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw,
+                             peer_all={k: v[0] for k, v in peer_times.items()})
             rows.append(r)
             print(f"{name:12} {T:5d} | ours {tf:8.1f} us ({r['pct_copy']:5.1f}% copy, {r['tflops']:6.1f} TFLOP/s, "
                   f"rel {err:.1e}{'' if r['ok'] else ' CHECK FAILED'})"

@@ -38,6 +38,11 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting, next_pow2
+
+try:  # programmatic dependent launch (Hopper and later): Triton 3.3+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: every launch waits for the previous one to finish
+    gdc_launch_dependents = gdc_wait = None
 from .fp8 import FP8_DTYPE
 from .moe_tiles import check_tile_config, tile_config as lookup_tile_config
 
@@ -103,6 +108,15 @@ def _store_cast(ptrs, v, mask, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _follow_previous_launch(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous launch's writes are visible, then let the next
+    launch place its programs as this one's finish, so launches overlap each other's tails instead of queueing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID: tl.constexpr):
     n_pairs = numel
     if HAS_NVALID:
@@ -112,8 +126,9 @@ def _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID: tl.constexpr):
 
 @triton.jit
 def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, num_slots, EM, fill_per,
-                  HAS_NVALID: tl.constexpr, NEP: tl.constexpr, CHUNK: tl.constexpr):
+                  HAS_NVALID: tl.constexpr, NEP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Large T, step 1 of 2: histogram of chunk ``c`` into ``counts[c]``; sentinel fill of a slice of sorted_ids."""
+    _follow_previous_launch(PDL)
     c = tl.program_id(0)
     n_pairs = _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID)
     p = c * CHUNK + tl.arange(0, CHUNK)
@@ -132,10 +147,11 @@ def _align_kernel(
     ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, cursor_ptr,
     numel, KS, num_slots, max_blocks, EM, n_chunks,
     HAS_NVALID: tl.constexpr, NEP: tl.constexpr, NCP: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
-    BB: tl.constexpr, SINGLE: tl.constexpr,
+    BB: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Bucket the valid pairs by slot. SINGLE: one program does everything; else program ``c`` reads
     every chunk's histogram, writes its share of the block -> slot table and scatters chunk ``c``."""
+    _follow_previous_launch(PDL)
     c = tl.program_id(0)
     n_pairs = _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID)
     offs = tl.arange(0, CHUNK)
@@ -187,11 +203,13 @@ def _align_kernel(
 @triton.jit
 def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, R, K, num_slots,
                   stride_ar, stride_ak, stride_sr, split_stride,
-                  BR: tl.constexpr, INTERP: tl.constexpr, SWIGLU_SPLITS: tl.constexpr, POST_CLAMP: tl.constexpr):
+                  BR: tl.constexpr, INTERP: tl.constexpr, SWIGLU_SPLITS: tl.constexpr, POST_CLAMP: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """1x128 FP8 quantization of ``a [R, K]`` into ``q [R, K]`` and its scales ``s [R, ceil(K/128)]``.
 
     SWIGLU_SPLITS > 0: ``a`` is plain GEMM1's float32 partial sums ``[SWIGLU_SPLITS, R, 2K]`` of gate | up; each row (a
     (token, slot) pair) is summed over the splits and put through its slot's SwiGLU (slot ``ids[row]``) first."""
+    _follow_previous_launch(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
     cols = g * 128 + tl.arange(0, 128)
@@ -227,7 +245,7 @@ def _moe_gemm_kernel(
     QUANT_OUT: tl.constexpr, MUL_W: tl.constexpr, W_FP8: tl.constexpr, INTERP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
-    NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False,
+    NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
 
@@ -240,6 +258,7 @@ def _moe_gemm_kernel(
     B_TMA: ``b_ptr`` is a tensor descriptor over the weights seen as ``[slots * rows, K]`` with ``[BN, BK]`` blocks
     (Hopper's TMA loads them; the strides still describe the 3-D tensor).
     """
+    _follow_previous_launch(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
@@ -370,7 +389,8 @@ def _moe_gemm_kernel(
 @triton.jit
 def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, num_slots, c_split_stride,
                 KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr,
-                INTERP: tl.constexpr):
+                INTERP: tl.constexpr, PDL: tl.constexpr = False):
+    _follow_previous_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     mask = offs < H
@@ -391,6 +411,12 @@ def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, num_slots, c_split_strid
 @functools.lru_cache(maxsize=None)
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _dependent_launch_works(index: int) -> bool:
+    """Programmatic dependent launch: Hopper (sm_90) and later, with a Triton that exposes it (3.3+)."""
+    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: torch.device,
@@ -414,6 +440,9 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
         cfg["quantize_in_epilogue"] = False
     if cfg["quantize_in_epilogue"]:
         cfg["quantize_hidden_first"] = False
+    if device.type != "cuda" or interpreting() or not _dependent_launch_works(device.index if device.index is not None
+                                                                                  else torch.cuda.current_device()):
+        cfg["dependent_launch"] = False
     check_tile_config(cfg)
     return cfg
 
@@ -428,6 +457,23 @@ def _alloc(shape, dtype, like):
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
+class _Launches:
+    """The launches of one call, in stream order. With ``dependent`` (programmatic dependent launch, Hopper and later),
+    every launch after the first may start while the one before it drains (its kernels wait for the data with
+    ``_follow_previous_launch``); the first waits for whatever came before the call the usual way."""
+
+    def __init__(self, dependent: bool = False):
+        self.dependent = dependent and gdc_wait is not None
+        self.first = True
+
+    def __call__(self, kernel, grid, *args, **kwargs):
+        pdl = self.dependent and not self.first
+        if pdl:
+            kwargs.update(PDL=True, launch_pdl=True)
+        kernel[grid](*args, **kwargs)
+        self.first = False
+
+
 def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
     """A TMA descriptor over contiguous expert weights ``[slots, rows, K]`` seen as ``[slots * rows, K]``, blocks
     ``[block_n, block_k]``."""
@@ -436,8 +482,8 @@ def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
 
 
-def _quantize_rows(a, rows: int, K: int, row_stride: int, col_stride: int, split_stride: int = 0, swiglu_splits: int = 0,
-                   slots=None, post_clamp: bool = False):
+def _quantize_rows(launch: _Launches, a, rows: int, K: int, row_stride: int, col_stride: int, split_stride: int = 0,
+                   swiglu_splits: int = 0, slots=None, post_clamp: bool = False):
     """One ``_quant_kernel`` launch over ``rows`` rows of ``K`` values: (FP8 ``[rows, K]``, float32 scales
     ``[rows, ceil(K/128)]``). ``swiglu_splits`` > 0: the rows are plain GEMM1's partial sums, put through SwiGLU with
     ``slots = (ids, (alpha, beta, limit), num_slots)`` first."""
@@ -445,7 +491,7 @@ def _quantize_rows(a, rows: int, K: int, row_stride: int, col_stride: int, split
     s = _alloc((rows, triton.cdiv(K, 128)), torch.float32, a)
     ids, act, num_slots = slots if slots is not None else (a, (a, a, a), 0)
     BR = _quant_rows(rows)
-    _quant_kernel[(triton.cdiv(rows, BR), triton.cdiv(K, 128))](
+    launch(_quant_kernel, (triton.cdiv(rows, BR), triton.cdiv(K, 128)),
         a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), split_stride,
         BR=BR, INTERP=interpreting(), SWIGLU_SPLITS=swiglu_splits, POST_CLAMP=post_clamp, num_warps=4)
     return q, s
@@ -455,10 +501,10 @@ def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """FP8 1x128 quantization of activations ``x [R, K]`` (bf16/fp16/fp32, on the GPU or under the interpreter) by the
     fused MoE's own launch: ``(xq [R, K] float8_e4m3fn, scales [R, ceil(K/128)] float32)``, bit for bit
     :func:`runtime.fp8.quantize_activations` (both divisions correctly rounded, codes rounded to nearest even)."""
-    return _quantize_rows(x, x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+    return _quantize_rows(_Launches(), x, x.shape[0], x.shape[1], x.stride(0), x.stride(1))
 
 
-def _align(ids_c, num_valid_tokens, numel: int, KS: int, num_slots: int, BM: int):
+def _align(launch: _Launches, ids_c, num_valid_tokens, numel: int, KS: int, num_slots: int, BM: int):
     """Bucket the (token, slot) pairs by slot, buckets padded to ``BM``: (sorted pair ids ``[EM]``, slot of each M block
     ``[EM / BM]``, padded total ``[1]``, number of M blocks ``EM / BM``), all on the device (no host sync)."""
     max_blocks = (numel + min(numel, num_slots) * (BM - 1)) // BM
@@ -472,17 +518,17 @@ def _align(ids_c, num_valid_tokens, numel: int, KS: int, num_slots: int, BM: int
     BB = 64 if NEP <= 256 else 32
     if numel <= SINGLE_ALIGN_MAX_PAIRS:
         cursor = _alloc((NEP,), torch.int32, ids_c)
-        _align_kernel[(1,)](ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
+        launch(_align_kernel, (1,), ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
                             max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
                             CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
     else:
         n_chunks = triton.cdiv(numel, ALIGN_CHUNK)
         counts = _alloc((n_chunks, NEP), torch.int32, ids_c)
         cursor = _alloc((n_chunks, NEP), torch.int32, ids_c)
-        _count_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
+        launch(_count_kernel, (n_chunks,), ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
                                    triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK,
                                    num_warps=4)
-        _align_kernel[(n_chunks,)](ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
+        launch(_align_kernel, (n_chunks,), ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
                                    max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
                                    BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
     return sorted_ids, expert_ids, total, max_blocks
@@ -503,6 +549,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if T == 0:
         return out
     cfg = resolve_tile_config(T, experts, KS, x.device, tile_config)
+    launch = _Launches(cfg["dependent_launch"])
     BM = cfg["block_m"]
     interp = interpreting()
     ids_c = ids.to(torch.int32).contiguous()
@@ -515,13 +562,13 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if naive:
         sorted_ids, expert_ids, bound, num_pid_m = ids_c, ids_c, num_valid_tokens if has_nv else ids_c, numel
     else:
-        sorted_ids, expert_ids, bound, num_pid_m = _align(ids_c, num_valid_tokens, numel, KS, num_slots, BM)
+        sorted_ids, expert_ids, bound, num_pid_m = _align(launch, ids_c, num_valid_tokens, numel, KS, num_slots, BM)
     prequant = fp8 and cfg["quantize_input_first"]
     act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     dot_dtype = _TL_DTYPES[experts.gate_up.dtype] if not fp8 else tl.float32
     BK = 128 if fp8 else 64
     gi = triton.cdiv(I, 128)
-    a, a_s = quantize_activations_triton(x) if prequant else (x, x)
+    a, a_s = _quantize_rows(launch, x, T, H, x.stride(0), x.stride(1)) if prequant else (x, x)
     w13, w2 = experts.gate_up, experts.down
     tma = fp8 and cfg["weight_tma"] and w13.is_contiguous() and w2.is_contiguous()
     s13 = experts.gate_up_scale if fp8 else w13
@@ -539,7 +586,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         h_s = h
     BN1 = cfg["gemm1_block_n"]
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
-    _moe_gemm_kernel[grid1](
+    launch(_moe_gemm_kernel, grid1,
         a, a_s, _weight_tiles(w13, BN1, BK) if tma else w13, s13, h, h_s, sorted_ids, expert_ids, bound, w_c, *act,
         N1, H, numel, num_pid_m, num_slots, I, gi, 0, numel * N1,
         a.stride(0), a.stride(1), a_s.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), *sstr(s13),
@@ -551,14 +598,14 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
-        h, h_s = _quantize_rows(h, numel, I, h.stride(1), 1, split_stride=numel * N1, swiglu_splits=0 if fused_act else split1,
+        h, h_s = _quantize_rows(launch, h, numel, I, h.stride(1), 1, split_stride=numel * N1, swiglu_splits=0 if fused_act else split1,
                                 slots=(ids_c, act, num_slots), post_clamp=experts.post_clamp)
         h_quant_mode = 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
     BN2 = cfg["gemm2_block_n"]
     grid2 = (num_pid_m * triton.cdiv(H, BN2), split2)
-    _moe_gemm_kernel[grid2](
+    launch(_moe_gemm_kernel, grid2,
         h, h_s, _weight_tiles(w2, BN2, BK) if tma else w2, s2, c, c, sorted_ids, expert_ids, bound, w_c, *act,
         H, I, numel, num_pid_m, num_slots, H, 0, numel * N1, numel * H,
         h.stride(-2), 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
@@ -569,7 +616,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
     )
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
-    _sum_kernel[(T, triton.cdiv(H, BH))](c, ids_c, out, num_valid_tokens if has_nv else ids_c, H, num_slots, numel * H,
+    launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, H, num_slots, numel * H,
                                          KS=KS, SPLITS=split2,
                                          HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
     return out

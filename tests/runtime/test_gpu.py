@@ -160,3 +160,24 @@ def test_activation_quantization_bit_for_bit(K):
     q_ref, s_ref = quantize_activations(x)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_dependent_launch_changes_no_bit(T):
+    """Launches that overlap each other's tails (programmatic dependent launch) give the same bytes as launches that
+    wait for each other, eagerly and replayed in a CUDA graph."""
+    H, I, E, S, K, G, TG, rsf, oai = MODELS["DeepSeek-V3"]
+    ew = random_fp8_experts(E + S, H, I, seed=T + 5)
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids, w = route(torch.randn(T, E, device="cuda", generator=gen), None, _cfg("DeepSeek-V3"))
+    apart = fused_moe(x, ew, ids, w, tile_config=dict(dependent_launch=False))
+    overlapped = fused_moe(x, ew, ids, w, tile_config=dict(dependent_launch=True))
+    assert torch.equal(apart, overlapped)
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ew, ids, w, tile_config=dict(dependent_launch=True), out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, apart)
