@@ -181,3 +181,19 @@ def test_dependent_launch_changes_no_bit(T):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, apart)
+
+
+@pytest.mark.parametrize("spread", [4, 30])  # group scales within the exactness rule (table path), and far outside it
+def test_mxfp4_to_fp8_on_the_gpu_equals_the_cpu(spread):
+    """DeepSeek-V4's MXFP4 -> FP8 block conversion (convert --device cuda) gives the CPU's bytes and measurements."""
+    from runtime.mxfp4 import mxfp4_to_fp8_blocks
+
+    g = torch.Generator().manual_seed(spread)
+    packed = torch.randint(0, 256, (512, 1024), generator=g, dtype=torch.uint8)  # [out, in / 2]: in = 2048
+    scales = torch.randint(127 - spread, 128, (512, 2048 // 32), generator=g, dtype=torch.uint8)  # E8M0 bytes
+    on_cpu = mxfp4_to_fp8_blocks(packed, scales)
+    on_gpu = [t.cpu() for t in mxfp4_to_fp8_blocks(packed.cuda(), scales.cuda())]
+    assert torch.equal(on_gpu[0].view(torch.uint8), on_cpu[0].view(torch.uint8))
+    for a, b in zip(on_gpu[1:], on_cpu[1:]):
+        assert torch.equal(a, b)
+    assert bool(on_cpu[3].all()) == (spread < 8), "the two cases take the two paths"
