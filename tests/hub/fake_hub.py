@@ -21,7 +21,7 @@ Everything received is kept in memory (LFS objects by sha256, regular blobs by g
 repo), every request is logged, and hooks can cut LFS uploads off: ``fail_lfs_puts_from = N`` answers
 the N-th and later PUTs with HTTP 507 (not retried by the client); ``stall_lfs_put = N`` makes the N-th
 PUT read half its body, set ``stalled`` and hang until ``release`` is set, then drop the connection;
-``cut_body_after = N`` sends only the first N bytes of the next whole-file download, then drops the
+``cut_body_after = N`` sends only the first N bytes of the next whole-file download longer than N, then drops the
 connection (``range_log`` records the Range header of every file body GET).
 """
 
@@ -647,7 +647,9 @@ class _Base(BaseHTTPRequestHandler):
             with self.hub.lock:
                 self.hub.range_log.append(rng)
                 cut, self.hub.cut_body_after = self.hub.cut_body_after, None
-            if cut is not None and not rng:  # a first, whole-file GET: send the headers and part of the body, then hang up
+            if cut is not None and not rng and len(data) > cut:  # a whole-file GET of a file longer than the cut:
+                # send the headers and part of the body, then hang up (a shorter file, which the client may fetch
+                # first as it downloads several at once, would arrive whole and leave the cut unused)
                 self._rec.status = 200
                 self.send_response(200)
                 for k, v in {**headers, "Accept-Ranges": "bytes", "Content-Length": str(len(data)),
@@ -660,7 +662,7 @@ class _Base(BaseHTTPRequestHandler):
                 return
             if cut is not None:
                 with self.hub.lock:
-                    self.hub.cut_body_after = cut  # not used up by a ranged GET
+                    self.hub.cut_body_after = cut  # not used up by a ranged GET or a file shorter than the cut
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip()) if rng else None
         if m and (m.group(1) or m.group(2)):
             size = len(data)

@@ -249,8 +249,12 @@ def test_swiglu_forms_match_transformers():
                                   swiglu_limit=limit, vocab_size=8)
         ref = v4.DeepseekV4Experts(cfg)._apply_gate(torch.cat([gate, up], -1))
         torch.testing.assert_close(swiglu(gate, up, one, zero, torch.tensor(limit)), ref, rtol=1e-6, atol=1e-6)
-        scfg = st.Step3p7TextConfig(hidden_size=16, moe_num_experts=4, moe_top_k=2)
-        ref = st.Step3p7Experts(scfg, swiglu_limit=limit)._apply_gate(torch.cat([gate, up], -1))
+        scfg = st.Step3p7TextConfig(hidden_size=16, moe_num_experts=4, moe_top_k=2, num_hidden_layers=1, swiglu_limits=[limit])
+        try:  # transformers >= 5.25: the experts read their layer's limit from the config
+            experts = st.Step3p7Experts(scfg, layer_idx=0)
+        except TypeError:  # 5.22 - 5.24: the limit is an argument
+            experts = st.Step3p7Experts(scfg, swiglu_limit=limit)
+        ref = experts._apply_gate(torch.cat([gate, up], -1))
         got = swiglu(gate, up, one, zero, torch.tensor(limit), post_clamp=True)
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
         assert not torch.allclose(got, swiglu(gate, up, one, zero, torch.tensor(limit)))  # the clamps bite
