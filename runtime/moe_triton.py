@@ -414,9 +414,9 @@ def _device_name(index: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _dependent_launch_works(index: int) -> bool:
-    """Programmatic dependent launch: Hopper (sm_90) and later, with a Triton that exposes it (3.3+)."""
-    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
+def _is_hopper_or_later(index: int) -> bool:
+    """sm_90 and later: TMA tensor descriptors and programmatic dependent launch."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: torch.device,
@@ -440,9 +440,12 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
         cfg["quantize_in_epilogue"] = False
     if cfg["quantize_in_epilogue"]:
         cfg["quantize_hidden_first"] = False
-    if device.type != "cuda" or interpreting() or not _dependent_launch_works(device.index if device.index is not None
-                                                                                  else torch.cuda.current_device()):
-        cfg["dependent_launch"] = False
+    hopper = device.type == "cuda" and not interpreting() and _is_hopper_or_later(
+        device.index if device.index is not None else torch.cuda.current_device())
+    if not hopper or gdc_wait is None:
+        cfg["dependent_launch"] = False  # needs Hopper and Triton 3.3+; nothing to overlap under the interpreter
+    if device.type == "cuda" and not interpreting() and not hopper:
+        cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
     check_tile_config(cfg)
     return cfg
 
