@@ -4,9 +4,9 @@ Launches (every size fixed by T, K+S and E+S; no host sync, no data-dependent sh
 forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing between replays):
 
 1. Alignment. One token: none (its K+S pairs are distinct slots; each is its own M block and the
-   GEMMs read the slot ids directly). Small T: ``_align_kernel`` alone, one program. Large T: ``_count_kernel`` (one
-   program per chunk of pairs: its histogram, and the sentinel fill of ``sorted_ids``), then
-   ``_align_kernel`` with one program per chunk (each scatters its own chunk). Result: the valid
+   GEMMs read the slot ids directly). Small T: ``_align_kernel`` alone, one program. Large T:
+   ``_count_kernel`` (one program per chunk of pairs: its histogram, and the sentinel fill of
+   ``sorted_ids``), then ``_align_kernel`` with one program per chunk (each scatters its own chunk). Result: the valid
    (token, slot) pairs bucketed by slot, buckets padded to ``block_m``, one slot id per M block and
    the padded total.
 2. Optional ``_quant_kernel``: 1x128 FP8 quantization of x (else GEMM1 quantizes its A tile on load,
@@ -26,7 +26,10 @@ forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing betw
    zeros for rows at or past ``num_valid_tokens``.
 
 Either GEMM can swap its operands (``dot(W^T, A^T)``), so that the weight tile fills the MMA's
-M dimension when ``block_m`` is small. Tile choices come from :mod:`runtime.moe_tiles`.
+M dimension when ``block_m`` is small, and on Hopper load its FP8 weight tiles through a TMA tensor
+descriptor (``weight_tma``). On Hopper, each launch after the first may also start while the one
+before it drains (programmatic dependent launch, ``dependent_launch``): every kernel first waits for
+its predecessor's writes. Tile choices come from :mod:`runtime.moe_tiles`.
 """
 
 from __future__ import annotations
