@@ -119,7 +119,10 @@ def main():
 
                 r["unfused_us"] = graph_time_us(unfused, ROT, args.trials)
             if peer_mod is not None:
-                peer_times = {}
+                def time_peer(peer, config):
+                    return graph_time_us(lambda: [peer(x, i, w, out=out, config=config) for i, w in sets], ROT, args.trials)
+
+                peer_times = {}  # "act label" -> (us, rel, peer, config) of each candidate that passed its check
                 for act, label, c in peer_candidates(peer_mod, ew, T, K + S, recorded.get((name, T))):
                     peer = peer_mod.Peer(ew, act)
                     yp = torch.full_like(x, float("nan"))
@@ -129,22 +132,18 @@ def main():
                     if not perr < peer_mod.TOL_PEER or torch.isnan(yp).any():
                         print(f"  peer {act} {label}: CHECK FAILED rel {perr:.2e}", flush=True)
                         continue
-                    peer_times[f"{act} {label}"] = (graph_time_us(lambda: [peer(x, i, w, out=out, config=c)
-                                                                           for i, w in sets], ROT, args.trials), perr)
+                    peer_times[f"{act} {label}"] = (time_peer(peer, c), perr, peer, c)
                 if peer_times:
                     best = min(peer_times, key=lambda k: peer_times[k][0])
-                    act, label, c = next(t for t in peer_candidates(peer_mod, ew, T, K + S, recorded.get((name, T)))
-                                         if f"{t[0]} {t[1]}" == best)
-                    peer = peer_mod.Peer(ew, act)
-                    peer_rounds = [peer_times[best][0]]
+                    first_us, best_rel, peer, c = peer_times[best]
+                    peer_rounds = [first_us]
                     for _ in range(args.rounds - 1):  # interleaved: ours, peer, ours, peer, ...
                         ours_rounds.append(graph_time_us(ours, ROT, args.trials))
-                        peer_rounds.append(graph_time_us(lambda: [peer(x, i, w, out=out, config=c) for i, w in sets],
-                                                         ROT, args.trials))
+                        peer_rounds.append(time_peer(peer, c))
                     tf, tp = statistics.median(ours_rounds), statistics.median(peer_rounds)
                     r.update(ours_us=tf, ours_rounds=ours_rounds, pct_copy=100 * nbytes / (tf * 1e-6) / bw,
                              tflops=flops / (tf * 1e-6) / 1e12)
-                    r.update(peer_us=tp, peer_rounds=peer_rounds, peer_config=best, rel_peer=peer_times[best][1],
+                    r.update(peer_us=tp, peer_rounds=peer_rounds, peer_config=best, rel_peer=best_rel,
                              peer_over_ours=tp / tf, peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw,
                              peer_all={k: v[0] for k, v in peer_times.items()})
             rows.append(r)

@@ -13,31 +13,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "runtime"))
-from rt_helpers import MODELS, random_fp8_experts  # noqa: E402
+from rt_helpers import MODELS, exact_moe as exact, random_fp8_experts  # noqa: E402
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
-from runtime.fp8 import dequantize_block_fp8  # noqa: E402
 from runtime.moe_triton import resolve_tile_config  # noqa: E402
 
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def exact(x, ew, ids, w):
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    I = ew.intermediate_size
-    half = ew.gate_up_scale.shape[1] // 2
-    for e in range(ew.num_expert_slots):
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        g = dequantize_block_fp8(ew.gate_up[e][:I], ew.gate_up_scale[e][:half]).double()
-        u = dequantize_block_fp8(ew.gate_up[e][I:], ew.gate_up_scale[e][half:]).double()
-        dn = dequantize_block_fp8(ew.down[e], ew.down_scale[e]).double()
-        a = x[tok].double()
-        h = torch.nn.functional.silu(a @ g.T) * (a @ u.T)
-        out.index_add_(0, tok, (h @ dn.T) * w[tok, slot].double()[:, None])
-    return out
 
 
 PLAIN = dict(quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,
@@ -75,33 +57,23 @@ for name in () if "--gap-only" in sys.argv else ("DeepSeek-V3", "GLM-4.5"):
 
 # Where the Triton/reference gap comes from: the x codes of both quantizers, the float32 vs float64 reference
 # (same FP8 steps), and the matmul precision settings torch runs the reference with.
+def qdq64(a):
+    """The reference's 1x128 FP8 round trip of activations, in float64."""
+    g = a.reshape(a.shape[0], -1, 128)
+    s = g.abs().amax(-1).clamp_min(1.1754943508222875e-38) / 448.0
+    q = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    return (q * s[..., None]).reshape(a.shape)
+
+
 def reference64(x, ew, ids, w):
     """The reference's steps (quantize x, GEMM1, SwiGLU, quantize h, GEMM2) in float64."""
-    def qdq(a):
-        g = a.reshape(a.shape[0], -1, 128)
-        s = g.abs().amax(-1).clamp_min(1.1754943508222875e-38) / 448.0
-        q = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).double()
-        return (q * s[..., None]).reshape(a.shape)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    I, half = ew.intermediate_size, ew.gate_up_scale.shape[1] // 2
-    a_all = qdq(x.double())
-    for e in range(ew.num_expert_slots):
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        g = dequantize_block_fp8(ew.gate_up[e][:I], ew.gate_up_scale[e][:half]).double()
-        u = dequantize_block_fp8(ew.gate_up[e][I:], ew.gate_up_scale[e][half:]).double()
-        dn = dequantize_block_fp8(ew.down[e], ew.down_scale[e]).double()
-        a = a_all[tok]
-        h = qdq(torch.nn.functional.silu(a @ g.T) * (a @ u.T))
-        out.index_add_(0, tok, (h @ dn.T) * w[tok, slot].double()[:, None])
-    return out
+    return exact(x, ew, ids, w, round_activations=qdq64)
 
 
 print("torch matmul precision:", torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
       getattr(torch.backends.cuda.matmul, "fp32_precision", None))
 from runtime.fp8 import quantize_activations  # noqa: E402
-from runtime.moe_triton import _quant_kernel  # noqa: E402
+from runtime.moe_triton import quantize_activations_triton  # noqa: E402
 
 H, I, E, S, K, G, TG, rsf, oai = MODELS["DeepSeek-V3"]
 cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
@@ -109,9 +81,7 @@ ew = random_fp8_experts(E + S, H, I, seed=1)
 for T in (1, 64):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     q_t, s_t = quantize_activations(x)
-    q_k = torch.empty(T, H, dtype=torch.float8_e4m3fn, device="cuda")
-    s_k = torch.empty(T, H // 128, dtype=torch.float32, device="cuda")
-    _quant_kernel[(T // 32 + 1, H // 128)](x, q_k, s_k, T, H, x.stride(0), x.stride(1), s_k.stride(0), BR=32, INTERP=False)
+    q_k, s_k = quantize_activations_triton(x)
     print(f"T={T}: x codes differing {(q_t.view(torch.uint8) != q_k.view(torch.uint8)).sum().item()} of {q_t.numel()}, "
           f"scales differing {(s_t != s_k).sum().item()} of {s_t.numel()}")
     ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg)

@@ -41,13 +41,13 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting, next_pow2
+from .fp8 import FP8_DTYPE
+from .moe_tiles import check_tile_config, tile_config as lookup_tile_config
 
 try:  # programmatic dependent launch (Hopper and later): Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton: every launch waits for the previous one to finish
     gdc_launch_dependents = gdc_wait = None
-from .fp8 import FP8_DTYPE
-from .moe_tiles import check_tile_config, tile_config as lookup_tile_config
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -443,11 +443,11 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
         cfg["quantize_in_epilogue"] = False
     if cfg["quantize_in_epilogue"]:
         cfg["quantize_hidden_first"] = False
-    hopper = device.type == "cuda" and not interpreting() and _is_hopper_or_later(
-        device.index if device.index is not None else torch.cuda.current_device())
+    compiled = device.type == "cuda" and not interpreting()
+    hopper = compiled and _is_hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
     if not hopper or gdc_wait is None:
         cfg["dependent_launch"] = False  # needs Hopper and Triton 3.3+; nothing to overlap under the interpreter
-    if device.type == "cuda" and not interpreting() and not hopper:
+    if compiled and not hopper:
         cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
     check_tile_config(cfg)
     return cfg
@@ -464,12 +464,13 @@ def _alloc(shape, dtype, like):
 
 
 class _Launches:
-    """The launches of one call, in stream order. With ``dependent`` (programmatic dependent launch, Hopper and later),
-    every launch after the first may start while the one before it drains (its kernels wait for the data with
-    ``_follow_previous_launch``); the first waits for whatever came before the call the usual way."""
+    """The launches of one call, in stream order. With ``dependent`` (programmatic dependent launch, Hopper and later;
+    :func:`resolve_tile_config` decides), every launch after the first may start while the one before it drains (its
+    kernels wait for the data with ``_follow_previous_launch``); the first waits for whatever came before the call the
+    usual way."""
 
     def __init__(self, dependent: bool = False):
-        self.dependent = dependent and gdc_wait is not None
+        self.dependent = dependent
         self.first = True
 
     def __call__(self, kernel, grid, *args, **kwargs):
@@ -498,8 +499,8 @@ def _quantize_rows(launch: _Launches, a, rows: int, K: int, row_stride: int, col
     ids, act, num_slots = slots if slots is not None else (a, (a, a, a), 0)
     BR = _quant_rows(rows)
     launch(_quant_kernel, (triton.cdiv(rows, BR), triton.cdiv(K, 128)),
-        a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), split_stride,
-        BR=BR, INTERP=interpreting(), SWIGLU_SPLITS=swiglu_splits, POST_CLAMP=post_clamp, num_warps=4)
+           a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), split_stride,
+           BR=BR, INTERP=interpreting(), SWIGLU_SPLITS=swiglu_splits, POST_CLAMP=post_clamp, num_warps=4)
     return q, s
 
 
@@ -525,18 +526,17 @@ def _align(launch: _Launches, ids_c, num_valid_tokens, numel: int, KS: int, num_
     if numel <= SINGLE_ALIGN_MAX_PAIRS:
         cursor = _alloc((NEP,), torch.int32, ids_c)
         launch(_align_kernel, (1,), ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
-                            max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
-                            CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
+               max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
+               CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
     else:
         n_chunks = triton.cdiv(numel, ALIGN_CHUNK)
         counts = _alloc((n_chunks, NEP), torch.int32, ids_c)
         cursor = _alloc((n_chunks, NEP), torch.int32, ids_c)
         launch(_count_kernel, (n_chunks,), ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
-                                   triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK,
-                                   num_warps=4)
+               triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK, num_warps=4)
         launch(_align_kernel, (n_chunks,), ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
-                                   max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
-                                   BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
+               max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
+               BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
     return sorted_ids, expert_ids, total, max_blocks
 
 
@@ -604,8 +604,9 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
-        h, h_s = _quantize_rows(launch, h, numel, I, h.stride(1), 1, split_stride=numel * N1, swiglu_splits=0 if fused_act else split1,
-                                slots=(ids_c, act, num_slots), post_clamp=experts.post_clamp)
+        h, h_s = _quantize_rows(launch, h, numel, I, h.stride(1), 1, split_stride=numel * N1,
+                                swiglu_splits=0 if fused_act else split1, slots=(ids_c, act, num_slots),
+                                post_clamp=experts.post_clamp)
         h_quant_mode = 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
@@ -622,7 +623,6 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
     )
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
-    launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, H, num_slots, numel * H,
-                                         KS=KS, SPLITS=split2,
-                                         HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
+    launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, H, num_slots,
+           numel * H, KS=KS, SPLITS=split2, HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
     return out

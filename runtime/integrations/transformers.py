@@ -255,11 +255,11 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
             continue
         fused_paths[layer] = f"{family.layers_path}.{layer}.{family.moe_module}"
     # A fused layer's MoE block is a FusedSharedMoE, and a shared MLP beside it (GraniteMoE-Shared) is gone: in its slots.
-    replaced = tuple(p + "." for p in fused_paths.values())
+    fused_blocks = tuple(p + "." for p in fused_paths.values())
+    replaced = fused_blocks
     if family.shared_module:
         replaced += tuple(f"{family.layers_path}.{layer}.{family.shared_module}." for layer in fused_paths)
     expected = {k for k in expected if not k.startswith(replaced)}
-    fused_blocks = tuple(p + "." for p in fused_paths.values())
     # On disk, the experts (and their gemm1_* parameters) of every fused block, MTP blocks included, whatever the renames.
     fused_experts = tuple(tn.experts_prefix + "." for tn in fused.values())
 

@@ -173,20 +173,25 @@ def awkward_activations(device="cpu", K=320) -> torch.Tensor:
     return torch.stack(rows).to(torch.bfloat16).to(device)
 
 
-def exact_moe(x, experts, ids, weights):
+def exact_moe(x, experts, ids, weights, round_activations=None):
     """The fused MoE in float64 with the FP8 weights dequantized and the activations NOT quantized: the exact math both
-    the Triton path and the reference approximate (each quantizes x and h to FP8). ``[T, H]`` float64."""
+    the Triton path and the reference approximate (each quantizes x and h to FP8). ``[T, H]`` float64.
+
+    ``round_activations``: a float64 -> float64 function applied to x and to h before each GEMM (e.g. an FP8 round
+    trip, which gives the reference's own steps in float64)."""
+    keep = round_activations or (lambda a: a)
     I = experts.intermediate_size  # noqa: E741
     half = experts.gate_up_scale.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    xs = keep(x.double())
     for e in torch.unique(ids[(ids >= 0) & (ids < experts.num_expert_slots)]).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g = dequantize_block_fp8(experts.gate_up[e][:I], experts.gate_up_scale[e][:half]).double()
         u = dequantize_block_fp8(experts.gate_up[e][I:], experts.gate_up_scale[e][half:]).double()
         dn = dequantize_block_fp8(experts.down[e], experts.down_scale[e]).double()
-        a = x[tok].double()
+        a = xs[tok]
         p = [t[e].double() for t in (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)]
-        h = swiglu(a @ g.T, a @ u.T, *p, experts.post_clamp)
+        h = keep(swiglu(a @ g.T, a @ u.T, *p, experts.post_clamp))
         out.index_add_(0, tok, (h @ dn.T) * weights[tok, slot].double()[:, None])
     return out
 
