@@ -17,7 +17,7 @@ from runtime.safetensors_io import bytes_to_tensor, read_bytes
 from ..errors import ConversionError
 from ..plan import ProjectionTask
 from ..plan.exactness import TensorError
-from .transform import CHUNK_BYTES, Write, _check_finite, _read_matrix_f32, _read_rows, strip_pool
+from .transform import CHUNK_BYTES, Write, _check_finite, _read_matrix_f32, _read_rows, start_on_strips
 
 
 def _check_weight_shape(task: ProjectionTask) -> None:
@@ -53,9 +53,8 @@ def int4_projection(task: ProjectionTask, device: str, allow_non_finite: bool) -
     for r0 in range(0, w.rows, step):
         r1 = min(w.rows, r0 + step)
         packed = _read_rows(w, r0, r1).to(device)
-        n = WEIGHT_BLOCK if device == "cpu" else r1 - r0
-        convert = lambda a: _convert_rows(packed[a:a + n], scales[r0 + a:r0 + a + n].to(device), cols, group, task.scale_fmt)  # noqa: E731
-        parts = list(strip_pool().map(convert, range(0, r1 - r0, n))) if device == "cpu" else [convert(0)]
+        parts = start_on_strips(lambda a, b: _convert_rows(packed[a:b], scales[r0 + a:r0 + b].to(device), cols, group,
+                                                           task.scale_fmt), r1 - r0, device)()
         for _, _, m in parts:
             measured.merge(m)
         yield Write(task.weight.tensor, task.weight.offset + r0 * cols, torch.cat([q for q, _, _ in parts]))

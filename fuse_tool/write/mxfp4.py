@@ -14,7 +14,7 @@ from runtime.safetensors_io import read_bytes
 
 from ..errors import ConversionError
 from ..plan import ProjectionTask
-from .transform import CHUNK_BYTES, Write, strip_pool, quantize_threads
+from .transform import CHUNK_BYTES, Write, quantize_threads, start_on_strips
 
 
 def _rows(m, r0: int, r1: int) -> torch.Tensor:
@@ -24,17 +24,17 @@ def _rows(m, r0: int, r1: int) -> torch.Tensor:
 
 
 def _start(packed: torch.Tensor, scales: torch.Tensor, device: str) -> Callable[[], tuple[torch.Tensor, ...]]:
-    """Start ``mxfp4_to_fp8_blocks`` of a strip; returns what waits for its ``(q, scale, moved, within)``. On the CPU
-    the strip's 128-row blocks go to the quantizer's threads (the ops release the GIL) and run while the caller writes
-    the previous strip; the results are joined in row order, the same bytes as one call."""
+    """Start ``mxfp4_to_fp8_blocks`` of a strip; returns what waits for its ``(q, scale, moved, within)`` on the CPU. On
+    the CPU the strip is cut into one piece per quantizer thread, which run while the caller writes the previous strip;
+    the results are joined in row order, the same bytes as one call."""
     if device != "cpu":
-        done = tuple(t.cpu() for t in mxfp4_to_fp8_blocks(packed.to(device), scales.to(device)))
-        return lambda: done
+        packed, scales = packed.to(device), scales.to(device)
     per = -(-packed.shape[0] // WEIGHT_BLOCK // quantize_threads()) * WEIGHT_BLOCK
-    jobs = [strip_pool().submit(mxfp4_to_fp8_blocks, packed[r:r + per], scales[r:r + per]) for r in range(0, packed.shape[0], per)]
+    wait = start_on_strips(lambda a, b: tuple(t.cpu() for t in mxfp4_to_fp8_blocks(packed[a:b], scales[a:b])),
+                           packed.shape[0], device, per)
 
     def result() -> tuple[torch.Tensor, ...]:
-        parts = [j.result() for j in jobs]
+        parts = wait()
         return parts[0] if len(parts) == 1 else tuple(torch.cat([p[i] for p in parts]) for i in range(4))
 
     return result

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from runtime.errors import CheckpointError
 from ..plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
 from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
 
+T = TypeVar("T")
 CHUNK_BYTES = 64 << 20
 QUANTIZE_CHUNK_BYTES = 16 << 20  # float32-equivalent rows quantized per chunk: several per expert, so reading and writing overlap the math
 
@@ -245,6 +246,16 @@ def strip_pool() -> ThreadPoolExecutor:
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=quantize_threads(), thread_name_prefix="fuse-quantize")
     return _pool
+
+
+def start_on_strips(convert: Callable[[int, int], T], rows: int, device: str, per: int = WEIGHT_BLOCK) -> Callable[[], list[T]]:
+    """Start ``convert(r0, r1)`` over the rows ``[0, rows)``: on the CPU in pieces of ``per`` rows on the quantizer's
+    threads (torch's ops release the GIL), on a GPU in one call, now. Returns what waits for the results, in row order."""
+    if device != "cpu":
+        done = [convert(0, rows)]
+        return lambda: done
+    jobs = [strip_pool().submit(convert, r, min(rows, r + per)) for r in range(0, rows, per)]
+    return lambda: [j.result() for j in jobs]
 
 
 def _forget_pool() -> None:
