@@ -32,10 +32,11 @@ transformers is imported lazily (it is a test extra, not a runtime dependency).
 from __future__ import annotations
 
 from ...families import TransformersClasses
+from ...formats.base import FP8_DTYPES
 from ...layout import LayoutError
 from .model import StreamedModel, from_fused_pretrained, from_source_pretrained
 from .names import Recipe, TensorPlan, build_config, family_of, plan_tensors, text_config_of
-from .reading import FP8_DTYPES, ShardReader
+from .reading import ShardReader
 
 __all__ = [
     "TransformersClasses",

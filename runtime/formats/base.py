@@ -1,0 +1,223 @@
+"""What a weight format is, and the registry that finds the format of a stored weight.
+
+A format is how one logical weight ``X.weight`` ``[out, in]`` is stored on disk: which tensors hold it (its codes or
+values, and companions such as scales), their dtypes and shapes. Each format says, in one module:
+
+- how to recognise it from the headers (:meth:`WeightFormat.matches`, then :meth:`WeightFormat.stored`, which checks
+  the tensors strictly and names the first one that is wrong);
+- how to read it as float32, exactly (:meth:`WeightFormat.read_float`);
+- how it becomes FP8 e4m3 with 128x128 block scales: bytes kept (``keeps_blocks``), dequantized rows quantized
+  (:meth:`WeightFormat.dequantize_rows`), or, for formats converted whole (``whole_only``), rows converted with a
+  measurement of what was not exact (:meth:`WeightFormat.to_fp8_rows`);
+- how it is copied unchanged (``keeps_bytes``).
+
+This package needs only torch and ``runtime`` (the converter asks it; it never imports the converter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Protocol
+
+import torch
+
+from ..layout import E8M0_DTYPE_CODE, e8m0_scale_name
+from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_CODES = ("F8_E4M3", "F8_E5M2")
+
+
+class FormatError(ValueError):
+    """A weight's tensors do not hold what its format needs; ``tensor`` is the one to name."""
+
+    def __init__(self, message: str, tensor: str):
+        super().__init__(message)
+        self.message, self.tensor = message, tensor
+
+
+class TensorSource(Protocol):
+    """What reading a weight needs from a model folder (``runtime.integrations.transformers.ShardReader``)."""
+
+    tensors: Mapping[str, TensorInfo]
+
+    def get(self, name: str) -> torch.Tensor: ...  # the tensor as stored
+
+    def e8m0_bytes(self, name: str) -> torch.Tensor: ...  # an F8_E8M0 tensor's bytes, uint8
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """One logical weight as stored: ``data`` holds its codes or values (a 2-D weight or a 3-D expert stack), ``scale``
+    its scales; ``companions`` every other tensor it is read from; ``cols``: the logical inputs of one matrix (a packed
+    format stores fewer columns); ``group``: inputs per scale where the format has groups; ``notes``: what the plan
+    should say about it."""
+
+    format: "WeightFormat"
+    data: TensorInfo
+    scale: TensorInfo | None = None
+    companions: tuple[TensorInfo, ...] = ()
+    cols: int = 0
+    group: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class BlockExactness:
+    """What converting one tensor's blocks measured (a format whose FP8 blocks are exact where a rule holds)."""
+
+    blocks: int = 0
+    inexact_blocks: int = 0  # blocks where some value differs from the source after dequantization
+    outside_rule: int = 0  # blocks whose group scales span more than the rule allows (a superset of the inexact ones)
+    max_moved: float = 0.0  # the largest |fp8 * B - source| / B over the tensor's blocks
+
+    def merge(self, other: "BlockExactness") -> None:
+        self.blocks += other.blocks
+        self.inexact_blocks += other.inexact_blocks
+        self.outside_rule += other.outside_rule
+        self.max_moved = max(self.max_moved, other.max_moved)
+
+
+@dataclass
+class RequantizationError:
+    """The error of FP8 blocks against the exactly read source (a format that FP8 rounds)."""
+
+    elements: int = 0
+    sq_err: float = 0.0  # sum over elements of (fp8 value - source value)^2
+    sq_ref: float = 0.0  # sum over elements of source value^2
+    max_abs: float = 0.0  # the largest |fp8 value - source value|
+
+    @property
+    def rel(self) -> float:
+        """Relative Frobenius error ``||fp8 - source|| / ||source||`` (0 for an all-zero source converted exactly)."""
+        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else (0.0 if self.sq_err == 0 else float("inf"))
+
+    def merge(self, other: "RequantizationError") -> None:
+        self.elements += other.elements
+        self.sq_err += other.sq_err
+        self.sq_ref += other.sq_ref
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+
+class WeightFormat:
+    """One on-disk weight format. Subclasses set the class attributes and override what their format does."""
+
+    name: ClassVar[str]  # "float", "fp8-block", ...: the plan's and the summary's word for it
+    label: ClassVar[str] = ""  # in messages ("MXFP4")
+    description: ClassVar[str] = ""  # the manifest's words for a measured conversion's source
+    keeps_bytes: ClassVar[bool] = False  # --precision source copies it unchanged
+    keeps_blocks: ClassVar[bool] = False  # already FP8 128x128 blocks: bytes (and scales) copied into an FP8 output
+    whole_only: ClassVar[bool] = False  # converted whole by to_fp8_rows, never cut or kept
+    fp8_scale_dtype: ClassVar[str] = "F32"  # the dtype of the block scales to_fp8_rows makes
+    scale_layout: ClassVar[str] = "grid"  # one scale row per "grid" row of the scale tensor, "row" per weight row, "one"
+
+    def matches(self, tensors: Mapping[str, TensorInfo], name: str) -> bool:
+        """Whether ``name``'s tensors are stored this way, from dtypes and companion names (no shape checks)."""
+        raise NotImplementedError
+
+    def stored(self, tensors: Mapping[str, TensorInfo], name: str, expect: tuple[int, ...] | None = None,
+               group: int | None = None) -> StoredWeight:
+        """The weight's tensors, checked strictly; ``expect``: its logical shape where the caller knows it; ``group``:
+        a grouped format's group size from the config. Raises :class:`FormatError` naming the first wrong tensor."""
+        raise NotImplementedError
+
+    def read_float(self, source: TensorSource, name: str, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight ``name`` on ``device``, computed in float32 (exact: every stored value is a float32), returned in
+        ``dtype``."""
+        raise NotImplementedError
+
+    def dequantize_rows(self, raw: torch.Tensor, scales: torch.Tensor | None, r0: int) -> torch.Tensor:
+        """Rows ``[r0, r0 + len(raw))`` of one matrix, from its stored values and its whole scale matrix, as float32."""
+        raise NotImplementedError(f"{self.name} weights are not dequantized by rows")
+
+    def half_scale_rows(self, which: int, width: int, scale_rows: int) -> tuple[int, int] | None:
+        """The scale rows ``(first, count)`` of gate (0) or up (1) of a concatenated gate_up weight of ``2 * width``
+        rows; None when the scale is shared by both halves."""
+        return None
+
+    def check_values(self, stored: StoredWeight, read) -> None:
+        """Check what the headers cannot say (``read(info)`` gives a tensor as stored) before converting."""
+
+    def to_fp8_rows(self, data: torch.Tensor, scales: torch.Tensor, stored: StoredWeight, scale_fmt: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Rows of a ``whole_only`` weight (starting on a 128-row boundary, as stored) converted to FP8 e4m3 ``[rows, in]``
+        and block scales ``[ceil(rows/128), ceil(in/128)]``, with the measurement of this piece (``merge``-able)."""
+        raise NotImplementedError
+
+
+REGISTRY: list[WeightFormat] = []
+
+
+def register(cls: type[WeightFormat]) -> type[WeightFormat]:
+    """Class decorator: the format's instance joins the registry (recognised in registration order, which the
+    package fixes: a format keyed by a companion before one keyed by dtype alone)."""
+    if any(f.name == cls.name for f in REGISTRY):
+        raise ValueError(f"weight format {cls.name!r} is registered twice")
+    REGISTRY.append(cls())
+    return cls
+
+
+def format_named(name: str) -> WeightFormat:
+    for f in REGISTRY:
+        if f.name == name:
+            return f
+    raise KeyError(name)
+
+
+def recognise(tensors: Mapping[str, TensorInfo], name: str) -> WeightFormat | None:
+    """The format of weight ``name`` (None when no format claims its tensors)."""
+    return next((f for f in REGISTRY if f.matches(tensors, name)), None)
+
+
+def stored_weight(tensors: Mapping[str, TensorInfo], name: str, expect: tuple[int, ...] | None = None,
+                  group: int | None = None) -> StoredWeight:
+    """Weight ``name``'s tensors, recognised and checked (:meth:`WeightFormat.stored`); raises :class:`FormatError`."""
+    fmt = recognise(tensors, name)
+    if fmt is not None:
+        return fmt.stored(tensors, name, expect, group)
+    if name not in tensors:
+        raise FormatError(f"tensor is missing (expected shape {list(expect) if expect else '?'})", name)
+    info = tensors[name]
+    if e8m0_scale(tensors, name) is not None:
+        raise FormatError(f"has dtype {info.dtype} beside an F8_E8M0 scale: expected F8_E4M3 or packed MXFP4 (I8/U8)", name)
+    if info.dtype == FP8_DTYPE_CODE:
+        raise FormatError(f"is an FP8 weight without its scale (expected {name + '_scale_inv'!r} or {name + '_scale'!r})", name)
+    raise FormatError(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
+                      name)
+
+
+def combined_weights(tensors: Mapping[str, TensorInfo]) -> dict[str, tuple[str, ...]]:
+    """``{X.weight: the tensors that store it}`` for every weight stored under other names (INT4's ``weight_packed``,
+    ``weight_scale``, ``weight_shape``): each reads as the one weight ``X.weight``."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in REGISTRY:
+        out.update(getattr(f, "combined", lambda _t: {})(tensors))
+    return out
+
+
+def e8m0_scale(tensors: Mapping[str, TensorInfo], name: str) -> TensorInfo | None:
+    """DeepSeek-V4's F8_E8M0 ``<module>.scale`` of weight ``name``, or None."""
+    s = tensors.get(e8m0_scale_name(name)) if name.endswith(".weight") else None
+    return s if s is not None and s.dtype == E8M0_DTYPE_CODE else None
+
+
+def input_scale(tensors: Mapping[str, TensorInfo], name: str) -> tuple[TensorInfo, ...]:
+    """A compressed-tensors ``input_scale`` beside the weight (a static activation scale): read with it, not used."""
+    cand = name[: -len("weight")] + "input_scale" if name.endswith("weight") else None
+    return (tensors[cand],) if cand and cand in tensors else ()
+
+
+def is_channel_shape(shape: tuple[int, ...], lead: tuple[int, ...], rows: int) -> bool:
+    return shape in ((*lead, rows, 1), (*lead, rows))
+
+
+def check_fp8_weight(info: TensorInfo) -> None:
+    """Only F8_E4M3 FP8 weights are converted (the output's dtype)."""
+    if info.dtype != FP8_DTYPE_CODE:
+        raise FormatError(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
+                          info.name)
+
+
+def is_float_dtype(dtype: str) -> bool:
+    return dtype in FLOAT_DTYPES
