@@ -183,7 +183,7 @@ def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, 
                                     allow_non_finite=allow_non_finite, source_id=source_id)
     except Exception as e:  # noqa: BLE001
         _fail(e)
-    click.echo(describe_plan(result.plan))
+    click.echo(describe_plan(result.plan, result.measurements))
     if resume:
         click.echo(f"resumed        {result.resumed_shards} of {len(result.plan.shards)} shards were complete and kept")
     rate = result.plan.total_size / result.seconds / 1e9 if result.seconds else 0.0

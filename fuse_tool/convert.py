@@ -9,7 +9,7 @@ disk at any moment.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError, FuseSharedError
@@ -18,6 +18,7 @@ from .plan import ConversionPlan, ConvertOptions, build_plan
 from .source.checkpoint import SourceCheckpoint
 from .write.execute import execute
 from .write.journal import conversion_inputs
+from .write.measurements import Measurements
 from .write.failures import unexpected_error
 from .write.out_dir import (OutputLock, bytes_still_needed, check_free_space, check_name_lengths, check_out_dir_name, check_paths, make_out_dir,
                             output_locked, prepare_out_dir, remove_if_empty)
@@ -30,6 +31,7 @@ class ConversionResult:
     seconds: float
     files: list[str]
     resumed_shards: int = 0  # shards found complete and kept by --resume
+    measurements: Measurements = field(default_factory=Measurements)  # what the format conversions measured
 
 def plan_conversion(model_dir: str | Path, options: ConvertOptions | None = None) -> ConversionPlan:
     """Read headers and config, check them, and plan; nothing is written."""
@@ -73,7 +75,7 @@ def convert_checkpoint(
         with OutputLock(out_dir):
             journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
             check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
-            files = execute(plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir))
+            files, measurements = execute(plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir))
     except BaseException as e:
         if created:
             remove_if_empty(out_dir)
@@ -82,7 +84,7 @@ def convert_checkpoint(
         if isinstance(e, Exception) and not isinstance(e, FuseSharedError):
             raise unexpected_error(e, where=out_dir) from None  # one line naming where, never a bare Python message
         raise
-    return ConversionResult(out_dir, plan, time.perf_counter() - started, files, kept)
+    return ConversionResult(out_dir, plan, time.perf_counter() - started, files, kept, measurements)
 
 def _check_device(device: str) -> None:
     if device == "cpu":

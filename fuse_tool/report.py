@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .plan import ConversionPlan
-from .plan.exactness import describe_exactness, describe_requantization
+from .write.measurements import Measurements
 
 
 def _ranges(xs: list[int]) -> str:
@@ -49,7 +49,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def describe_plan(plan: ConversionPlan) -> str:
+def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None) -> str:
     a, b, r = plan.arch, plan.block, plan.block.routing
     decoder = [lp.layer for lp in plan.layers if not lp.is_mtp]
     mtp = [lp.layer for lp in plan.layers if lp.is_mtp]
@@ -79,8 +79,5 @@ def describe_plan(plan: ConversionPlan) -> str:
         lines.append(f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)")
     lines += [f"note           {n}" for n in plan.notes]
     lines += [f"not copied     {name}: {why}" for name, why in plan.source.skipped]
-    if plan.exactness is not None:
-        lines += describe_exactness(plan.exactness, plan.tasks_of_mode("mxfp4"))
-    if plan.requantization is not None:
-        lines += describe_requantization(plan.requantization, plan.tasks_of_mode("int4"))
+    lines += (measurements or Measurements()).describe(plan.converted_weights())
     return "\n".join(lines)

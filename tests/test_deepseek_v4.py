@@ -161,7 +161,7 @@ def test_mxfp4_to_fp8_exactness(flash):
                             assert moved <= MAX_INEXACT_ERROR, (name, bi, bj, moved)
                         if moved:
                             inexact_by_tensor[name] = inexact_by_tensor.get(name, 0) + 1
-    report = result.plan.exactness
+    report = result.measurements["mxfp4"]
     assert report.blocks == blocks and outside_rule_blocks >= 1
     assert {n: t.inexact_blocks for n, t in report.inexact().items()} == inexact_by_tensor == {"layers.1.ffn.experts.0.w1.weight": 1}
     assert report.max_moved == MAX_INEXACT_ERROR
@@ -190,7 +190,7 @@ def test_0731_three_mtp_blocks(r0731):
     for head in ("mtp.0.main_proj.weight", "mtp.0.main_proj.scale", "mtp.0.main_norm.weight", "mtp.2.markov_head.markov_w1.weight",
                  "mtp.2.confidence_head.proj.weight", "mtp.2.hc_head_fn", "mtp.2.norm.weight"):
         assert raw(o[head]) == raw(s[head]) and o[head].dtype == s[head].dtype, head
-    assert result.plan.exactness.inexact_blocks == 1
+    assert result.measurements["mxfp4"].inexact_blocks == 1
 
 
 def test_transformers_names_cover_the_release():
@@ -370,7 +370,7 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
     the hash layer (ids from tid2eid, token ids passed) and the score-routed ones."""
     src = build_v4_checkpoint(tmp_path / "src", "flash", seed=5, outlier_experts=())
     result = convert_checkpoint(src, tmp_path / "out", progress=False)
-    assert result.plan.exactness.inexact_blocks == 0
+    assert result.measurements["mxfp4"].inexact_blocks == 0
     s, o = tensors_of(src), tensors_of(tmp_path / "out")
     model = transformers_model(seed=5)
     torch.manual_seed(11)
@@ -432,13 +432,14 @@ def test_mxfp4_exactness_rule_property(seed, top, spread, rows):
 
 
 def test_exactness_summary_lines():
-    from fuse_tool.plan.exactness import ExactnessReport, describe_exactness
+    from fuse_tool.write.measurements import ExactnessReport, describe_exactness
+    from runtime.formats import BlockExactness
 
     r = ExactnessReport()
     assert describe_exactness(r) == []
-    r.add("a.weight", 4, 0, 1, 0.0)
-    r.add("b.weight", 4, 2, 2, 2.0**-10)
-    r.add("b.weight", 4, 1, 1, 2.0**-11)
+    r.add("a.weight", BlockExactness(4, 0, 1, 0.0))
+    r.add("b.weight", BlockExactness(4, 2, 2, 2.0**-10))
+    r.add("b.weight", BlockExactness(4, 1, 1, 2.0**-11))
     lines = describe_exactness(r, planned=5)
     assert lines[0].endswith("12 blocks of 128x128: 9 exact, 3 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)")
     assert "not exact    b.weight: 3 of 8 blocks, moved by at most 2^-10 of the block scale" in lines[1]
@@ -472,7 +473,7 @@ def exact_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"v4model{request.param}")
     src = build_v4_checkpoint(root / "src", request.param, seed=5, outlier_experts=())
     result = convert_checkpoint(src, root / "out", progress=False)
-    assert result.plan.exactness.inexact_blocks == 0
+    assert result.measurements["mxfp4"].inexact_blocks == 0
     return src, root / "out", request.param
 
 

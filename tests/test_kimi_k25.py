@@ -135,7 +135,7 @@ def test_convert(k25):
     cfg = json.loads((out_dir / "config.json").read_text())
     assert "fused_shared_experts" in cfg["text_config"] and "quantization_config" not in cfg["text_config"]
     assert cfg["quantization_config"]["quant_method"] == "fp8"
-    assert result.plan.tasks_of_mode("int4") == len(exact) == 2 * E * 3
+    assert result.plan.converted_weights()["int4"] == len(exact) == 2 * E * 3
 
 
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
@@ -166,11 +166,11 @@ def test_error_reported_in_summary_and_manifest(k25):
     matches the error measured here from the output's bytes and the exact INT4 values."""
     _, _, exact, out_dir, result = k25
     rel, max_abs = _independent_error(k25)
-    report = result.plan.requantization
+    report = result.measurements["int4"]
     assert set(report.tensors) == set(exact)
     assert report.total().rel == pytest.approx(rel, rel=1e-9) and report.total().max_abs == pytest.approx(max_abs, rel=1e-6)
     assert 0.005 < rel < 2.0**-4, "FP8 e4m3 rounding: well under half an ulp relative"
-    text = describe_plan(result.plan)
+    text = describe_plan(result.plan, result.measurements)
     assert f"INT4 -> FP8    {len(exact)} tensors" in text and f"relative error {rel:.3e}" in text
     worst = report.worst(1)[0][0]
     assert f"  error        {worst}: relative" in text
@@ -184,10 +184,10 @@ def test_error_reported_in_summary_and_manifest(k25):
 def test_error_in_model_card(k25):
     _, _, _, out_dir, result = k25
     card = render_model_card(check_output(out_dir), repo_id="alice/Kimi-K2.6-fused")
-    rel = result.plan.requantization.total().rel
+    rel = result.measurements["int4"].total().rel
     assert "## Requantization error" in card and "int4 pack-quantized" in card
     assert f"| relative error, all tensors (‖fp8 − int4‖ / ‖int4‖) | {rel:.3e} |" in card
-    worst = result.plan.requantization.worst(1)[0][0]
+    worst = result.measurements["int4"].worst(1)[0][0]
     assert f"| `{worst}` |" in card
 
 

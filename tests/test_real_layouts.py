@@ -83,7 +83,7 @@ def test_plan_of_real_layout(name, skeleton_root):
         assert set(plan.bytes_by_kind()) <= {"copy", "cast", "constant"}, "FP8 releases are copied, not requantized"
         assert {m for lp in plan.layers for m in lp.shared_modes} == {"copy"}
     if fmt == "int4":
-        assert plan.tasks_of_mode("int4") == sum(n.endswith(".weight_packed") for n in inventory) == len(plan.layers) * E * 3
+        assert plan.converted_weights()["int4"] == sum(n.endswith(".weight_packed") for n in inventory) == len(plan.layers) * E * 3
         assert {m for lp in plan.layers for m in lp.shared_modes} == {"quantize"}
         vision = [n for n in inventory if n.startswith(("vision_tower.", "mm_projector."))]
         assert len(vision) == 335 and all(out_tensors[n].dtype == "BF16" for n in vision), "the vision tower is copied unchanged"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from runtime.errors import ModelError
 from runtime.families import describe_model, family_for
+from runtime.formats import REGISTRY
 from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
 
 from .. import __version__
@@ -117,8 +118,9 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         parts.notes.append(f"config.json makes layers {list(config_hash)} hash-routed; the checkpoint has gate tables on layers "
                            f"{list(hash_layers)}: the tables decide")
     source_quantization = inputs.source_quantization
-    if any(lp.source_format == "mxfp4" for lp in layer_plans):
-        source_quantization += ", routed experts MXFP4 (found in the tensors)"
+    for fmt in REGISTRY:  # a format the quantization_config does not name (DeepSeek-V4's MXFP4 experts under "fp8")
+        if fmt.whole_only and fmt.name not in source_quantization and any(lp.source_format == fmt.name for lp in layer_plans):
+            source_quantization += f", routed experts {fmt.label} (found in the tensors)"
     if arch.routing.has_bias and not routing.has_bias and arch.expects_bias:
         parts.notes.append("no e_score_correction_bias in the checkpoint: routing without a selection bias")
     router_dtypes = {inputs.tensors[lp.block_prefix + "." + arch.names.router].dtype for lp in layer_plans}
@@ -145,7 +147,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         shards=assign_shards(parts.groups, options.max_shard_size),
         config=output_config(src.config, arch.config_key, block, inputs.out_fp8, inputs.scale_fmt, modules),
         scale_fmt=inputs.scale_fmt, source_quantization=source_quantization,
-        modules_to_not_convert=modules, notes=parts.notes, exactness=inputs.exactness, requantization=inputs.requantization,
+        modules_to_not_convert=modules, notes=parts.notes,
     )
 
 

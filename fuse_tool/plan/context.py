@@ -10,7 +10,6 @@ from runtime.families import MoEArchitecture
 from runtime.safetensors_io import TensorInfo
 
 from ..errors import ConversionError
-from .exactness import ExactnessReport, RequantizationReport
 from .options import ConvertOptions
 from .tasks import Group
 
@@ -26,9 +25,7 @@ class PlanInputs:
     source_quantization: str  # "none", "fp8-block", "fp8-block ue8m0", "compressed-tensors fp8", ...
     source_scale_fmt: str  # "float" or "ue8m0": how the source's block scales are stored
     scale_fmt: str  # how the output's block scales are stored
-    exactness: ExactnessReport = field(default_factory=ExactnessReport)  # filled while MXFP4 experts are converted
     int4_group: int | None = None  # a compressed-tensors pack-quantized source: its INT4 group size (quantization_config)
-    requantization: RequantizationReport = field(default_factory=RequantizationReport)  # filled while INT4 experts are converted
 
     @property
     def out_fp8(self) -> bool:

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from runtime.int4 import packed_name
+from runtime.formats import has_weight
 from runtime.layout import (
     GEMM1_PARAMS, PER_EXPERT_NAMES, STACKED_FORMS, STACKED_SPLIT_NAMES, block_scale_tensor, gemm1_param_names, scale_grid, scale_name,
     selection_bias_shapes, slot_params, stacked_names,
@@ -34,9 +34,9 @@ def _expert_tensor_of(rest: str, names) -> bool:
 
 
 def _first_expert_tensors(P: str, X: str) -> tuple[str, ...]:
-    """Names of which one is present in a MoE block at ``P`` with experts at ``X``: expert 0's gate (INT4-packed too), or a
-    stacked gate(_up)."""
-    return (f"{X}.0.gate_proj.weight", packed_name(f"{X}.0.gate_proj.weight"), f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(
+    """Weights of which one is stored (``runtime.formats.has_weight``) in a MoE block at ``P`` with experts at ``X``:
+    expert 0's gate, or a stacked gate(_up)."""
+    return (f"{X}.0.gate_proj.weight", f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(
         stacked_names(P, f)[0] for f in STACKED_FORMS)
 
 
@@ -83,7 +83,7 @@ def block_prefix(inputs: PlanInputs, layer: int) -> str:
     root = layer_root(inputs, layer)
     for b in names.block_names:
         p = names.block(root, b)
-        if any(n in inputs.tensors for n in _first_expert_tensors(p, names.experts_prefix(p))):
+        if any(has_weight(inputs.tensors, n) for n in _first_expert_tensors(p, names.experts_prefix(p))):
             return p
     looked = ", ".join(_first_expert_tensors(names.block(root, names.block_names[0]), names.experts_prefix(names.block(root, names.block_names[0]))))
     raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {looked}"
@@ -126,7 +126,7 @@ def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int
             return (half(gu, 0, W), half(gu, 1, W), source_weight(inputs, parts, f"{SH}.{down}", expect=(H, W))[0])
     # The family's own names first, then gate_proj/up_proj/down_proj, or w1/w3/w2 (DeepSeek-V4)
     for gate, up, down in names.shared_projections + tuple(PER_EXPERT_NAMES.values()):
-        if f"{SH}.{gate}.weight" in inputs.tensors or packed_name(f"{SH}.{gate}.weight") in inputs.tensors:
+        if has_weight(inputs.tensors, f"{SH}.{gate}.weight"):
             return (
                 source_weight(inputs, parts, f"{SH}.{gate}.weight", expect=(W, H))[0],
                 source_weight(inputs, parts, f"{SH}.{up}.weight", expect=(W, H))[0],
@@ -203,12 +203,10 @@ def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, 
     return shared_modes
 
 
-def _mixed_formats_ok(inputs: PlanInputs, routed: str, shared: str) -> bool:
-    """MXFP4 routed experts beside an FP8-block shared expert (DeepSeek-V4), or INT4 routed experts beside a float or
-    FP8-block shared expert (Kimi-K2.5 / K2.6: BF16): all become FP8 blocks."""
-    if routed == "int4":
-        return inputs.out_fp8 and (shared in FLOAT_DTYPES or shared == "fp8-block")
-    return inputs.out_fp8 and routed == "mxfp4" and shared == "fp8-block"
+def _mixed_formats_ok(inputs: PlanInputs, routed: SourceWeight, shared: SourceWeight) -> bool:
+    """Routed experts of a format converted whole (DeepSeek-V4's MXFP4, Kimi-K2.5 / K2.6's INT4) beside a shared expert
+    in float or FP8 blocks (V4: FP8 blocks; Kimi: BF16): all become FP8 blocks."""
+    return inputs.out_fp8 and routed.format.whole_only and (shared.scale is None or shared.format.keeps_blocks)
 
 
 def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int, is_mtp: bool) -> tuple[LayerPlan, bool]:
@@ -234,7 +232,7 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
                 raise inputs.error(f"is stored as {sw.fmt}, but routed expert 0 is {fmt}: all experts must share one format", sw.weight.info.name)
     shared = _shared_mlp(inputs, parts, P, layer, g.W, H)
     for sw in shared:
-        if sw.fmt != fmt and not _mixed_formats_ok(inputs, fmt, sw.fmt):
+        if sw.fmt != fmt and not _mixed_formats_ok(inputs, routed[0][0], sw):
             raise inputs.error(f"shared expert is stored as {sw.fmt} but the routed experts as {fmt}: shared and routed experts must share one format",
                                sw.weight.info.name)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from runtime.int4 import PACKED_SUFFIX
+from runtime.formats import weight_stored_in
 from runtime.layout import E8M0_DTYPE_CODE, block_scale_tensor, scale_grid, scale_name
 from runtime.safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
@@ -67,8 +67,8 @@ def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
             continue
         if (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale")) if e8m0 else _is_scale_name(name, inputs.tensors):
             continue  # claimed by their weight below; leftovers are checked at the end
-        if name.endswith(PACKED_SUFFIX) and info.dtype == "I32":  # INT4 pack-quantized outside the experts: refused, with why
-            source_weight(inputs, parts, name[: -len(PACKED_SUFFIX)])
+        if (stored_in := weight_stored_in(inputs.tensors, name)) is not None:  # e.g. INT4 outside the experts: refused, with why
+            source_weight(inputs, parts, stored_in)
         m = LAYER_RE.match(name)
         in_decoder = bool(m and m.group("prefix") == arch.layer_prefix and int(m.group("layer")) in decoder_layers)
         rest = m.group("rest") if m else name

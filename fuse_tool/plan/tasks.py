@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from runtime.families import MoEArchitecture
+from runtime.formats import StoredWeight, WeightFormat
 from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, scale_grid
 from runtime.safetensors_io import DTYPE_SIZES, TensorInfo
 
@@ -40,38 +40,29 @@ class Matrix:
 
 
 @dataclass(frozen=True)
-class Int4Facts:
-    """What a pack-quantized INT4 weight needs beyond its packed words and scales (``runtime.int4``): the logical input
-    count, the group size, and the ``weight_shape`` tensor, whose values are checked when the weight is converted."""
-
-    cols: int
-    group: int
-    shape: TensorInfo
-
-
-@dataclass(frozen=True)
 class SourceWeight:
     """One logical 2-D weight in the source and how it is stored.
 
-    ``scale_kind``: None (a float weight), ``"block"`` (128x128 grid, DeepSeek
-    ``weight_scale_inv``, or an F8_E8M0 ``.scale``), ``"channel"`` (``[out, 1]``) or ``"tensor"``
-    (one value), the last two from compressed-tensors ``weight_scale``, ``"mxfp4"`` (``weight``
-    holds packed e2m1 bytes ``[out, in/2]``, ``scale`` the E8M0 bytes ``[out, in/32]``), or ``"int4"``
-    (``weight`` holds compressed-tensors ``weight_packed`` int32 words ``[out, ceil(in/8)]``, ``scale``
-    its ``weight_scale`` ``[out, in/group]``, ``int4`` the rest).
+    ``weight``: its stored values or codes (a packed format stores fewer columns than the weight has inputs),
+    ``scale``: its scales where the format has them, as 2-D views; ``format``: its ``runtime.formats`` module's
+    instance; ``stored``: what the format found (the whole tensor, its companions, the logical inputs).
     """
 
     label: str
     weight: Matrix
-    scale: Matrix | None = None
-    scale_kind: str | None = None
-    int4: Int4Facts | None = None
+    scale: Matrix | None
+    format: WeightFormat
+    stored: StoredWeight
+
+    @property
+    def cols(self) -> int:
+        """The weight's inputs (logical columns)."""
+        return self.stored.cols if self.format.whole_only else self.weight.cols
 
     @property
     def fmt(self) -> str:
-        if self.scale_kind in ("mxfp4", "int4"):
-            return self.scale_kind
-        return f"fp8-{self.scale_kind}" if self.scale_kind else self.weight.dtype
+        """The format's name, or the dtype of a plain float weight."""
+        return self.format.name if self.scale is not None else self.weight.dtype
 
 
 @dataclass(frozen=True)
@@ -127,10 +118,9 @@ class ProjectionTask:
 
     ``mode``: ``"copy"`` (whole tensor, same format: bytes copied), ``"region"`` (bytes of
     whole blocks copied, zero padding added, scales copied), ``"quantize"`` (dequantized to
-    float32 and quantized to FP8 128x128 blocks), ``"mxfp4"`` (MXFP4 converted to FP8 with
-    power-of-two block scales, exact where LAYOUT section 4's rule holds; ``report`` collects
-    the blocks that were not), ``"int4"`` (pack-quantized INT4 dequantized exactly and quantized
-    to FP8 128x128 blocks; ``report`` collects the error). ``scale_dtype``: F32, or F8_E8M0 for a family that stores one-byte scales.
+    float32 and quantized to FP8 128x128 blocks), ``"convert"`` (a whole weight of a format that is never kept,
+    MXFP4 or INT4, converted by its ``runtime.formats`` module, which measures what was not exact).
+    ``scale_dtype``: F32, or F8_E8M0 for a family that stores one-byte scales.
     """
 
     source: SourceWeight
@@ -141,7 +131,6 @@ class ProjectionTask:
     scale: Target | None
     scale_fmt: str = "float"
     scale_dtype: str = "F32"
-    report: Any = field(default=None, compare=False, repr=False)  # an ExactnessReport ("mxfp4") or RequantizationReport ("int4")
 
     @property
     def read_key(self) -> tuple[str, int]:
@@ -150,7 +139,8 @@ class ProjectionTask:
 
     @property
     def kind(self) -> str:
-        return self.mode
+        """The mode, or the source format a ``convert`` task converts (the summary's bytes by kind)."""
+        return self.source.format.name if self.mode == "convert" else self.mode
 
 
 @dataclass(frozen=True)
@@ -240,12 +230,15 @@ class ConversionPlan:
     source_quantization: str
     modules_to_not_convert: list[str]
     notes: list[str] = field(default_factory=list)
-    exactness: Any = None  # the ExactnessReport the MXFP4 conversions fill while the plan runs
-    requantization: Any = None  # the RequantizationReport the INT4 conversions fill while the plan runs
 
-    def tasks_of_mode(self, mode: str) -> int:
-        """How many of the plan's tasks convert with ``mode`` (``"mxfp4"``, ``"int4"``)."""
-        return sum(getattr(t, "mode", None) == mode for s in self.shards for t in s.tasks)
+    def converted_weights(self) -> dict[str, int]:
+        """How many weights the plan converts whole, per source format name (what the measurements should cover)."""
+        out: dict[str, int] = {}
+        for s in self.shards:
+            for t in s.tasks:
+                if getattr(t, "mode", None) == "convert":
+                    out[t.source.format.name] = out.get(t.source.format.name, 0) + 1
+        return out
 
     @property
     def total_size(self) -> int:

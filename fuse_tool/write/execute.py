@@ -26,6 +26,7 @@ from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_VERSION, do
 from ..plan import ConversionPlan, PlannedShard
 from .failures import is_transient, unexpected_error
 from .journal import Journal
+from .measurements import Measured, Measurements
 from .transform import CopyRange, finite_checker, run_task
 from .writer import SHARD_METADATA, ShardWriter, disk_error, fsync_dir, stage_bytes, stage_copy
 
@@ -75,23 +76,26 @@ class ShardPipeline:
                 pass
 
 def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, out_dir: Path, device: str, progress: bool,
-             allow_non_finite: bool, source_id: str) -> list[str]:
+             allow_non_finite: bool, source_id: str) -> tuple[list[str], Measurements]:
+    """Write every shard the journal does not have, then finalize; returns the files written and what the conversions
+    that change a weight's number format measured (those of shards kept by --resume are not measured again)."""
     todo = [s for s in plan.shards if s.filename not in journal.completed]
     source_fds: dict[Path, int] = {}
     bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", disable=not progress)
     bar.update(sum(s.nbytes for s in plan.shards if s.filename in journal.completed))
     journal.save()  # before the first shard: any .done in OUT_DIR belongs to this fingerprint
     pipeline = ShardPipeline(out_dir, journal)
+    measurements = Measurements()
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # the quantizer runs one thread per core itself (transform.strip_pool)
     try:
         for shard in todo:
-            digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite)
+            digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite, measurements)
             pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes, digest)
         pipeline.collect(block=True)
         pipeline.close(salvage=False)
-        return finalize(plan, journal, out_dir, source_id)
+        return finalize(plan, journal, out_dir, source_id, measurements), measurements
     except BaseException as e:
         pipeline.close(salvage=True)
         if isinstance(e, KeyboardInterrupt):
@@ -106,8 +110,10 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         for fd in source_fds.values():
             os.close(fd)
 
-def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool) -> Future:
-    """Write one shard; returns the Future of its sha256 (hashed as written, fsynced on the shard's own thread)."""
+def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool,
+                measurements: Measurements) -> Future:
+    """Write one shard, adding what its conversions measured to ``measurements``; returns the Future of its sha256
+    (hashed as written, fsynced on the shard's own thread)."""
     writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)
     task = None
     try:
@@ -115,6 +121,9 @@ def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: d
             raise AssertionError(f"{shard.filename}: header differs from the plan's")
         for task in shard.tasks:
             for piece in run_task(task, device, allow_non_finite):
+                if isinstance(piece, Measured):
+                    measurements.add(piece)
+                    continue
                 if isinstance(piece, CopyRange):
                     fd = source_fds.get(piece.file)
                     if fd is None:
@@ -149,7 +158,7 @@ def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan, trans
                 "--resume to continue if the source is unchanged, else with --overwrite to start over)")
     return f"{message} ({n} of {len(plan.shards)} shards are complete and kept: rerun with --resume to continue)"
 
-def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) -> list[str]:
+def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, measurements: Measurements) -> list[str]:
     """Stage every small file under a temporary name, then rename everything into place, config.json last.
 
     The manifest lists every file the conversion wrote (shards, copied files, index, config.json) with its size and
@@ -184,8 +193,7 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) 
             "inputs_fingerprint": journal.fingerprint,
             "files": manifest_files,
         }
-        if plan.requantization is not None and (planned := plan.tasks_of_mode("int4")):
-            manifest["requantization"] = plan.requantization.summary(planned)  # INT4 -> FP8: the model card shows it
+        manifest.update(measurements.manifest_entries(plan.converted_weights()))  # INT4 -> FP8: the model card shows it
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, _json(manifest)), out / MANIFEST_NAME))
         config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)

@@ -1,8 +1,9 @@
 """Executing plan tasks: read a bounded piece of source data, transform it, hand it to the writer.
 
 Each task yields ``Write`` (bytes for an output tensor at an offset) or ``CopyRange``
-(bytes to copy straight from a source file, never entering Python). Pieces are at most
-``CHUNK_BYTES`` of source or float32 data, so memory stays bounded whatever the tensor.
+(bytes to copy straight from a source file, never entering Python), and a weight converted by
+its format (``runtime.formats``) a last :class:`~fuse_tool.write.measurements.Measured`. Pieces
+are at most ``CHUNK_BYTES`` of source or float32 data, so memory stays bounded whatever the tensor.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from runtime.fp8 import FLOAT32_TINY, FP8_DTYPE, FP8_MAX, dequantize_block_fp8_rows, quantize_block_fp8, quantize_blocks_, ue8m0_round_up
-from runtime.layout import WEIGHT_BLOCK, scale_grid
+from runtime.errors import CheckpointError
+from runtime.formats import FormatError
+from runtime.fp8 import FLOAT32_TINY, FP8_DTYPE, FP8_MAX, quantize_block_fp8, quantize_blocks_, ue8m0_round_up
+from runtime.layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, scale_grid
+from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
 
 from ..errors import ConversionError
-from runtime.errors import CheckpointError
 from ..plan import CastTask, ConstantTask, CopyTask, Matrix, ProjectionTask, SourceWeight, Task
-from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
+from .measurements import Measured
 
 T = TypeVar("T")
 CHUNK_BYTES = 64 << 20
@@ -50,8 +53,8 @@ class CopyRange:
 Piece = Write | CopyRange
 
 
-def run_task(task: Task, device: str = "cpu", allow_non_finite: bool = False) -> Iterator[Piece]:
-    """The pieces that make up a task's output tensors."""
+def run_task(task: Task, device: str = "cpu", allow_non_finite: bool = False) -> Iterator[Piece | Measured]:
+    """The pieces that make up a task's output tensors (and what a conversion measured, last)."""
     if isinstance(task, CopyTask):
         yield CopyRange(task.target.tensor, task.target.offset, task.source.file, task.source.offset, task.source.nbytes, task.source)
     elif isinstance(task, ProjectionTask):
@@ -71,9 +74,9 @@ def read_matrix_rows_as(info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _read_rows(m: Matrix, r0: int, r1: int) -> torch.Tensor:
-    """Rows ``[r0, r1)`` of a source matrix, in its own dtype."""
+    """Rows ``[r0, r1)`` of a source matrix, in its own dtype (F8_E8M0 codes as uint8, which torch's loader lacks)."""
     buf = read_bytes(m.info, m.offset + r0 * m.row_bytes, (r1 - r0) * m.row_bytes)
-    return bytes_to_tensor(buf, m.dtype, (r1 - r0, m.cols))
+    return bytes_to_tensor(buf, "U8" if m.dtype == E8M0_DTYPE_CODE else m.dtype, (r1 - r0, m.cols))
 
 
 def _read_matrix_f32(m: Matrix) -> torch.Tensor:
@@ -156,14 +159,7 @@ def finite_checker(info: TensorInfo | None):
 
 
 def _dequantized_rows(sw: SourceWeight, r0: int, r1: int, scales: torch.Tensor | None) -> torch.Tensor:
-    raw = _read_rows(sw.weight, r0, r1)
-    if sw.scale_kind is None:
-        return raw.to(torch.float32)
-    if sw.scale_kind == "block":
-        return dequantize_block_fp8_rows(raw, scales, r0)
-    if sw.scale_kind == "channel":
-        return raw.to(torch.float32) * scales.reshape(-1, 1)[r0:r1]
-    return raw.to(torch.float32) * scales.reshape(())
+    return sw.format.dequantize_rows(_read_rows(sw.weight, r0, r1), scales, r0)
 
 
 def _zero_block_scale(scale_fmt: str) -> float:
@@ -188,15 +184,8 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
     if task.mode == "region":
         yield from _region(task, allow_non_finite)
         return
-    if task.mode == "mxfp4":  # MXFP4 source (DeepSeek-V4 experts): fuse_tool/write/mxfp4.py
-        from .mxfp4 import mxfp4_projection
-
-        yield from mxfp4_projection(task, device, allow_non_finite)
-        return
-    if task.mode == "int4":  # INT4 pack-quantized source (Kimi-K2.5 / K2.6 experts): fuse_tool/write/int4.py
-        from .int4 import int4_projection
-
-        yield from int4_projection(task, device, allow_non_finite)
+    if task.mode == "convert":
+        yield from _convert(task, device, allow_non_finite)
         return
     yield from _quantize(task, device, allow_non_finite)
 
@@ -324,7 +313,7 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
     sw, cut = task.source, task.cut
     w = sw.weight
     scales = _read_matrix_f32(sw.scale) if sw.scale is not None else None
-    plain = sw.scale_kind is None and w.dtype in _PLAIN
+    plain = sw.scale is None and w.dtype in _PLAIN
     threaded = plain and device == "cpu"
     step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK, QUANTIZE_CHUNK_BYTES if threaded else CHUNK_BYTES)
     scale_rows: list[torch.Tensor] = []
@@ -370,3 +359,39 @@ def _finish_chunk(task: ProjectionTask, chunk, scale_rows: list) -> Iterator[Pie
         job.result()
     yield Write(task.weight.tensor, task.weight.offset + t0 * task.cut.out_cols, q)
     scale_rows.append(s)
+
+
+def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Write | Measured]:
+    """The FP8 weight and block scales of one whole weight of a format converted by its module (``runtime.formats``:
+    MXFP4, INT4), and what the conversion measured. Read in strips of 128-row multiples, each converted 128 rows at a
+    time on the quantizer's threads (on a GPU in one call), the next strip converting while the last one is written."""
+    sw = task.source
+    fmt, w, s, cols = sw.format, sw.weight, sw.scale, sw.cols
+    try:
+        fmt.check_values(sw.stored, lambda info: bytes_to_tensor(read_bytes(info), info.dtype, info.shape))
+    except FormatError as e:
+        info = next(t for t in (sw.stored.data, sw.stored.scale, *sw.stored.companions) if t is not None and t.name == e.tensor)
+        raise ConversionError(e.message, file=info.file, tensor=info.name) from None
+    step = max(WEIGHT_BLOCK, CHUNK_BYTES // (64 * cols) // WEIGHT_BLOCK * WEIGHT_BLOCK)  # 2 strips of ~16 float32 copies in flight
+
+    def start(r0: int) -> Callable[[], list]:
+        r1 = min(w.rows, r0 + step)
+        scales = _read_rows(s, r0, r1)
+        if not allow_non_finite and (bad := count_non_finite(scales, s.dtype)):
+            raise _non_finite_error(s.info, bad)
+        data, scales = _read_rows(w, r0, r1).to(device), scales.to(device)
+        return start_on_strips(lambda a, b: fmt.to_fp8_rows(data[a:b], scales[a:b], sw.stored, task.scale_fmt), r1 - r0, device)
+
+    starts = list(range(0, w.rows, step))
+    scale_rows, measured = [], fmt.measurement()
+    pending = start(starts[0]) if starts else None
+    for i, r0 in enumerate(starts):
+        following = start(starts[i + 1]) if i + 1 < len(starts) else None
+        parts = pending()
+        yield Write(task.weight.tensor, task.weight.offset + r0 * cols, torch.cat([q.cpu() for q, _, _ in parts]))
+        scale_rows += [scale.cpu() for _, scale, _ in parts]
+        for _, _, m in parts:
+            measured.merge(m)
+        pending = following
+    yield Write(task.scale.tensor, task.scale.offset, torch.cat(scale_rows))
+    yield Measured(task.weight.tensor, fmt, measured)

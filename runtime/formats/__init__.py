@@ -17,10 +17,12 @@ from .base import (
     WeightFormat,
     combined_weights,
     format_named,
+    has_weight,
     recognise,
     register,
     stored_weight,
+    weight_stored_in,
 )
 
 __all__ = ["REGISTRY", "BlockExactness", "FormatError", "RequantizationError", "StoredWeight", "TensorSource", "WeightFormat",
-           "combined_weights", "format_named", "recognise", "register", "stored_weight"]
+           "combined_weights", "format_named", "has_weight", "recognise", "register", "stored_weight", "weight_stored_in"]

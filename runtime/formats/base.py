@@ -109,6 +109,7 @@ class WeightFormat:
     keeps_blocks: ClassVar[bool] = False  # already FP8 128x128 blocks: bytes (and scales) copied into an FP8 output
     whole_only: ClassVar[bool] = False  # converted whole by to_fp8_rows, never cut or kept
     fp8_scale_dtype: ClassVar[str] = "F32"  # the dtype of the block scales to_fp8_rows makes
+    measurement: ClassVar[type | None] = None  # what to_fp8_rows measures: BlockExactness or RequantizationError
     scale_layout: ClassVar[str] = "grid"  # one scale row per "grid" row of the scale tensor, "row" per weight row, "one"
 
     def matches(self, tensors: Mapping[str, TensorInfo], name: str) -> bool:
@@ -138,6 +139,10 @@ class WeightFormat:
 
     def check_values(self, stored: StoredWeight, read) -> None:
         """Check what the headers cannot say (``read(info)`` gives a tensor as stored) before converting."""
+
+    def weight_stored_in(self, tensors: Mapping[str, TensorInfo], name: str) -> str | None:
+        """The weight that tensor ``name`` stores part of, where this format stores a weight under other names."""
+        return None
 
     def to_fp8_rows(self, data: torch.Tensor, scales: torch.Tensor, stored: StoredWeight, scale_fmt: str
                     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -185,6 +190,17 @@ def stored_weight(tensors: Mapping[str, TensorInfo], name: str, expect: tuple[in
         raise FormatError(f"is an FP8 weight without its scale (expected {name + '_scale_inv'!r} or {name + '_scale'!r})", name)
     raise FormatError(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
                       name)
+
+
+def has_weight(tensors: Mapping[str, TensorInfo], name: str) -> bool:
+    """Whether weight ``name`` is stored, under its own name or as a format's parts (an INT4 ``weight_packed``)."""
+    return name in tensors or recognise(tensors, name) is not None
+
+
+def weight_stored_in(tensors: Mapping[str, TensorInfo], name: str) -> str | None:
+    """The weight that tensor ``name`` is a part of, where a format stores a weight under other names (INT4's
+    ``X.weight_packed`` -> ``X.weight``); None for any other tensor."""
+    return next((w for f in REGISTRY if (w := f.weight_stored_in(tensors, name)) is not None), None)
 
 
 def combined_weights(tensors: Mapping[str, TensorInfo]) -> dict[str, tuple[str, ...]]:

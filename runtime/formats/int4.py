@@ -24,9 +24,14 @@ class Int4PackQuantized(WeightFormat):
     label = "INT4"
     description = "int4 pack-quantized (compressed-tensors)"
     whole_only = True
+    measurement = RequantizationError
 
     def matches(self, tensors, name):
         return name not in tensors and name + PACKED_SUFFIX in tensors
+
+    def weight_stored_in(self, tensors, name):
+        info = tensors[name]
+        return name[: -len(PACKED_SUFFIX)] if name.endswith(PACKED_SUFFIX) and info.dtype == "I32" else None
 
     def combined(self, tensors) -> dict[str, tuple[str, ...]]:
         """Every complete triple (I32 ``weight_packed`` beside its ``weight_scale`` and ``weight_shape``)."""

@@ -24,6 +24,7 @@ class MXFP4(WeightFormat):
     description = "mxfp4 (e2m1 codes, E8M0 scales per 32 inputs)"
     whole_only = True
     fp8_scale_dtype = E8M0_DTYPE_CODE
+    measurement = BlockExactness
 
     def matches(self, tensors, name):
         info = tensors.get(name)
