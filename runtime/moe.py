@@ -23,11 +23,10 @@ import torch
 from ._backend import resolve_backend
 from .checkpoint import ModelFolder
 from .families import router_tensor_names
+from .formats.fp8_block import read_block_scales
 from .fp8 import FP8_DTYPE
-from .layout import ACTIVATIONS, E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
-from .mxfp4 import e8m0_to_float
+from .layout import ACTIVATIONS, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
 from .routing import RoutingConfig, check_hash_table, route
-from .safetensors_io import bytes_to_tensor, read_bytes
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -89,12 +88,6 @@ class ExpertWeights:
                 raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
             setattr(self, name, t.contiguous())
 
-    # The peer benchmark harness (shared/peers, vLLM's naming) reads these names.
-    w13 = property(lambda self: self.gate_up, doc="The same as :attr:`gate_up` (vLLM's name).")
-    w2 = property(lambda self: self.down, doc="The same as :attr:`down` (vLLM's name).")
-    w13_scale = property(lambda self: self.gate_up_scale, doc="The same as :attr:`gate_up_scale`.")
-    w2_scale = property(lambda self: self.down_scale, doc="The same as :attr:`down_scale`.")
-
     @property
     def num_expert_slots(self) -> int:
         """E routed + S shared experts: the number of expert slots the kernels index."""
@@ -150,10 +143,7 @@ class _Checkpoint(ModelFolder):
 
     def scale(self, name: str, device) -> torch.Tensor:
         """A block scale as float32: float32 ``_scale_inv`` as stored, E8M0 bytes as ``2^(b-127)`` (DeepSeek-V4)."""
-        info = self._info(name)
-        if info.dtype != E8M0_DTYPE_CODE:
-            return self.get(name, device)
-        return e8m0_to_float(bytes_to_tensor(read_bytes(info), "U8", info.shape)).to(device)
+        return read_block_scales(self._info(name), device)
 
     def experts(self, layer: int, device) -> ExpertWeights:
         names = self.names(layer)

@@ -2,11 +2,13 @@
 ``runtime.families``).
 
 Adding a format means adding one module here (a :class:`WeightFormat` subclass decorated with ``@register``) and its
-tests; the planner, the writer, the loaders and ``verify`` ask :func:`recognise` / :func:`stored_weight`. The order
-below is the order of recognition: formats known by a companion's name before those known by dtype alone.
+tests; the planner, the writer, the loaders and ``verify`` ask :func:`recognise` / :func:`stored_weight`. Formats
+claim disjoint sets of tensors (dtypes, companion names and shapes), so no order among them matters.
 """
 
-from . import int4, plain_float, mxfp4, mxfp8, fp8_block, fp8_channel  # noqa: F401  (registration order)
+import importlib
+import pkgutil
+
 from .base import (
     REGISTRY,
     BlockExactness,
@@ -23,6 +25,11 @@ from .base import (
     stored_weight,
     weight_stored_in,
 )
+
+# Importing a format module registers it: every module in this folder but base is a format.
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["REGISTRY", "BlockExactness", "FormatError", "RequantizationError", "StoredWeight", "TensorSource", "WeightFormat",
            "combined_weights", "format_named", "has_weight", "recognise", "register", "stored_weight", "weight_stored_in"]

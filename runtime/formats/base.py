@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Mapping, Protocol
 
 import torch
 
-from ..layout import E8M0_DTYPE_CODE, e8m0_scale_name
+from ..layout import E8M0_DTYPE_CODE, e8m0_scale_name, scale_name
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -155,8 +155,7 @@ REGISTRY: list[WeightFormat] = []
 
 
 def register(cls: type[WeightFormat]) -> type[WeightFormat]:
-    """Class decorator: the format's instance joins the registry (recognised in registration order, which the
-    package fixes: a format keyed by a companion before one keyed by dtype alone)."""
+    """Class decorator: the format's instance joins the registry."""
     if any(f.name == cls.name for f in REGISTRY):
         raise ValueError(f"weight format {cls.name!r} is registered twice")
     REGISTRY.append(cls())
@@ -171,8 +170,12 @@ def format_named(name: str) -> WeightFormat:
 
 
 def recognise(tensors: Mapping[str, TensorInfo], name: str) -> WeightFormat | None:
-    """The format of weight ``name`` (None when no format claims its tensors)."""
-    return next((f for f in REGISTRY if f.matches(tensors, name)), None)
+    """The format of weight ``name`` (None when no format claims its tensors). Formats claim disjoint sets of
+    tensors, so the registry's order does not matter; two claims are a bug in a format module."""
+    found = [f for f in REGISTRY if f.matches(tensors, name)]
+    if len(found) > 1:
+        raise AssertionError(f"{name}: claimed by the weight formats {[f.name for f in found]}")
+    return found[0] if found else None
 
 
 def stored_weight(tensors: Mapping[str, TensorInfo], name: str, expect: tuple[int, ...] | None = None,
@@ -222,6 +225,15 @@ def input_scale(tensors: Mapping[str, TensorInfo], name: str) -> tuple[TensorInf
     """A compressed-tensors ``input_scale`` beside the weight (a static activation scale): read with it, not used."""
     cand = name[: -len("weight")] + "input_scale" if name.endswith("weight") else None
     return (tensors[cand],) if cand and cand in tensors else ()
+
+
+def group_scale_inv(tensors: Mapping[str, TensorInfo], name: str) -> TensorInfo | None:
+    """An MXFP8 ``weight_scale_inv``: U8 / F8_E8M0, one power-of-two scale per 1x32 group of inputs, or None."""
+    info, s = tensors.get(name), tensors.get(scale_name(name))
+    if info is None or s is None or len(info.shape) < 2 or s.dtype not in ("U8", E8M0_DTYPE_CODE):
+        return None
+    lead, (rows, cols) = info.shape[:-2], info.shape[-2:]
+    return s if s.shape == (*lead, rows, -(-cols // 32)) else None
 
 
 def is_channel_shape(shape: tuple[int, ...], lead: tuple[int, ...], rows: int) -> bool:

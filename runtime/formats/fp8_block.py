@@ -9,10 +9,11 @@ import math
 import torch
 
 from ..fp8 import dequantize_block_fp8, dequantize_block_fp8_rows
-from ..layout import STACKED_FORMS, WEIGHT_BLOCK, scale_grid, scale_name
+from ..layout import E8M0_DTYPE_CODE, STACKED_FORMS, WEIGHT_BLOCK, scale_grid, scale_name
 from ..mxfp4 import e8m0_to_float
-from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE
-from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, input_scale, is_channel_shape,
+from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo, bytes_to_tensor, read_bytes
+from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, group_scale_inv, input_scale,
+                   is_channel_shape,
                    register)
 
 _STACKED_GATE_UP = tuple(form[0] for form in STACKED_FORMS.values())  # stacked gate_up tensors, by every stacked form's name
@@ -27,6 +28,13 @@ def ct_block_scale(tensors, name, info):
     return s if s.shape == (*lead, *scale_grid(rows, cols)) else None
 
 
+def read_block_scales(info: TensorInfo, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A block-scale tensor as float32: float32 as stored, F8_E8M0 bytes as ``2^(b-127)`` (DeepSeek-V4)."""
+    if info.dtype == E8M0_DTYPE_CODE:
+        return e8m0_to_float(bytes_to_tensor(read_bytes(info), "U8", info.shape)).to(device)
+    return bytes_to_tensor(read_bytes(info), info.dtype, info.shape).to(device=device, dtype=torch.float32)
+
+
 @register
 class FP8Block(WeightFormat):
     name = "fp8-block"
@@ -37,7 +45,11 @@ class FP8Block(WeightFormat):
         info = tensors.get(name)
         if info is None or info.dtype not in FP8_CODES or len(info.shape) < 2:
             return False
-        return e8m0_scale(tensors, name) is not None or scale_name(name) in tensors or ct_block_scale(tensors, name, info) is not None
+        if e8m0_scale(tensors, name) is not None:
+            return True
+        if scale_name(name) in tensors:
+            return group_scale_inv(tensors, name) is None  # else MXFP8
+        return ct_block_scale(tensors, name, info) is not None
 
     def stored(self, tensors, name, expect=None, group=None):
         info = tensors[name]
@@ -71,7 +83,7 @@ class FP8Block(WeightFormat):
         t = source.get(name).to(device)
         e8m0 = e8m0_scale(source.tensors, name)
         if e8m0 is not None:
-            return dequantize_block_fp8(t, e8m0_to_float(source.e8m0_bytes(e8m0.name)).to(device)).to(dtype)
+            return dequantize_block_fp8(t, read_block_scales(e8m0, device)).to(dtype)
         s = source.get(scale_name(name) if scale_name(name) in source.tensors else name + "_scale").to(device)
         if name.endswith(_STACKED_GATE_UP) and t.dim() == 3 and s.shape[-2] % 2 == 0:
             # Stacked gate_up: the gate's grid then the up's, each half with its own block origin.

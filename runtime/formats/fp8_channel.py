@@ -9,7 +9,10 @@ import torch
 
 from ..layout import scale_grid
 from ..safetensors_io import FLOAT_DTYPES
-from .base import FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, input_scale, is_channel_shape, register
+from ..layout import scale_name
+from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, input_scale, is_channel_shape,
+                   register)
+from .fp8_block import ct_block_scale
 
 
 class _CompressedTensorsFP8(WeightFormat):
@@ -19,6 +22,8 @@ class _CompressedTensorsFP8(WeightFormat):
         info = tensors.get(name)
         if info is None or info.dtype not in FP8_CODES or len(info.shape) < 2 or name + "_scale" not in tensors:
             return False
+        if e8m0_scale(tensors, name) is not None or scale_name(name) in tensors or ct_block_scale(tensors, name, info) is not None:
+            return False  # FP8 blocks (or MXFP8) first, as their scales say
         return self._claims(tensors[name + "_scale"].shape, info.shape[:-2], info.shape[-2])
 
     def stored(self, tensors, name, expect=None, group=None):
@@ -55,7 +60,7 @@ class FP8Tensor(_CompressedTensorsFP8):
     scale_layout = "one"
 
     def _claims(self, shape, lead, rows):
-        return True  # after per-channel and block shapes: one value, or a shape stored() refuses
+        return not is_channel_shape(shape, lead, rows)  # one value, or a shape stored() refuses
 
     def stored(self, tensors, name, expect=None, group=None):
         stored = super().stored(tensors, name, expect, group)

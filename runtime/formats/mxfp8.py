@@ -9,10 +9,7 @@ import torch
 from ..layout import scale_grid, scale_name
 from ..mxfp4 import MX_GROUP, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
-from .base import FP8_CODES, FormatError, WeightFormat, register
-
-SCALE_DTYPES = ("U8", "F8_E8M0")
-
+from .base import FP8_CODES, FormatError, WeightFormat, e8m0_scale, group_scale_inv, register
 
 @register
 class MXFP8(WeightFormat):
@@ -20,11 +17,9 @@ class MXFP8(WeightFormat):
     label = "MXFP8"
 
     def matches(self, tensors, name):
-        info, s = tensors.get(name), tensors.get(scale_name(name))
-        if info is None or s is None or info.dtype not in FP8_CODES or len(info.shape) < 2 or s.dtype not in SCALE_DTYPES:
-            return False
-        lead, (rows, cols) = info.shape[:-2], info.shape[-2:]
-        return s.shape == (*lead, rows, -(-cols // MX_GROUP))
+        info = tensors.get(name)
+        return (info is not None and info.dtype in FP8_CODES and e8m0_scale(tensors, name) is None
+                and group_scale_inv(tensors, name) is not None)
 
     def stored(self, tensors, name, expect=None, group=None):
         info, s = tensors[name], tensors[scale_name(name)]
