@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,12 +29,9 @@ from ..errors import HubError, VerifyError
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_CARD_NAME
 from .model_card import human_bytes, render_model_card
 from .timeouts import bound_hub_requests
-from ..verify.integrity import (
-    CheckedOutput,
-    check_output,
-    list_checkpoint_files,
-    sha256_file,
-)
+from ..durable import sha256_file, write_atomically
+from ..manifest import Manifest
+from ..verify.integrity import CheckedOutput, check_output, list_checkpoint_files
 
 # What conversion needs from a source repo: weights and index, config / generation config /
 # tokenizer JSON, other tokenizer formats, chat templates, and code for trust_remote_code configs.
@@ -302,24 +298,9 @@ def resolve_model_source(
 # ----------------------------------------------------------------------------- upload
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _expected_sha256(out_dir: Path, rel: str, size: int, manifest: dict | None) -> str:
+def _expected_sha256(out_dir: Path, rel: str, size: int, manifest: Manifest | None) -> str:
     """sha256 of a local file: from the converter's manifest when it records this file at this size, else computed."""
-    entry = ((manifest or {}).get("files") or {}).get(rel)
-    if isinstance(entry, dict) and entry.get("sha256") and int(entry.get("size", -1)) == size:
-        return str(entry["sha256"]).lower()
-    return sha256_file(out_dir / rel)
+    return (manifest.sha256_of(rel, size) if manifest is not None else None) or sha256_file(out_dir / rel)
 
 
 def verify_remote(
@@ -329,7 +310,7 @@ def verify_remote(
     files: dict[str, int],
     *,
     revision: str | None,
-    manifest: dict | None,
+    manifest: Manifest | None,
     token: str | None,
 ) -> tuple[list[str], list[str]]:
     """Compare remote files with local ones: size always, sha256 for LFS files, git blob id for the others.
@@ -421,7 +402,7 @@ def push_checkpoint(
 
     if write_card:
         card = render_model_card(checked, repo_id=repo_id, base_model=base_model, revision=revision)
-        _write_atomically(root / MODEL_CARD_NAME, card)
+        write_atomically(root / MODEL_CARD_NAME, card.encode())
         say(f"wrote model card {root / MODEL_CARD_NAME}")
     files = list_checkpoint_files(root)
 

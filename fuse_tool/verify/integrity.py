@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -37,10 +36,14 @@ from runtime.layout import (
 )
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, open_regular, read_header, read_small_file
 
+from ..durable import sha256_file
+from ..manifest import Manifest, ManifestError, is_file_entry
 from ..errors import FuseSharedError, VerifyError
 from ..source.checkpoint import Containment
+from ..write.out_dir import output_locked
 from ..files import (
     CONFIG_NAME, DONE_SUFFIX, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION, PARTIAL_SUFFIX, SINGLE_NAME,
+    is_unfinished_write_name,
 )
 
 # Folders that are never part of a checkpoint (huggingface_hub keeps upload state in .cache/huggingface).
@@ -59,7 +62,7 @@ class CheckedOutput:
     total_size: int  # sum of tensor bytes, equal to the index's metadata.total_size
     index_file: str | None  # INDEX_NAME, or None for a single model.safetensors
     moe_layers: dict[int, ExpertTensorNames]
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
     files: dict[str, int] = field(default_factory=dict)  # every file of the folder (posix relpath) -> size
     tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
     files_checked: int = 0  # files the manifest lists, found with their sizes (and sha256 with checksums)
@@ -106,15 +109,6 @@ def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
     return files
 
 
-def is_temporary_name(name: str) -> bool:
-    """A file left by an unfinished write: ``.<name>.tmp...``, ``.<name>.partial``, ``.<name>.done``,
-    the converter's lock or resume journal, ``*.incomplete``."""
-    base = name.rsplit("/", 1)[-1]
-    if base in (LOCK_NAME, JOURNAL_NAME) or base.endswith(".incomplete"):
-        return True
-    return base.startswith(".") and (".tmp" in base or base.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)))
-
-
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse a safetensors header without reading tensor data.
 
@@ -136,8 +130,6 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
 
 
 def _check_not_in_progress(root: Path) -> None:
-    from ..convert import output_locked
-
     if output_locked(root):
         raise _fail("a fuse-shared convert is writing into this folder right now", root)
     if (root / JOURNAL_NAME).exists():
@@ -226,20 +218,17 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
         raise _fail(f"MoE layer {layer}: experts are stored in more than one dtype ({sorted(dtypes)})", INDEX_NAME, names.experts_prefix)
 
 
-def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dict, dict[str, dict], list[str]]:
+def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Manifest, dict[str, dict], list[str]]:
     """The manifest's entries, checked: every file it must list is listed with a size and sha256, every listed file is a
     regular file of that size. Returns the manifest, its entries and the names to hash (the shards first)."""
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise _fail(f"no {MANIFEST_NAME}: not written by fuse-shared convert, or the conversion did not finish", root)
     try:
-        manifest = json.loads(read_small_file(path, "a fuse-shared manifest"))
-        files = manifest["files"]
-        if not isinstance(files, dict):
-            raise TypeError("files is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+        manifest = Manifest.load(root)
+    except (OSError, ManifestError) as e:
         raise _fail(f"not a valid manifest ({e})", path) from None
-    version = manifest.get("manifest_version", 1)
+    files, version = manifest.files, manifest.version
     if version not in (1, MANIFEST_VERSION):
         raise _fail(f"manifest_version {version!r}: this fuse-shared reads versions 1 and {MANIFEST_VERSION}", path)
     if version == 1 and checksums:
@@ -249,7 +238,7 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dic
     required = list(shards) + ([CONFIG_NAME, INDEX_NAME] if version == MANIFEST_VERSION else [])
     for name in required:
         entry = files.get(name)
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+        if not is_file_entry(entry):
             raise _fail(f"the file is not listed in {MANIFEST_NAME} with a size and sha256 (expected every file the conversion wrote)",
                        root / name)
     listed = list(shards) + sorted(set(files) - set(shards))
@@ -258,7 +247,7 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dic
         entry = files[name]
         if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name):
             raise _fail(f"lists {name!r}, which is not a file name in the output folder", path)
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+        if not is_file_entry(entry):
             raise _fail(f"the entry for {name!r} is {entry!r}, expected {{size: a whole number of bytes, sha256: a hex digest}}", path)
         p = root / name
         outside = inside.target(p) if p.is_symlink() else None
@@ -269,23 +258,6 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[dic
         if size != entry["size"]:
             raise _fail(f"size {size} differs from {entry['size']} recorded in {MANIFEST_NAME}", p)
     return manifest, files, listed
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
-    h = hashlib.sha256()
-    with open_regular(path, "a file of the checkpoint") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _sha256(path: Path, bar) -> str:
-    h = hashlib.sha256()
-    with open_regular(path, "a safetensors file", buffering=0) as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-            bar.update(len(chunk))
-    return h.hexdigest()
 
 
 def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progress: bool = False,
@@ -309,7 +281,7 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
     _check_not_in_progress(root)
     files = list_checkpoint_files(root)
     for name in files:
-        if is_temporary_name(name):
+        if is_unfinished_write_name(name):
             raise _fail(f"{root / name}: leftover temporary file (the conversion did not finish, or is still running)")
 
     config = _load_json(root / CONFIG_NAME, CONFIG_NAME)
@@ -393,7 +365,7 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
                    disable=not progress)
         try:
             for name in to_hash:
-                got, want = _sha256(root / name, bar), entries[name]["sha256"]
+                got, want = sha256_file(root / name, "a safetensors file", on_chunk=bar.update), entries[name]["sha256"]
                 if got != want:
                     raise _fail(f"sha256 {got} differs from {want} recorded in {MANIFEST_NAME}: the file is damaged or was edited", root / name)
                 hashed += entries[name]["size"]

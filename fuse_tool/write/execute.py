@@ -11,7 +11,6 @@ with config.json is complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from concurrent.futures import Future
@@ -22,13 +21,15 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import ConversionError, FuseSharedError
-from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_VERSION, done_name, partial_name
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, done_name, partial_name
+from ..manifest import Manifest
 from ..plan import ConversionPlan, PlannedShard
 from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .measurements import Measured, Measurements
 from .transform import CopyRange, finite_checker, run_task
-from .writer import SHARD_METADATA, ShardWriter, disk_error, fsync_dir, stage_bytes, stage_copy
+from ..durable import disk_error, fsync_dir, sha256_bytes, stage_bytes, stage_copy
+from .writer import SHARD_METADATA, ShardWriter
 
 class ShardPipeline:
     """Each shard is hashed while it is written and fsynced on its own thread (ShardWriter); once its
@@ -180,22 +181,12 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
             manifest_files[p.name] = _file_entry(tmp.read_bytes())
         manifest_files[INDEX_NAME] = _file_entry(index_bytes)
         manifest_files[CONFIG_NAME] = _file_entry(config_bytes)
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "converter_version": __version__,
-            "source": source_id,
-            "options": {
-                "precision": plan.options.precision,
-                "other_linear": plan.options.other_linear,
-                "scale_fmt": plan.scale_fmt,
-                "max_shard_size": plan.options.max_shard_size,
-            },
-            "inputs_fingerprint": journal.fingerprint,
-            "files": manifest_files,
-        }
-        manifest.update(measurements.manifest_entries(plan.converted_weights()))  # INT4 -> FP8: the model card shows it
+        options = {"precision": plan.options.precision, "other_linear": plan.options.other_linear, "scale_fmt": plan.scale_fmt,
+                   "max_shard_size": plan.options.max_shard_size}
+        manifest = Manifest(manifest_files, __version__, source_id, options, journal.fingerprint,
+                            measurements=measurements.manifest_entries(plan.converted_weights()))  # the model card shows them
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
-        staged.append((stage_bytes(out / MANIFEST_NAME, _json(manifest)), out / MANIFEST_NAME))
+        staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump()), out / MANIFEST_NAME))
         config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)
     except BaseException:
         for tmp, _ in staged:
@@ -219,7 +210,7 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
     return [s.filename for s in plan.shards] + [p.name for p in others] + [INDEX_NAME, MANIFEST_NAME, CONFIG_NAME]
 
 def _file_entry(data: bytes) -> dict:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size": len(data), "sha256": sha256_bytes(data)}
 
 def _json(obj) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode()

@@ -37,20 +37,16 @@ from runtime.layout import LAYOUT_VERSION
 from .. import __version__
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, partial_name
 from ..errors import ConversionError
-from .writer import fsync_dir
+from ..durable import fsync_dir, sha256_bytes, write_atomically
 
 JOURNAL_VERSION = 2  # 2: data-page samples in the inputs, ``outputs``
 PAGE = 4096
 SAMPLE_PAGES = 8  # pages hashed per source file, evenly spread over its data
 
 
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _file_sha256(path: Path) -> str | None:
     try:
-        return _sha256_bytes(path.read_bytes())
+        return sha256_bytes(path.read_bytes())
     except OSError:
         return None
 
@@ -80,7 +76,7 @@ def _source_file_facts(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        facts["header_sha256"] = _sha256_bytes(head + f.read(min(n, max(0, st.st_size - 8))))
+        facts["header_sha256"] = sha256_bytes(head + f.read(min(n, max(0, st.st_size - 8))))
         facts["pages_sha256"] = _sampled_pages(f, min(8 + n, st.st_size), st.st_size)
     real = path.resolve()
     if real != path.absolute() and real.parent.name == "blobs":
@@ -126,7 +122,7 @@ def conversion_inputs(plan, headers: dict[str, bytes], device: str) -> dict[str,
 
 
 def fingerprint(inputs: dict[str, Any]) -> str:
-    return _sha256_bytes(json.dumps(inputs, sort_keys=True).encode())
+    return sha256_bytes(json.dumps(inputs, sort_keys=True).encode())
 
 
 _LABELS = {
@@ -224,7 +220,7 @@ class Journal:
             "inputs": self.inputs,
             "outputs": self.outputs,
         }
-        _write_durably(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+        write_atomically(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
 
     @staticmethod
     def written_names(path: Path) -> set[str] | None:
@@ -246,24 +242,3 @@ class Journal:
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
         fsync_dir(self.path.parent)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    from .writer import disk_error  # writer imports plan; keep this module light
-
-    tmp = path.with_name(partial_name(path.name))
-    try:
-        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(e, path) from None
-    fsync_dir(path.parent)
-

@@ -30,7 +30,8 @@ from ..errors import ConversionError
 from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION, done_name, is_temporary_name, partial_name
 from ..plan import ConversionPlan, PlannedShard
 from .journal import Journal, describe_difference, fingerprint
-from .writer import disk_error, sync_and_hash
+from ..durable import disk_error, sha256_file
+from ..manifest import Manifest
 
 SPACE_MARGIN = 64 << 20
 
@@ -180,7 +181,7 @@ def prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes], 
             if name not in kept and done.is_file() and not done.is_symlink():
                 size = len(headers[name]) + shard.nbytes
                 if done.stat().st_size == size:
-                    digest = sync_and_hash(done)
+                    digest = sha256_file(done, "a shard of this conversion", fsync=True)
                     if intact(out, shard, headers[name], {"size": size}):
                         kept[name] = {"size": size, "sha256": digest}
     keep_temp = {done_name(n) for n in kept}
@@ -199,23 +200,17 @@ def previous_output(out: Path) -> tuple[set[str], bool, bool]:
     complete (older manifests listed only shards), whether any manifest or journal was found)."""
     names: set[str] = set()
     complete, found = True, False
-    mpath = out / MANIFEST_NAME
-    if mpath.is_file() and not mpath.is_symlink():
-        try:
-            manifest = json.loads(mpath.read_text())
-            files = manifest["files"] if isinstance(manifest, dict) else None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, RecursionError):
-            files = None
-        if isinstance(files, dict) and isinstance(manifest.get("converter_version"), str):
-            bad = [n for n in files if not _plain_name(n) or n == MANIFEST_NAME]
-            if bad:
-                raise ConversionError(f"lists {bad[0]!r}, which is not a file of OUT_DIR: not a manifest fuse-shared wrote; "
-                                      "remove it or choose another output folder", file=mpath)
-            found = True
-            names |= set(files) | {MANIFEST_NAME}
-            if manifest.get("manifest_version", 1) != MANIFEST_VERSION:  # listed only the shards; config, index and copies were not listed
-                complete = False
-                names |= {CONFIG_NAME, INDEX_NAME}
+    manifest = Manifest.load_lenient(out)
+    if manifest is not None and isinstance(manifest.converter_version, str):
+        bad = [n for n in manifest.files if not _plain_name(n) or n == MANIFEST_NAME]
+        if bad:
+            raise ConversionError(f"lists {bad[0]!r}, which is not a file of OUT_DIR: not a manifest fuse-shared wrote; "
+                                  "remove it or choose another output folder", file=out / MANIFEST_NAME)
+        found = True
+        names |= set(manifest.files) | {MANIFEST_NAME}
+        if manifest.version != MANIFEST_VERSION:  # listed only the shards; config, index and copies were not listed
+            complete = False
+            names |= {CONFIG_NAME, INDEX_NAME}
     jpath = out / JOURNAL_NAME
     if jpath.is_file() and not jpath.is_symlink():
         written = Journal.written_names(jpath)
@@ -262,21 +257,15 @@ def load_journal_quietly(path: Path) -> Journal | None:
 
 def completed_from_manifest(out: Path, inputs: dict) -> dict[str, dict] | None:
     """A finished (or almost finished) conversion: its manifest's files, if it was made from these inputs."""
-    path = out / MANIFEST_NAME
-    if not path.is_file():
+    manifest = Manifest.load_lenient(out)
+    if manifest is None:
         return None
-    try:
-        manifest = json.loads(path.read_text())
-        recorded = manifest["files"]
-        fp = manifest.get("inputs_fingerprint")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        return None
-    if fp != fingerprint(inputs):
+    if manifest.inputs_fingerprint != fingerprint(inputs):
         raise ConversionError(
             "cannot resume: OUT_DIR holds a finished conversion of other inputs or options; pass --overwrite to replace it",
             file=out,
         )
-    return {k: v for k, v in recorded.items() if isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)}
+    return manifest.entries()
 
 def intact(out: Path, shard: PlannedShard, header: bytes, entry: dict) -> bool:
     """A journalled shard is kept if its file (still .done, or already renamed) has the recorded size and the planned header."""

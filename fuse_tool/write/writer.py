@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..durable import disk_error, write_all
 from ..errors import ConversionError
-from ..files import partial_name
 from ..plan import OutputTensor, PlannedShard
 from runtime.safetensors_io import build_header
 
@@ -271,95 +271,3 @@ def _reserve(fd: int, size: int, path: Path) -> None:
                 raise disk_error(e2, path) from None
         else:
             raise disk_error(e, path) from None
-
-
-def disk_error(e: OSError, path: Path) -> ConversionError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        what = "no space left on the device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        return ConversionError(f"{what}; free some space and rerun with --resume (completed shards are kept)", file=path)
-    if e.errno == errno.EROFS:
-        return ConversionError("the output folder is on a read-only file system", file=path)
-    return ConversionError(f"write failed: {e.strerror or e}", file=path)
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def stage_bytes(path: Path, data: bytes) -> Path:
-    """Write a small file as ``.NAME.partial`` and fsync it; the caller renames it into place."""
-    tmp = path.with_name(partial_name(path.name))
-    try:
-        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(e, path) from None
-    return tmp
-
-
-def stage_copy(src: Path, path: Path) -> Path:
-    """Copy ``src`` (following symlinks, e.g. into a Hub cache's blobs) to ``.NAME.partial`` and fsync it."""
-    tmp = path.with_name(partial_name(path.name))
-    try:
-        sfd = os.open(src, os.O_RDONLY)
-    except OSError as e:
-        raise ConversionError(f"cannot read: {e.strerror or e}", file=src) from None
-    try:
-        try:
-            dfd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
-        except OSError as e:
-            raise disk_error(e, path) from None
-        try:
-            while True:
-                try:
-                    chunk = os.read(sfd, 16 << 20)
-                except OSError as e:
-                    raise ConversionError(f"read failed: {e.strerror or e}", file=src) from None
-                if not chunk:
-                    break
-                try:
-                    _write_all(dfd, chunk)
-                except OSError as e:
-                    raise disk_error(e, path) from None
-            try:
-                os.fsync(dfd)
-            except OSError as e:
-                raise disk_error(e, path) from None
-        except BaseException:
-            os.close(dfd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(dfd)
-    finally:
-        os.close(sfd)
-    return tmp
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def sync_and_hash(path: Path) -> str:
-    """Flush a finished shard to disk and return its sha256; runs on the pipeline's thread."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        os.fsync(f.fileno())
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()

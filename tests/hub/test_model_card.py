@@ -10,6 +10,7 @@ import yaml
 
 from checkpoints import write_converted_checkpoint
 from fuse_tool.hub.model_card import base_model_from_manifest, render_model_card
+from fuse_tool.manifest import Manifest
 from fuse_tool.verify.integrity import check_output
 
 
@@ -32,13 +33,13 @@ def _meta(card: str) -> dict:
     ],
 )
 def test_base_model_from_manifest(source, expected):
-    assert base_model_from_manifest({"source": source}) == expected
+    assert base_model_from_manifest(Manifest({}, source=source)) == expected
 
 
 def test_existing_local_folder_is_not_a_base_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "dsv3").mkdir(parents=True)
-    assert base_model_from_manifest({"source": "models/dsv3"}) is None
+    assert base_model_from_manifest(Manifest({}, source="models/dsv3")) is None
 
 
 def test_card_fields(converted):
@@ -55,7 +56,7 @@ def test_card_fields(converted):
     assert 'snapshot_download("alice/tiny-fused")' in card
     assert "from_fused_pretrained(path)" in card and "from runtime import FusedSharedMoE" in card
     assert "cannot load this checkpoint" in card
-    for k, v in checked.manifest["options"].items():
+    for k, v in checked.manifest.options.items():
         assert f"| {k} | {v} |" in card
 
 

@@ -53,7 +53,7 @@ def test_complete_checkpoint(converted):
     assert c.block.num_expert_slots == E + S
     assert set(c.moe_layers) == {1}
     assert c.total_size == json.loads((converted / INDEX).read_text())["metadata"]["total_size"]
-    assert c.manifest["source"] == "deepseek-ai/Tiny-MoE"
+    assert c.manifest.source == "deepseek-ai/Tiny-MoE"
     assert SHARD1 in c.files and MANIFEST_NAME in c.files
     assert c.weight_map["lm_head.weight"] == SHARD2
     # verify_checksums recomputes sha256 against the manifest
