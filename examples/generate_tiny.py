@@ -57,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from fuse_tool.convert import convert_checkpoint
     from fuse_tool.plan import ConvertOptions
-    from runtime.integrations.transformers import build_config, family_of, from_fused_pretrained
+    from runtime.integrations.transformers import build_config, from_fused_pretrained, transformers_classes_for
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     src = ensure_checkpoint(args.model)
     config = json.loads((src / "config.json").read_text())
-    _, model_cls = family_of(config).classes()
+    _, model_cls = transformers_classes_for(config).classes()
     prompt = torch.tensor([PROMPT])
 
     original = model_cls.from_pretrained(src, config=build_config(config), dtype=torch.float32).eval()

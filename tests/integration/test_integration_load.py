@@ -16,7 +16,7 @@ from runtime.families import supported_model_types
 from runtime.integrations.transformers import (
     LayoutError,
     StreamedModel,
-    family_of,
+    transformers_classes_for,
     from_fused_pretrained,
     from_source_pretrained,
 )
@@ -58,7 +58,7 @@ def test_no_fp8_logits_equal_to_float32_rounding(family, converted, references):
     model = from_fused_pretrained(out, dtype=torch.float32)
     blocks = moe_blocks(model)
     assert len(blocks) == num_main_moe_layers(out) >= 2
-    fam = family_of(json.loads((out / "config.json").read_text()))
+    fam = transformers_classes_for(json.loads((out / "config.json").read_text()))
     assert all(b.endswith(f".{fam.moe_module}") for b in blocks)
     shared = (".shared_experts.", f".{fam.shared_module}.") if fam.shared_module else (".shared_experts.",)
     assert not any(s in n for n, _ in model.named_parameters() for s in shared), "no separate shared MLP remains"
@@ -121,7 +121,7 @@ def test_streamed_model_holds_one_layer(converted):
 
 
 def test_minimax_vl_release_names_map_to_transformers_modules():
-    fam = family_of({"model_type": "minimax_m3_vl"})
+    fam = transformers_classes_for({"model_type": "minimax_m3_vl"})
     cases = {
         "language_model.lm_head.weight": "lm_head.weight",
         "language_model.model.embed_tokens.weight": "model.language_model.embed_tokens.weight",
@@ -136,11 +136,11 @@ def test_minimax_vl_release_names_map_to_transformers_modules():
     }
     for disk, module in cases.items():
         assert fam.rename(disk) == module, disk
-    assert family_of({"model_type": "kimi_k2"}) == family_of({"model_type": "deepseek_v3"})
+    assert transformers_classes_for({"model_type": "kimi_k2"}) == transformers_classes_for({"model_type": "deepseek_v3"})
     for model_type in supported_model_types():  # every supported family runs in transformers
-        assert family_of({"model_type": model_type}).classes()
+        assert transformers_classes_for({"model_type": model_type}).classes()
     with pytest.raises(LayoutError, match="no transformers integration"):
-        family_of({"model_type": "llama"})
+        transformers_classes_for({"model_type": "llama"})
 
 
 def test_unknown_and_missing_tensors_are_refused(converted, tmp_path):

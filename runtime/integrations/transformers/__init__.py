@@ -35,7 +35,7 @@ from ...families import TransformersClasses
 from ...formats.base import FP8_DTYPES
 from ...layout import LayoutError
 from .model import StreamedModel, from_fused_pretrained, from_source_pretrained
-from .names import Recipe, TensorPlan, build_config, family_of, plan_tensors, text_config_of
+from .names import Recipe, TensorPlan, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .reading import ShardReader
 
 __all__ = [
@@ -44,8 +44,8 @@ __all__ = [
     "StreamedModel",
     "TensorPlan",
     "build_config",
-    "family_of",
     "from_fused_pretrained",
     "from_source_pretrained",
     "plan_tensors",
+    "transformers_classes_for",
 ]

@@ -12,7 +12,7 @@ import torch
 
 from ...layout import LayoutError, converted_moe_layers, read_config_block
 from ...moe import FusedSharedMoE
-from .names import TensorPlan, build_config, family_of, plan_tensors, text_config_of, _permute_for_rope
+from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .reading import ShardReader
 
 
@@ -46,7 +46,7 @@ class StreamedModel:
         self.path, self.kind, self.backend = os.fspath(path), kind, backend
         self.device = torch.device(device)
         self.reader = ShardReader(self.path)
-        self.family = family_of(self.reader.config)
+        self.family = transformers_classes_for(self.reader.config)
         self.config = build_config(self.reader.config)
         self.text_config = text_config_of(self.config)
         if dtype is None:

@@ -1,5 +1,6 @@
-"""Name planning: which transformers classes a config builds (:func:`family_of`, :func:`build_config`) and how
-every checkpoint tensor maps onto the model's state dict (:func:`plan_tensors`, :class:`TensorPlan`, :class:`Recipe`)."""
+"""Name planning: which transformers classes a config builds (:func:`transformers_classes_for`,
+:func:`build_config`) and how every checkpoint tensor maps onto the model's state dict (:func:`plan_tensors`,
+:class:`TensorPlan`, :class:`Recipe`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ...families import TransformersClasses, family_for
 from ...layout import SCALE_SUFFIX, LayoutError
 
 
-def family_of(config: Mapping[str, Any]) -> TransformersClasses:
+def transformers_classes_for(config: Mapping[str, Any]) -> TransformersClasses:
     """How the model of a (source or converted) config.json maps onto its transformers classes (from its family module)."""
     try:
         classes = family_for(config).transformers_classes(config)
@@ -32,7 +33,7 @@ def build_config(config: Mapping[str, Any]):
     ``quantization_config`` is dropped (weights are dequantized here, not by transformers'
     FP8 path) and ``model_type`` is the family's own (Kimi-K2 builds as DeepSeek-V3).
     """
-    fam = family_of(config)
+    fam = transformers_classes_for(config)
     config_cls, _ = fam.classes()
     d = json.loads(json.dumps(dict(config)))
     d.pop("quantization_config", None)
