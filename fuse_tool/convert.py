@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError, FuseSharedError
-from .files import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
 from .plan import ConversionPlan, ConvertOptions, build_plan
 from .source.checkpoint import SourceCheckpoint
 from .write.execute import execute
@@ -21,7 +20,7 @@ from .write.journal import conversion_inputs
 from .write.measurements import Measurements
 from .write.failures import unexpected_error
 from .write.out_dir import (OutputLock, bytes_still_needed, check_free_space, check_name_lengths, check_out_dir_name, check_paths, make_out_dir,
-                            output_locked, prepare_out_dir, remove_if_empty)
+                            prepare_out_dir, remove_if_empty)
 from .write.writer import planned_header
 
 @dataclass
@@ -97,4 +96,4 @@ def _check_device(device: str) -> None:
         raise ConversionError(f"--device must be cpu or cuda, got {device!r}")
 
 
-__all__ = ["ConversionResult", "convert_checkpoint", "plan_conversion", "output_locked", "MANIFEST_NAME", "LOCK_NAME", "JOURNAL_NAME"]
+__all__ = ["ConversionResult", "convert_checkpoint", "plan_conversion"]

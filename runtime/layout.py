@@ -1,4 +1,4 @@
-"""The fused-shared checkpoint layout, versions 1 and 2 (``shared/design/LAYOUT.md``).
+"""The fused-shared checkpoint layout, versions 1 and 2 (``docs/layout.md``).
 
 This module is the single definition of the contract between the converter
 (``fuse_tool``) and the runtime: tensor names, the ``fused_shared_experts``
@@ -60,6 +60,7 @@ STORAGES = ("proj", "w13", "stacked", "stacked_split")
 
 
 from .errors import LayoutError  # noqa: E402  (re-exported: the layout's own error)
+from .fields import check_bool, check_choice, check_float, check_int, check_layer_list  # noqa: E402
 
 
 def scale_name(weight_name: str) -> str:
@@ -113,57 +114,6 @@ def implied_group_score(has_bias: bool) -> str:
     return "top2_sum" if has_bias else "max"
 
 
-# Field checks: each names the field and the value it refuses.
-
-
-def _int(where: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-    """``v`` as an int (an integral float such as 8.0 is accepted; bools, 2.5 and strings are not)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise LayoutError(f"{where} must be an integer, got {v!r}")
-    v = int(v)
-    if lo is not None and v < lo or hi is not None and v > hi:
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise LayoutError(f"{where} must be {rng}, got {v}")
-    return v
-
-
-def _float(where: str, v: Any, *, positive: bool = False, nonneg: bool = False) -> float:
-    """``v`` as a finite float; ``positive`` (> 0) or ``nonneg`` (>= 0) where asked."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise LayoutError(f"{where} must be a number, got {v!r}")
-    v = float(v)
-    if not math.isfinite(v):
-        raise LayoutError(f"{where} must be finite, got {v}")
-    if positive and v <= 0:
-        raise LayoutError(f"{where} must be > 0, got {v}")
-    if nonneg and v < 0:
-        raise LayoutError(f"{where} must be >= 0, got {v}")
-    return v
-
-
-def _bool(where: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise LayoutError(f"{where} must be true or false, got {v!r}")
-    return v
-
-
-def _choice(where: str, v: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(v, str) or v not in choices:
-        raise LayoutError(f"{where} must be one of {choices}, got {v!r}")
-    return v
-
-
-def _layer_list(where: str, v: Any) -> tuple[int, ...]:
-    """Distinct non-negative layer indices, order kept."""
-    if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Iterable):
-        raise LayoutError(f"{where} must be a list of layer indices, got {v!r}")
-    out = tuple(_int(f"{where}[{i}]", x, lo=0) for i, x in enumerate(v))
-    dup = sorted({x for x in out if out.count(x) > 1})
-    if dup:
-        raise LayoutError(f"{where} lists layers {dup} more than once")
-    return out
-
-
 @dataclass(frozen=True)
 class RoutingSpec:
     """How the router picks experts and weights them (LAYOUT section 5), as the ``routing`` JSON object.
@@ -204,19 +154,19 @@ class RoutingSpec:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        _choice("routing.scoring", self.scoring, SCORING_FUNCS)
-        put(self, "top_k", _int("routing.top_k", self.top_k, lo=1))
-        put(self, "n_group", _int("routing.n_group", self.n_group, lo=1))
-        put(self, "topk_group", _int("routing.topk_group", self.topk_group, lo=1, hi=self.n_group))
-        _bool("routing.renormalize", self.renormalize)
-        put(self, "routed_scaling_factor", _float("routing.routed_scaling_factor", self.routed_scaling_factor, positive=True))
-        _bool("routing.has_bias", self.has_bias)
+        check_choice("routing.scoring", self.scoring, SCORING_FUNCS)
+        put(self, "top_k", check_int("routing.top_k", self.top_k, lo=1))
+        put(self, "n_group", check_int("routing.n_group", self.n_group, lo=1))
+        put(self, "topk_group", check_int("routing.topk_group", self.topk_group, lo=1, hi=self.n_group))
+        check_bool("routing.renormalize", self.renormalize)
+        put(self, "routed_scaling_factor", check_float("routing.routed_scaling_factor", self.routed_scaling_factor, positive=True))
+        check_bool("routing.has_bias", self.has_bias)
         if self.group_score is None:
             put(self, "group_score", implied_group_score(self.has_bias))
-        _choice("routing.group_score", self.group_score, GROUP_SCORES)
-        _choice("routing.renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
-        put(self, "renormalize_eps", _float("routing.renormalize_eps", self.renormalize_eps, nonneg=True))
-        put(self, "hash_layers", _layer_list("routing.hash_layers", self.hash_layers))
+        check_choice("routing.group_score", self.group_score, GROUP_SCORES)
+        check_choice("routing.renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
+        put(self, "renormalize_eps", check_float("routing.renormalize_eps", self.renormalize_eps, nonneg=True))
+        put(self, "hash_layers", check_layer_list("routing.hash_layers", self.hash_layers))
 
     def v2_features(self) -> list[str]:
         """What in this spec version 1 cannot express (empty: it can be written as version 1)."""
@@ -315,23 +265,23 @@ class FusedSharedExperts:
         if self.version is not None:
             if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version not in LAYOUT_VERSIONS:
                 raise LayoutError(f"{CONFIG_KEY} version {self.version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})")
-        E = _int("num_routed_experts", self.num_routed_experts, lo=1)
+        E = check_int("num_routed_experts", self.num_routed_experts, lo=1)
         put(self, "num_routed_experts", E)
-        put(self, "num_fused_shared_experts", _int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
-        put(self, "expert_intermediate_size", _int("expert_intermediate_size", self.expert_intermediate_size, lo=1))
-        put(self, "source_shared_intermediate_size", _int("source_shared_intermediate_size", self.source_shared_intermediate_size, lo=0))
-        layers = _layer_list("moe_layers", self.moe_layers)
+        put(self, "num_fused_shared_experts", check_int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
+        put(self, "expert_intermediate_size", check_int("expert_intermediate_size", self.expert_intermediate_size, lo=1))
+        put(self, "source_shared_intermediate_size", check_int("source_shared_intermediate_size", self.source_shared_intermediate_size, lo=0))
+        layers = check_layer_list("moe_layers", self.moe_layers)
         if not layers:
             raise LayoutError("moe_layers is empty: a fused checkpoint has at least one MoE layer")
         put(self, "moe_layers", layers)
-        _choice("activation", self.activation, ACTIVATIONS)
+        check_choice("activation", self.activation, ACTIVATIONS)
         if not isinstance(self.routing, RoutingSpec):
             raise LayoutError(f"routing must be a RoutingSpec, got {type(self.routing).__name__}")
         if self.weight_block_size is not None:
             wbs = self.weight_block_size
             if isinstance(wbs, (str, bytes)) or not isinstance(wbs, Iterable) or len(tuple(wbs)) != 2:
                 raise LayoutError(f"weight_block_size must be [rows, cols] or null, got {wbs!r}")
-            put(self, "weight_block_size", tuple(_int(f"weight_block_size[{i}]", x, lo=1) for i, x in enumerate(wbs)))
+            put(self, "weight_block_size", tuple(check_int(f"weight_block_size[{i}]", x, lo=1) for i, x in enumerate(wbs)))
         if not isinstance(self.source, Mapping):
             raise LayoutError(f"source must be a JSON object, got {self.source!r}")
         expected = num_shared_slots(self.source_shared_intermediate_size, self.expert_intermediate_size)
@@ -442,8 +392,8 @@ class ActivationParams:
     clamp_limit: float = math.inf
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "alpha", _float("gemm1_alpha", self.alpha))
-        object.__setattr__(self, "beta", _float("gemm1_beta", self.beta))
+        object.__setattr__(self, "alpha", check_float("gemm1_alpha", self.alpha))
+        object.__setattr__(self, "beta", check_float("gemm1_beta", self.beta))
         lim = self.clamp_limit
         if isinstance(lim, bool) or not isinstance(lim, (int, float)) or math.isnan(lim) or lim <= 0:
             raise LayoutError(f"gemm1_clamp_limit must be > 0 or inf (no clamp), got {lim!r}"

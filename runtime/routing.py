@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from ._backend import resolve_backend
+from .fields import check_bool, check_choice, check_float, check_int
 from .layout import (
     DEFAULT_RENORMALIZE_EPS,
     GROUP_SCORES,
@@ -25,10 +26,6 @@ from .layout import (
     SCORING_FUNCS,
     FusedSharedExperts,
     LayoutError,
-    _bool,
-    _choice,
-    _float,
-    _int,
     find_config_block,
     selection_bias_shapes,
 )
@@ -76,36 +73,31 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        E = _int("num_experts", self.num_experts, lo=1, hi=MAX_EXPERTS)
+        E = check_int("num_experts", self.num_experts, lo=1, hi=MAX_EXPERTS)
         put(self, "num_experts", E)
-        K = _int("top_k", self.top_k, lo=1, hi=E)
+        K = check_int("top_k", self.top_k, lo=1, hi=E)
         put(self, "top_k", K)
-        put(self, "num_fused_shared_experts", _int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
-        _choice("scoring", self.scoring, SCORING_FUNCS)
-        G = _int("n_group", self.n_group, lo=1, hi=E)
+        put(self, "num_fused_shared_experts", check_int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
+        check_choice("scoring", self.scoring, SCORING_FUNCS)
+        G = check_int("n_group", self.n_group, lo=1, hi=E)
         put(self, "n_group", G)
         if E % G:
             raise LayoutError(f"n_group={G} must divide num_experts={E}")
-        put(self, "topk_group", _int("topk_group", self.topk_group, lo=1, hi=G))
+        put(self, "topk_group", check_int("topk_group", self.topk_group, lo=1, hi=G))
         if K > self.topk_group * (E // G):
             raise LayoutError(f"top_k={K} exceeds the {self.topk_group * (E // G)} experts of the kept groups")
-        _bool("renormalize", self.renormalize)
-        put(self, "routed_scaling_factor", _float("routed_scaling_factor", self.routed_scaling_factor, positive=True))
+        check_bool("renormalize", self.renormalize)
+        put(self, "routed_scaling_factor", check_float("routed_scaling_factor", self.routed_scaling_factor, positive=True))
         if self.group_score is not None:
-            _choice("group_score", self.group_score, GROUP_SCORES)
-        _choice("renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
-        put(self, "renormalize_eps", _float("renormalize_eps", self.renormalize_eps, nonneg=True))
-        _bool("hash_routed", self.hash_routed)
+            check_choice("group_score", self.group_score, GROUP_SCORES)
+        check_choice("renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
+        put(self, "renormalize_eps", check_float("renormalize_eps", self.renormalize_eps, nonneg=True))
+        check_bool("hash_routed", self.hash_routed)
 
     @property
     def slots_per_token(self) -> int:
         """K + S: columns of ``ids`` and ``weights``."""
         return self.top_k + self.num_fused_shared_experts
-
-    @property
-    def num_slots(self) -> int:
-        """The same as :attr:`slots_per_token`; the peer benchmark harness (shared/peers) reads this name."""
-        return self.slots_per_token
 
     @property
     def num_expert_slots(self) -> int:

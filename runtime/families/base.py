@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
+from ..fields import is_integral
 from ..layout import DEFAULT_RENORMALIZE_EPS, ActivationParams, RoutingSpec
 
 # Sane upper bounds for counts read from a config: far above any released model, far below
@@ -323,7 +324,7 @@ def optional_int(cfg: Mapping, key: str, default: int, where: str = "config.json
 
 
 def _checked_int(value: Any, key: str, where: str, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+    if not is_integral(value):
         raise ModelError(f"is {value!r}, expected an integer", **_where(where, key))
     value = int(value)
     if not minimum <= value <= maximum:

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from fuse_tool.convert import LOCK_NAME, convert_checkpoint
+from fuse_tool.convert import convert_checkpoint
+from fuse_tool.files import LOCK_NAME
 from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
