@@ -74,7 +74,8 @@ def convert_checkpoint(
         with OutputLock(out_dir):
             journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
             check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
-            files, measurements = execute(plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir))
+            files, measurements = execute(plan, headers, journal, out_dir, device, progress, allow_non_finite,
+                                          source_id or str(model_dir))
     except BaseException as e:
         if created:
             remove_if_empty(out_dir)

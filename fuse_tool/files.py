@@ -29,7 +29,7 @@ def done_name(final: str) -> str:
 
 
 def is_temporary_name(name: str) -> bool:
-    """A file the converter leaves only while a conversion is unfinished (``--overwrite`` and ``--resume`` clear them)."""
+    """A file the converter leaves only while a conversion is unfinished (--overwrite and --resume clear them)."""
     return name == JOURNAL_NAME or (name.startswith(".") and name.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)))
 
 
@@ -37,7 +37,8 @@ def is_unfinished_write_name(name: str) -> bool:
     """A file any unfinished write leaves (``verify`` refuses a folder with one): the converter's temporaries and lock,
     and a Hub download's ``.<name>.tmp...`` or ``*.incomplete``. ``name`` may be a relative path."""
     base = name.rsplit("/", 1)[-1]
-    return is_temporary_name(base) or base == LOCK_NAME or base.endswith(".incomplete") or (base.startswith(".") and ".tmp" in base)
+    hub_download = base.endswith(".incomplete") or (base.startswith(".") and ".tmp" in base)
+    return is_temporary_name(base) or base == LOCK_NAME or hub_download
 
 
 __all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "MANIFEST_NAME", "MANIFEST_VERSION", "JOURNAL_NAME", "LOCK_NAME", "MODEL_CARD_NAME",

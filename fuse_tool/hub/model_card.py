@@ -79,7 +79,8 @@ def _num(v: Any, fmt: str) -> str | None:
 
 def _requantization_lines(req: Any) -> list[str]:
     """The card's section on weights requantized from another format (INT4 -> FP8), from the manifest's
-    ``requantization`` (``fuse_tool.write.measurements.RequantizationReport.summary``); nothing when it is absent or unreadable."""
+    ``requantization`` (``fuse_tool.write.measurements.RequantizationReport.summary``); nothing when it is absent or
+    unreadable."""
     if not isinstance(req, dict) or _num(req.get("relative_error"), ".3e") is None:
         return []
     lines = [

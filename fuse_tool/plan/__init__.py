@@ -19,6 +19,7 @@ from __future__ import annotations
 from runtime.errors import ModelError
 from runtime.families import describe_model, family_for
 from runtime.formats import REGISTRY
+from runtime.formats.fp8_block import scale_fmt_of
 from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
 
 from .. import __version__
@@ -31,7 +32,7 @@ from .options import DEFAULT_MAX_SHARD_SIZE, OTHER_LINEAR, PRECISIONS, ConvertOp
 from .other_tensors import plan_other_tensors
 from .output_config import output_config
 from .shards import assign_shards
-from .source_weights import int4_group_size, source_quantization, source_scale_fmt
+from .source_weights import source_quantization
 from .tasks import (
     CastTask, ConstantTask, ConversionPlan, CopyTask, Cut, Group, LayerPlan, Matrix, OutputTensor, PlannedShard, ProjectionTask,
     SourceWeight, Target, Task, task_output_bytes,
@@ -42,9 +43,9 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
     config_path = src.root / CONFIG_NAME
     try:
         arch = describe_model(src.config)
-        quant = source_quantization(src.config, src.tensors, config_path)
-        src_fmt = source_scale_fmt(src.config)
-        int4_group = int4_group_size(src.config)
+        declared, quant = source_quantization(src.config, src.tensors, config_path)
+        src_fmt = scale_fmt_of(src.config)
+        group_size = declared.group_size(src.config) if declared is not None else None
     except ModelError as e:  # config checks name the field; name the file it is in
         raise type(e)(e.detail, file=config_path if e.file in (None, CONFIG_NAME) else e.file, tensor=e.tensor, field=e.field) from None
     scale_fmt = options.scale_fmt or src_fmt
@@ -57,10 +58,12 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
         raise ConversionError(
             f"--precision source keeps the source's precision and writes no FP8, but this source is already "
             f"quantized ({quant}); use --precision fp8 "
-            + ("(its INT4 experts are requantized to FP8 blocks, with the error reported)" if int4_group else "(its FP8 blocks are copied unchanged)"),
+            + (f"(its {declared.label} experts are requantized to FP8 blocks, with the error reported)"
+               if declared and declared.whole_only else "(its FP8 blocks are copied unchanged)"),
             file=config_path,
         )
-    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt, int4_group=int4_group)
+    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt, group_size=group_size,
+                      declared=declared)
 
 
 def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[int]]:
@@ -118,8 +121,8 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         parts.notes.append(f"config.json makes layers {list(config_hash)} hash-routed; the checkpoint has gate tables on layers "
                            f"{list(hash_layers)}: the tables decide")
     source_quantization = inputs.source_quantization
-    for fmt in REGISTRY:  # a format the quantization_config does not name (DeepSeek-V4's MXFP4 experts under "fp8")
-        if fmt.whole_only and fmt.name not in source_quantization and any(lp.source_format == fmt.name for lp in layer_plans):
+    for fmt in REGISTRY:  # a format the quantization_config does not declare (DeepSeek-V4's MXFP4 experts under "fp8")
+        if fmt.whole_only and fmt is not inputs.declared and any(lp.source_format == fmt.name for lp in layer_plans):
             source_quantization += f", routed experts {fmt.label} (found in the tensors)"
     if arch.routing.has_bias and not routing.has_bias and arch.expects_bias:
         parts.notes.append("no e_score_correction_bias in the checkpoint: routing without a selection bias")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Mapping
 
 from runtime.families import MoEArchitecture
+from runtime.formats import WeightFormat
 from runtime.safetensors_io import TensorInfo
 
 from ..errors import ConversionError
@@ -25,7 +26,8 @@ class PlanInputs:
     source_quantization: str  # "none", "fp8-block", "fp8-block ue8m0", "compressed-tensors fp8", ...
     source_scale_fmt: str  # "float" or "ue8m0": how the source's block scales are stored
     scale_fmt: str  # how the output's block scales are stored
-    int4_group: int | None = None  # a compressed-tensors pack-quantized source: its INT4 group size (quantization_config)
+    group_size: int | None = None  # inputs per scale that the quantization_config declares (INT4 pack-quantized)
+    declared: WeightFormat | None = None  # the format the quantization_config declares (runtime.formats)
 
     @property
     def out_fp8(self) -> bool:

@@ -67,7 +67,7 @@ def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
             continue
         if (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale")) if e8m0 else _is_scale_name(name, inputs.tensors):
             continue  # claimed by their weight below; leftovers are checked at the end
-        if (stored_in := weight_stored_in(inputs.tensors, name)) is not None:  # e.g. INT4 outside the experts: refused, with why
+        if (stored_in := weight_stored_in(inputs.tensors, name)) is not None:  # INT4 outside the experts: refused, with why
             source_weight(inputs, parts, stored_in)
         m = LAYER_RE.match(name)
         in_decoder = bool(m and m.group("prefix") == arch.layer_prefix and int(m.group("layer")) in decoder_layers)

@@ -1,19 +1,16 @@
-"""Source weights as 2-D views with their scales, and what to do with each (copy, copy blocks, quantize)."""
+"""Source weights as 2-D views with their scales, and what to do with each (copy, copy blocks, quantize, convert);
+every weight's format is recognised and checked by ``runtime.formats``."""
 
 from __future__ import annotations
-
-import math
-from typing import Mapping
 
 from dataclasses import replace
 from typing import Mapping
 
-from runtime.formats import FormatError, recognise, stored_weight
-from runtime.formats.int4 import PACK_QUANTIZED
+from runtime.formats import FormatError, WeightFormat, declared_format, recognise, stored_weight
 from runtime.layout import E8M0_DTYPE_CODE
 from runtime.safetensors_io import DTYPE_SIZES, FP8_DTYPE_CODE, TensorInfo
 
-from ..errors import ConversionError, ModelError
+from ..errors import ConversionError
 from .context import PlanInputs, PlanParts
 from .tasks import Cut, Matrix, ProjectionTask, SourceWeight, Target
 
@@ -21,82 +18,14 @@ CT_SCALE_SUFFIX = "_scale"  # compressed-tensors: weight_scale
 CT_INPUT_SCALE = "input_scale"
 
 
-def _quantization_config_field(config: Mapping) -> tuple[dict, str]:
-    """The source's quantization_config and where it is (``"quantization_config"`` or a wrapper's
-    ``"text_config.quantization_config"``); ``{}`` when it has none."""
-    qc, field = config.get("quantization_config"), "quantization_config"
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc, field = config["text_config"].get("quantization_config"), "text_config.quantization_config"
-    if qc is not None and not isinstance(qc, dict):
-        raise ModelError(f"is {qc!r}, expected an object", file="config.json", field=field)
-    return qc or {}, field
-
-
-def quantization_config(config: Mapping) -> dict:
-    """The source's quantization_config (top level, else a wrapper's text_config), ``{}`` when it has none."""
-    return _quantization_config_field(config)[0]
-
-
-def int4_group_size(config: Mapping) -> int | None:
-    """The group size of a compressed-tensors ``pack-quantized`` source (None for any other source), after checking that
-    every config group quantizes weights the one way ``runtime.int4`` reads: 4-bit ``int``, symmetric, by groups."""
-    qc, where = _quantization_config_field(config)
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != PACK_QUANTIZED:
-        return None
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ModelError(f"is {groups!r}, expected an object of quantization groups", file="config.json", field=f"{where}.config_groups")
-    sizes = set()
-    for gname, group in groups.items():
-        weights = group.get("weights") if isinstance(group, dict) else None
-        field = f"{where}.config_groups.{gname}.weights"
-        if not isinstance(weights, dict):
-            raise ModelError(f"is {weights!r}, expected the weights' quantization arguments", file="config.json", field=field)
-        for key, want, why in (("num_bits", 4, "only 4-bit INT4 is supported"), ("type", "int", "only integer codes are supported"),
-                               ("symmetric", True, "only symmetric INT4 (no zero points) is supported"),
-                               ("strategy", "group", "only group-wise scales are supported")):
-            if weights.get(key) != want:
-                raise ModelError(f"is {weights.get(key)!r}, expected {want!r} ({PACK_QUANTIZED}: {why})", file="config.json", field=f"{field}.{key}")
-        size = weights.get("group_size")
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ModelError(f"is {size!r}, expected a positive integer", file="config.json", field=f"{field}.group_size")
-        sizes.add(size)
-    if len(sizes) > 1:
-        raise ModelError(f"has groups of {sorted(sizes)} inputs; one group size is supported", file="config.json", field=f"{where}.config_groups")
-    return sizes.pop()
-
-
-def source_scale_fmt(config: Mapping) -> str:
-    """``"ue8m0"`` when the source declares power-of-two block scales (DeepSeek-V3.1), else ``"float"``."""
-    for holder, field in ((quantization_config(config), "quantization_config.scale_fmt"), (config, "scale_fmt")):
-        fmt = holder.get("scale_fmt")
-        if fmt not in (None, "float", "ue8m0"):
-            raise ModelError(f"is {fmt!r}, expected 'ue8m0', 'float' or absent", file="config.json", field=field)
-        if fmt == "ue8m0":
-            return "ue8m0"
-    return "float"
-
-
-def source_quantization(config: Mapping, tensors: Mapping[str, TensorInfo], config_path) -> str:
-    """How the source is quantized, from its quantization_config (or its dtypes when it has none)."""
-    qc = quantization_config(config)
-    method = qc.get("quant_method")
-    if method is None:
-        has_fp8 = any(t.dtype == FP8_DTYPE_CODE for t in tensors.values())
-        return "fp8 (no quantization_config)" if has_fp8 else "none"
-    if method == "fp8":
-        return "fp8-block" + (" ue8m0" if source_scale_fmt(config) == "ue8m0" else "")
-    if method == "compressed-tensors":
-        fmt = qc.get("format")
-        if fmt == PACK_QUANTIZED:
-            return f"compressed-tensors int4 {PACK_QUANTIZED} (symmetric, groups of {int4_group_size(config)})"
-        if fmt not in ("float-quantized", "naive-quantized"):
-            raise ConversionError(f"compressed-tensors format {fmt!r} is not supported (only FP8 'float-quantized' and INT4 "
-                                  f"'{PACK_QUANTIZED}')", file=config_path)
-        return "compressed-tensors fp8"
-    raise ConversionError(f"quantization_config.quant_method {method!r} is not supported (expected fp8, or compressed-tensors FP8 "
-                          f"or INT4 {PACK_QUANTIZED})",
-                          file=config_path)
+def source_quantization(config: Mapping, tensors: Mapping[str, TensorInfo], config_path
+                        ) -> tuple[WeightFormat | None, str]:
+    """The format the source's quantization_config declares (None without one) and how the source is quantized, in
+    words (``runtime.formats.declared_format``); an undeclarable one is refused naming config.json."""
+    try:
+        return declared_format(config, tensors)
+    except FormatError as e:
+        raise ConversionError(e.message, file=config_path) from None
 
 
 def source_weight(inputs: PlanInputs, parts: PlanParts, name: str, *, expect: tuple[int, ...] | None = None) -> list[SourceWeight]:
@@ -110,7 +39,7 @@ def source_weight(inputs: PlanInputs, parts: PlanParts, name: str, *, expect: tu
         if len(info.shape) not in (2, 3):
             raise inputs.error(f"has shape {list(info.shape)}, expected a 2-D weight or a 3-D expert stack", name)
     try:
-        stored = stored_weight(tensors, name, expect, inputs.int4_group)
+        stored = stored_weight(tensors, name, expect, inputs.group_size)
     except FormatError as e:
         raise inputs.error(e.message, e.tensor) from None
     fmt, info, scale_info = stored.format, stored.data, stored.scale
@@ -163,7 +92,8 @@ def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
     w, fmt = sw.weight, sw.format
     if fmt.whole_only:
         if not out_fp8:
-            raise inputs.error(f"is {fmt.label}; --precision source cannot keep it (convert with --precision fp8)", w.info.name)
+            raise inputs.error(f"is {fmt.label}; --precision source cannot keep it (convert with --precision fp8)",
+                               w.info.name)
         if not cut.is_whole(w.rows, sw.cols):
             raise inputs.error(f"is {fmt.label} and would be cut into shared-expert slots; only whole {fmt.label} weights are "
                                "converted", w.info.name)

@@ -34,7 +34,7 @@ from runtime.layout import (
     CONFIG_KEY, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor, converted_moe_layers, read_config_block, scale_grid,
     selection_bias_shapes,
 )
-from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, open_regular, read_header, read_small_file
+from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read_small_file
 
 from ..durable import sha256_file
 from ..manifest import Manifest, ManifestError, is_file_entry

@@ -92,7 +92,8 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         torch.set_num_threads(1)  # the quantizer runs one thread per core itself (transform.strip_pool)
     try:
         for shard in todo:
-            digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite, measurements)
+            digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite,
+                                 measurements)
             pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes, digest)
         pipeline.collect(block=True)
         pipeline.close(salvage=False)
@@ -111,8 +112,8 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         for fd in source_fds.values():
             os.close(fd)
 
-def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str, allow_non_finite: bool,
-                measurements: Measurements) -> Future:
+def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str,
+                allow_non_finite: bool, measurements: Measurements) -> Future:
     """Write one shard, adding what its conversions measured to ``measurements``; returns the Future of its sha256
     (hashed as written, fsynced on the shard's own thread)."""
     writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)

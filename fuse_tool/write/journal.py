@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 from runtime.layout import LAYOUT_VERSION
 
 from .. import __version__
-from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, partial_name
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from ..errors import ConversionError
 from ..durable import fsync_dir, sha256_bytes, write_atomically
 

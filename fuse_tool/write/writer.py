@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..durable import disk_error, write_all
+from ..durable import disk_error
 from ..errors import ConversionError
 from ..plan import OutputTensor, PlannedShard
 from runtime.safetensors_io import build_header

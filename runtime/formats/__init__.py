@@ -18,8 +18,10 @@ from .base import (
     TensorSource,
     WeightFormat,
     combined_weights,
+    declared_format,
     format_named,
     has_weight,
+    quantization_config,
     recognise,
     register,
     stored_weight,
@@ -32,4 +34,4 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["REGISTRY", "BlockExactness", "FormatError", "RequantizationError", "StoredWeight", "TensorSource", "WeightFormat",
-           "combined_weights", "format_named", "has_weight", "recognise", "register", "stored_weight", "weight_stored_in"]
+           "combined_weights", "declared_format", "format_named", "has_weight", "quantization_config", "recognise", "register", "stored_weight", "weight_stored_in"]

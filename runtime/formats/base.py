@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Mapping, Protocol
 
 import torch
 
+from ..errors import ModelError
 from ..layout import E8M0_DTYPE_CODE, e8m0_scale_name, scale_name
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
@@ -109,7 +110,8 @@ class WeightFormat:
     keeps_blocks: ClassVar[bool] = False  # already FP8 128x128 blocks: bytes (and scales) copied into an FP8 output
     whole_only: ClassVar[bool] = False  # converted whole by to_fp8_rows, never cut or kept
     fp8_scale_dtype: ClassVar[str] = "F32"  # the dtype of the block scales to_fp8_rows makes
-    measurement: ClassVar[type | None] = None  # what to_fp8_rows measures: BlockExactness or RequantizationError
+    measurement: ClassVar[type | None] = None
+    declared_as: ClassVar[str] = ""  # how a quantization_config names it, for the message refusing an unknown one  # what to_fp8_rows measures: BlockExactness or RequantizationError
     scale_layout: ClassVar[str] = "grid"  # one scale row per "grid" row of the scale tensor, "row" per weight row, "one"
 
     def matches(self, tensors: Mapping[str, TensorInfo], name: str) -> bool:
@@ -139,6 +141,15 @@ class WeightFormat:
 
     def check_values(self, stored: StoredWeight, read) -> None:
         """Check what the headers cannot say (``read(info)`` gives a tensor as stored) before converting."""
+
+    def declared(self, qc: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
+        """The source's quantization in words when its quantization_config ``qc`` declares this format, else None;
+        raises ``ModelError`` naming the field this format cannot read."""
+        return None
+
+    def group_size(self, config: Mapping[str, Any]) -> int | None:
+        """Inputs per scale, as the config declares them, for a grouped format (None for others)."""
+        return None
 
     def weight_stored_in(self, tensors: Mapping[str, TensorInfo], name: str) -> str | None:
         """The weight that tensor ``name`` stores part of, where this format stores a weight under other names."""
@@ -193,6 +204,38 @@ def stored_weight(tensors: Mapping[str, TensorInfo], name: str, expect: tuple[in
         raise FormatError(f"is an FP8 weight without its scale (expected {name + '_scale_inv'!r} or {name + '_scale'!r})", name)
     raise FormatError(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
                       name)
+
+
+def quantization_config_field(config: Mapping[str, Any]) -> tuple[dict, str]:
+    """The source's quantization_config and where it is (``"quantization_config"`` or a wrapper's
+    ``"text_config.quantization_config"``); ``{}`` when it has none."""
+    qc, field = config.get("quantization_config"), "quantization_config"
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc, field = config["text_config"].get("quantization_config"), "text_config.quantization_config"
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelError(f"is {qc!r}, expected an object", file="config.json", field=field)
+    return qc or {}, field
+
+
+def quantization_config(config: Mapping[str, Any]) -> dict:
+    """The source's quantization_config (top level, else a wrapper's text_config), ``{}`` when it has none."""
+    return quantization_config_field(config)[0]
+
+
+def declared_format(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) -> tuple[WeightFormat | None, str]:
+    """The format a source's quantization_config declares (:meth:`WeightFormat.declared`) and the source's quantization
+    in words; without a quantization_config, None and what the dtypes say. Raises :class:`FormatError` (no tensor) for
+    a quantization_config no format reads."""
+    qc = quantization_config(config)
+    method = qc.get("quant_method")
+    if method is None:
+        return None, "fp8 (no quantization_config)" if any(t.dtype == FP8_DTYPE_CODE for t in tensors.values()) else "none"
+    for f in REGISTRY:
+        if (words := f.declared(qc, config)) is not None:
+            return f, words
+    what = f"quantization_config.quant_method {method!r}" + (f" with format {qc['format']!r}" if qc.get("format") else "")
+    expected = ", ".join(f.declared_as for f in REGISTRY if f.declared_as)
+    raise FormatError(f"{what} is not supported (expected {expected})", "")
 
 
 def has_weight(tensors: Mapping[str, TensorInfo], name: str) -> bool:

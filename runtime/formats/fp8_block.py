@@ -12,8 +12,9 @@ from ..fp8 import dequantize_block_fp8, dequantize_block_fp8_rows
 from ..layout import E8M0_DTYPE_CODE, STACKED_FORMS, WEIGHT_BLOCK, scale_grid, scale_name
 from ..mxfp4 import e8m0_to_float
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo, bytes_to_tensor, read_bytes
+from ..errors import ModelError
 from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, group_scale_inv, input_scale,
-                   is_channel_shape,
+                   is_channel_shape, quantization_config,
                    register)
 
 _STACKED_GATE_UP = tuple(form[0] for form in STACKED_FORMS.values())  # stacked gate_up tensors, by every stacked form's name
@@ -35,9 +36,21 @@ def read_block_scales(info: TensorInfo, device: torch.device | str = "cpu") -> t
     return bytes_to_tensor(read_bytes(info), info.dtype, info.shape).to(device=device, dtype=torch.float32)
 
 
+def scale_fmt_of(config) -> str:
+    """``"ue8m0"`` when the source declares power-of-two block scales (DeepSeek-V3.1), else ``"float"``."""
+    for holder, field in ((quantization_config(config), "quantization_config.scale_fmt"), (config, "scale_fmt")):
+        fmt = holder.get("scale_fmt")
+        if fmt not in (None, "float", "ue8m0"):
+            raise ModelError(f"is {fmt!r}, expected 'ue8m0', 'float' or absent", file="config.json", field=field)
+        if fmt == "ue8m0":
+            return "ue8m0"
+    return "float"
+
+
 @register
 class FP8Block(WeightFormat):
     name = "fp8-block"
+    declared_as = "fp8"
     keeps_bytes = True
     keeps_blocks = True
 
@@ -50,6 +63,9 @@ class FP8Block(WeightFormat):
         if scale_name(name) in tensors:
             return group_scale_inv(tensors, name) is None  # else MXFP8
         return ct_block_scale(tensors, name, info) is not None
+
+    def declared(self, qc, config):
+        return "fp8-block" + (" ue8m0" if scale_fmt_of(config) == "ue8m0" else "") if qc.get("quant_method") == "fp8" else None
 
     def stored(self, tensors, name, expect=None, group=None):
         info = tensors[name]

@@ -43,6 +43,12 @@ class _CompressedTensorsFP8(WeightFormat):
 class FP8Channel(_CompressedTensorsFP8):
     name = "fp8-channel"
     scale_layout = "row"
+    declared_as = "compressed-tensors FP8 'float-quantized'"
+
+    def declared(self, qc, config):
+        # compressed-tensors FP8, per channel or per tensor: the tensors say which
+        ct_fp8 = qc.get("quant_method") == "compressed-tensors" and qc.get("format") in ("float-quantized", "naive-quantized")
+        return "compressed-tensors fp8" if ct_fp8 else None
 
     def _claims(self, shape, lead, rows):
         return is_channel_shape(shape, lead, rows)

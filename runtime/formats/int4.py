@@ -13,7 +13,8 @@ import torch
 from ..fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..int4 import EXACT_SCALE_DTYPES, PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX, ZERO_POINT_SUFFIX, dequantize_int4, packed_cols
 from ..safetensors_io import FLOAT_DTYPES
-from .base import FormatError, RequantizationError, StoredWeight, WeightFormat, register
+from ..errors import ModelError
+from .base import FormatError, RequantizationError, StoredWeight, WeightFormat, quantization_config_field, register
 
 PACK_QUANTIZED = "pack-quantized"
 
@@ -25,6 +26,46 @@ class Int4PackQuantized(WeightFormat):
     description = "int4 pack-quantized (compressed-tensors)"
     whole_only = True
     measurement = RequantizationError
+    declared_as = f"compressed-tensors INT4 '{PACK_QUANTIZED}'"
+
+    def declared(self, qc, config):
+        if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != PACK_QUANTIZED:
+            return None
+        return f"compressed-tensors int4 {PACK_QUANTIZED} (symmetric, groups of {self.group_size(config)})"
+
+    def group_size(self, config):
+        """The group size of a compressed-tensors ``pack-quantized`` source (None for any other source), after checking
+        that every config group quantizes weights the one way ``runtime.int4`` reads: 4-bit ``int``, symmetric, by
+        groups."""
+        qc, where = quantization_config_field(config)
+        if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != PACK_QUANTIZED:
+            return None
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ModelError(f"is {groups!r}, expected an object of quantization groups", file="config.json",
+                             field=f"{where}.config_groups")
+        sizes = set()
+        for gname, group in groups.items():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            field = f"{where}.config_groups.{gname}.weights"
+            if not isinstance(weights, dict):
+                raise ModelError(f"is {weights!r}, expected the weights' quantization arguments", file="config.json",
+                                 field=field)
+            for key, want, why in (("num_bits", 4, "only 4-bit INT4 is supported"),
+                                   ("type", "int", "only integer codes are supported"),
+                                   ("symmetric", True, "only symmetric INT4 (no zero points) is supported"),
+                                   ("strategy", "group", "only group-wise scales are supported")):
+                if weights.get(key) != want:
+                    raise ModelError(f"is {weights.get(key)!r}, expected {want!r} ({PACK_QUANTIZED}: {why})", file="config.json",
+                                     field=f"{field}.{key}")
+            size = weights.get("group_size")
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ModelError(f"is {size!r}, expected a positive integer", file="config.json", field=f"{field}.group_size")
+            sizes.add(size)
+        if len(sizes) > 1:
+            raise ModelError(f"has groups of {sorted(sizes)} inputs; one group size is supported", file="config.json",
+                             field=f"{where}.config_groups")
+        return sizes.pop()
 
     def matches(self, tensors, name):
         return name not in tensors and name + PACKED_SUFFIX in tensors
