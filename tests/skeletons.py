@@ -38,12 +38,13 @@ def fixture_config(name: str) -> dict:
     raise FileNotFoundError(f"no config for fixture {name}")
 
 
-def build_skeleton(name: str, out: Path, layers_per_file: int = 4) -> Path:
-    """Write ``out`` as a model folder with the fixture's config and sparse shards plus an index."""
+def build_skeleton(name: str, out: Path, layers_per_file: int = 4, config: dict | None = None) -> Path:
+    """Write ``out`` as a model folder with the fixture's config (or ``config``, for a fixture that has none stored) and
+    sparse shards plus an index."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(fixture_config(name), indent=2))
+    (out / "config.json").write_text(json.dumps(config if config is not None else fixture_config(name), indent=2))
     groups: dict[int, list] = {}
     for row in read_inventory(name):
         m = _LAYER.search(row[0])

@@ -109,7 +109,7 @@ def quantize_fp8_e8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # 0-d too
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, torch.Tensor]]) -> None:

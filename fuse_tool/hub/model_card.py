@@ -83,19 +83,20 @@ def _requantization_lines(req: Any) -> list[str]:
     unreadable."""
     if not isinstance(req, dict) or _num(req.get("relative_error"), ".3e") is None:
         return []
+    source = _md_cell(str(req.get("source_format") or "int4").split()[0])  # "int4", "nvfp4": the format's own word
     lines = [
         "",
         "## Requantization error",
         "",
         f"The source's routed experts are {_md_cell(req.get('source_format', 'INT4'))}. They were dequantized exactly "
-        f"(INT4 code x group scale, exact in float32) and quantized to {_md_cell(req.get('target_format', 'FP8'))}, so these "
-        "weights differ from the source's by the FP8 rounding below (measured against the dequantized INT4 weights):",
+        f"(codes times their scales, in float32) and quantized to {_md_cell(req.get('target_format', 'FP8'))}, so these "
+        f"weights differ from the source's by the FP8 rounding below (measured against the dequantized {source} weights):",
         "",
         "| measure | value |",
         "|---|---|",
         f"| tensors requantized | {_num(req.get('tensors_measured'), ',') or '?'} of {_num(req.get('tensors_planned'), ',') or '?'} "
         f"({_num(req.get('elements'), ',') or '?'} values) |",
-        f"| relative error, all tensors (‖fp8 − int4‖ / ‖int4‖) | {_num(req.get('relative_error'), '.3e')} |",
+        f"| relative error, all tensors (‖fp8 − {source}‖ / ‖{source}‖) | {_num(req.get('relative_error'), '.3e')} |",
         f"| largest relative error of one tensor | {_num(req.get('worst_tensor_relative_error'), '.3e') or '?'} |",
         f"| largest absolute error of one value | {_num(req.get('max_abs_error'), '.3g') or '?'} |",
     ]

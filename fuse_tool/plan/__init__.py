@@ -53,7 +53,7 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
         if options.scale_fmt == "float":
             raise ConversionError(f"--scale-fmt float: {arch.family} files store every FP8 scale as one F8_E8M0 byte (a power of two); "
                                   "use --scale-fmt ue8m0 or leave it out", file=config_path)
-        scale_fmt = "ue8m0"
+        scale_fmt = src_fmt = "ue8m0"  # (the source's too, whatever its quantization_config, e.g. ModelOpt's, says)
     if options.precision == "source" and quant != "none":
         raise ConversionError(
             f"--precision source keeps the source's precision and writes no FP8, but this source is already "

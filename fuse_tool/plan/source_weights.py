@@ -113,9 +113,9 @@ def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
 def projection_task(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: bool, weight: Target, scale: Target | None) -> ProjectionTask:
     mode = projection_mode(inputs, sw, cut, out_fp8)
     if scale is not None and inputs.arch.names.scale_storage == "e8m0":
-        if not (mode == "copy" or (mode == "convert" and sw.format.fp8_scale_dtype == E8M0_DTYPE_CODE)):
+        if mode not in ("copy", "convert"):  # a converted format's ue8m0 block scales are powers of two: one byte each
             raise inputs.error(f"would be {'cut mid-tensor' if mode == 'region' else 'requantized'} into F8_E8M0-scaled FP8; "
-                               "this family's files keep one-byte scales, and only whole FP8 copies and MXFP4 conversions write them",
+                               "this family's files keep one-byte scales, and only whole FP8 copies and whole conversions write them",
                                sw.weight.info.name)
         return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE, weight, scale, inputs.scale_fmt, E8M0_DTYPE_CODE)
     return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE if out_fp8 else sw.weight.dtype, weight, scale, inputs.scale_fmt)

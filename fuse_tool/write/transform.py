@@ -22,6 +22,7 @@ from runtime.errors import CheckpointError
 from runtime.formats import FormatError
 from runtime.fp8 import FLOAT32_TINY, FP8_DTYPE, FP8_MAX, quantize_block_fp8, quantize_blocks_, ue8m0_round_up
 from runtime.layout import E8M0_DTYPE_CODE, WEIGHT_BLOCK, scale_grid
+from runtime.mxfp4 import float_to_e8m0
 from runtime.safetensors_io import DTYPE_SIZES, TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes
 
 from ..errors import ConversionError
@@ -361,6 +362,11 @@ def _finish_chunk(task: ProjectionTask, chunk, scale_rows: list) -> Iterator[Pie
     scale_rows.append(s)
 
 
+def _as_scale_dtype(scale: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A format's block scales as the output stores them: float32 ue8m0 scales (powers of two) become F8_E8M0 bytes."""
+    return float_to_e8m0(scale) if dtype == E8M0_DTYPE_CODE and scale.dtype == torch.float32 else scale
+
+
 def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iterator[Write | Measured]:
     """The FP8 weight and block scales of one whole weight of a format converted by its module (``runtime.formats``:
     MXFP4, INT4), and what the conversion measured. Read in strips of 128-row multiples, each converted 128 rows at a
@@ -389,7 +395,7 @@ def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Itera
         following = start(starts[i + 1]) if i + 1 < len(starts) else None
         parts = pending()
         yield Write(task.weight.tensor, task.weight.offset + r0 * cols, torch.cat([q.cpu() for q, _, _ in parts]))
-        scale_rows += [scale.cpu() for _, scale, _ in parts]
+        scale_rows += [_as_scale_dtype(scale.cpu(), task.scale_dtype) for _, scale, _ in parts]
         for _, _, m in parts:
             measured.merge(m)
         pending = following

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Mapping, Protocol
 import torch
 
 from ..errors import ModelError
+from ..fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..layout import E8M0_DTYPE_CODE, e8m0_scale_name, scale_name
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
@@ -98,6 +99,15 @@ class RequantizationError:
         self.sq_err += other.sq_err
         self.sq_ref += other.sq_ref
         self.max_abs = max(self.max_abs, other.max_abs)
+
+
+def requantize_to_fp8(f: torch.Tensor, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor, RequantizationError]:
+    """Float32 rows ``[rows, in]`` (exactly read) as FP8 e4m3 with 128x128 block scales, and the error measured against
+    them: the one conversion of every format that FP8 rounds (INT4, NVFP4)."""
+    q, scale = quantize_block_fp8(f, scale_fmt=scale_fmt)
+    err = dequantize_block_fp8(q, scale).sub_(f)
+    sq = lambda t: float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2  # noqa: E731
+    return q, scale, RequantizationError(f.numel(), sq(err), sq(f), float(err.abs().max()) if err.numel() else 0.0)
 
 
 class WeightFormat:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..int4 import EXACT_SCALE_DTYPES, PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX, ZERO_POINT_SUFFIX, dequantize_int4, packed_cols
 from ..safetensors_io import FLOAT_DTYPES
 from ..errors import ModelError
-from .base import FormatError, RequantizationError, StoredWeight, WeightFormat, quantization_config_field, register
+from .base import (FormatError, RequantizationError, StoredWeight, WeightFormat, quantization_config_field, register,
+                   requantize_to_fp8)
 
 PACK_QUANTIZED = "pack-quantized"
 
@@ -145,8 +145,4 @@ class Int4PackQuantized(WeightFormat):
             raise FormatError(f"{name}: {e}", name) from None
 
     def to_fp8_rows(self, data, scales, stored, scale_fmt):
-        f = dequantize_int4(data, scales.to(torch.float32), stored.cols, stored.group)
-        q, scale = quantize_block_fp8(f, scale_fmt=scale_fmt)
-        err = dequantize_block_fp8(q, scale).sub_(f)
-        sq = lambda t: float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2  # noqa: E731
-        return q, scale, RequantizationError(f.numel(), sq(err), sq(f), float(err.abs().max()) if err.numel() else 0.0)
+        return requantize_to_fp8(dequantize_int4(data, scales.to(torch.float32), stored.cols, stored.group), scale_fmt)
