@@ -106,11 +106,10 @@ def test_int4_reads_as_codes_times_group_scales(folder):
     assert "int4.weight" in reader.names() and "int4.weight_packed" not in reader.names()
 
 
-def test_mxfp8_is_refused_for_conversion_naming_its_scale(folder):
+def test_mxfp8_is_stored_with_its_group_scales(folder):
     reader, _ = folder
-    with pytest.raises(FormatError, match="MXFP8 source, which is not supported yet") as e:
-        stored_weight(reader.tensors, "mxfp8.weight")
-    assert e.value.tensor == "mxfp8.weight_scale_inv"
+    stored = stored_weight(reader.tensors, "mxfp8.weight")
+    assert (stored.format.name, stored.scale.name, stored.cols, stored.group) == ("mxfp8", "mxfp8.weight_scale_inv", IN, 32)
 
 
 def test_reader_names_the_folder_on_a_bad_int4_shape(tmp_path):
