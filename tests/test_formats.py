@@ -15,6 +15,7 @@ from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 from runtime.integrations.transformers import ShardReader
 from runtime.layout import LayoutError
 from runtime.mxfp4 import dequantize_mxfp4
+from test_fp8_tile32 import quantize_tile32, tile32_value
 from test_nvfp4 import nvfp4_value, quantize_nvfp4
 from v4_checkpoint import quantize_fp8_e8m0, quantize_mxfp4, write_safetensors
 
@@ -41,6 +42,8 @@ def _weights():
     t["int4.weight_shape"] = ("I32", torch.tensor([OUT, IN], dtype=torch.int32))
     for part, v in quantize_nvfp4(w).items():
         t["nvfp4." + part] = v
+    codes, tiles = quantize_tile32(w)
+    t["tile32.weight"], t["tile32.scale"] = ("F8_E4M3", codes), ("F8_E8M0", tiles)
     t["bare.weight"] = ("F8_E4M3", q)  # FP8 without a scale: no format
     return w, t
 
@@ -56,7 +59,7 @@ def folder(tmp_path_factory):
 
 EXPECTED = {"plain.weight": "float", "block.weight": "fp8-block", "e8m0.weight": "fp8-block", "channel.weight": "fp8-channel",
             "tensor.weight": "fp8-tensor", "mxfp8.weight": "mxfp8", "mxfp4.weight": "mxfp4", "int4.weight": "int4",
-            "nvfp4.weight": "nvfp4"}
+            "nvfp4.weight": "nvfp4", "tile32.weight": "fp8-tile32"}
 
 
 def test_every_format_is_exercised_and_claims_only_its_own(folder):
@@ -87,6 +90,8 @@ def _defined(tensors, name):
         return t.float() * torch.exp2(tensors[name + "_scale_inv"][1].float() - 127).repeat_interleave(32, 1)
     if base == "mxfp4":
         return dequantize_mxfp4(t, tensors["mxfp4.scale"][1])
+    if base == "tile32":
+        return tile32_value(t, tensors["tile32.scale"][1]).float()
     if base == "nvfp4":
         return nvfp4_value({k[len("nvfp4."):]: v for k, v in tensors.items() if k.startswith("nvfp4.")})
     raise AssertionError(name)

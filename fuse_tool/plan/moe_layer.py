@@ -205,8 +205,10 @@ def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, 
 
 def _mixed_formats_ok(inputs: PlanInputs, routed: SourceWeight, shared: SourceWeight) -> bool:
     """Routed experts of a format converted whole (DeepSeek-V4's MXFP4, Kimi-K2.5 / K2.6's INT4) beside a shared expert
-    in float or FP8 blocks (V4: FP8 blocks; Kimi: BF16): all become FP8 blocks."""
-    return inputs.out_fp8 and routed.format.whole_only and (shared.scale is None or shared.format.keeps_blocks)
+    in float, FP8 blocks or a format converted whole (V4: FP8 blocks; Kimi: BF16; V4.1: 32x32 tiles): all become FP8
+    blocks."""
+    return inputs.out_fp8 and routed.format.whole_only and (shared.scale is None or shared.format.keeps_blocks
+                                                             or shared.format.whole_only)
 
 
 def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int, is_mtp: bool) -> tuple[LayerPlan, bool]:

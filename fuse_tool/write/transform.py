@@ -378,15 +378,17 @@ def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Itera
     except FormatError as e:
         info = next(t for t in (sw.stored.data, sw.stored.scale, *sw.stored.companions) if t is not None and t.name == e.tensor)
         raise ConversionError(e.message, file=info.file, tensor=info.name) from None
+    per = fmt.scale_rows_per  # (strips start on 128-row boundaries: whole scale rows)
     step = max(WEIGHT_BLOCK, CHUNK_BYTES // (64 * cols) // WEIGHT_BLOCK * WEIGHT_BLOCK)  # 2 strips of ~16 float32 copies in flight
 
     def start(r0: int) -> Callable[[], list]:
         r1 = min(w.rows, r0 + step)
-        scales = _read_rows(s, r0, r1)
+        scales = _read_rows(s, r0 // per, -(-r1 // per))
         if not allow_non_finite and (bad := count_non_finite(scales, s.dtype)):
             raise _non_finite_error(s.info, bad)
         data, scales = _read_rows(w, r0, r1).to(device), scales.to(device)
-        return start_on_strips(lambda a, b: fmt.to_fp8_rows(data[a:b], scales[a:b], sw.stored, task.scale_fmt), r1 - r0, device)
+        return start_on_strips(lambda a, b: fmt.to_fp8_rows(data[a:b], scales[a // per : -(-b // per)], sw.stored, task.scale_fmt),
+                               r1 - r0, device)
 
     starts = list(range(0, w.rows, step))
     scale_rows, measured = [], fmt.measurement()

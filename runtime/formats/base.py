@@ -122,6 +122,7 @@ class WeightFormat:
     fp8_scale_dtype: ClassVar[str] = "F32"  # the dtype of the block scales to_fp8_rows makes
     measurement: ClassVar[type | None] = None
     declared_as: ClassVar[str] = ""  # how a quantization_config names it, for the message refusing an unknown one  # what to_fp8_rows measures: BlockExactness or RequantizationError
+    scale_rows_per: ClassVar[int] = 1  # weight rows per scale row, as a whole_only format's scales are read by rows
     scale_layout: ClassVar[str] = "grid"  # one scale row per "grid" row of the scale tensor, "row" per weight row, "one"
 
     def matches(self, tensors: Mapping[str, TensorInfo], name: str) -> bool:

@@ -13,6 +13,7 @@ from ..layout import E8M0_DTYPE_CODE, STACKED_FORMS, WEIGHT_BLOCK, scale_grid, s
 from ..mxfp4 import e8m0_to_float
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo, bytes_to_tensor, read_bytes
 from ..errors import ModelError
+from .fp8_tile32 import is_tile32_scale
 from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, group_scale_inv, input_scale,
                    is_channel_shape, quantization_config,
                    register)
@@ -58,8 +59,8 @@ class FP8Block(WeightFormat):
         info = tensors.get(name)
         if info is None or info.dtype not in FP8_CODES or len(info.shape) < 2:
             return False
-        if e8m0_scale(tensors, name) is not None:
-            return True
+        if (e8m0 := e8m0_scale(tensors, name)) is not None:
+            return not is_tile32_scale(info, e8m0)  # else 32x32 tiles (DeepSeek-V4.1)
         if scale_name(name) in tensors:
             return group_scale_inv(tensors, name) is None  # else MXFP8
         return ct_block_scale(tensors, name, info) is not None
