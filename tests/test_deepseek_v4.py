@@ -477,6 +477,17 @@ def exact_pair(request, tmp_path_factory):
     return src, root / "out", request.param
 
 
+def reference_and_fused_logits(ref, fused, shape: tuple[int, int]):
+    """Logits of random token ids ``shape``: the reference model's, the fused model's as run (FP8), and the fused model's
+    with its FP8 experts expanded to float32 (``fused`` keeps them so)."""
+    ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, use_cache=False).logits
+        got_fp8 = fused(input_ids=ids, use_cache=False).logits
+        _dequantize_experts(fused)
+        return want, got_fp8, fused(input_ids=ids, use_cache=False).logits
+
+
 def test_fused_model_logits_match_transformers(exact_pair):
     """from_fused_pretrained builds transformers' DeepseekV4ForCausalLM with every MoE block a FusedSharedMoE (the hash
     layer given input_ids by the decoder layer). Reference: the same transformers model with the release weights (MXFP4
@@ -491,12 +502,7 @@ def test_fused_model_logits_match_transformers(exact_pair):
     blocks = [m for m in fused.model.layers if isinstance(m.mlp, FusedSharedMoE)]
     assert len(blocks) == len(fused.model.layers) == 3
     assert [b.mlp.hash_routed for b in blocks] == [True, False, False] and blocks[0].mlp.tid2eid is not None
-    ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(input_ids=ids, use_cache=False).logits
-        got_fp8 = fused(input_ids=ids, use_cache=False).logits
-        _dequantize_experts(fused)
-        got_f32 = fused(input_ids=ids, use_cache=False).logits
+    want, got_fp8, got_f32 = reference_and_fused_logits(ref, fused, (3, 20))
     exact, fp8 = rel_err(got_f32, want), rel_err(got_fp8, want)
     top1 = float((got_fp8.argmax(-1) == want.argmax(-1)).float().mean())
     print(f"{style}: logits rel err, float32 experts {exact:.2e}; FP8 as run {fp8:.4f}, top-1 {top1:.3f}")

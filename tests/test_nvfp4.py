@@ -29,8 +29,8 @@ from runtime.formats.nvfp4 import dequantize_nvfp4
 from runtime.integrations.transformers import ShardReader
 from runtime.mxfp4 import dequantize_mxfp4
 from skeletons import FIXTURES, build_skeleton, fixture_config, read_inventory
-from test_deepseek_v4 import _dequantize_experts, fp8_dequantized, tensors_of
-from v4_checkpoint import RELEASE_CONFIG, build_v4_checkpoint, write_safetensors
+from test_deepseek_v4 import fp8_dequantized, reference_and_fused_logits, tensors_of
+from v4_checkpoint import build_v4_checkpoint, write_safetensors
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MODELOPT_QC = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": 16,
@@ -142,12 +142,7 @@ def test_fused_model_matches_transformers_on_the_dequantized_model(converted):
     src, _, out, result = converted
     ref = from_source_pretrained(src, dtype=torch.float32)
     fused = from_fused_pretrained(out, dtype=torch.float32)
-    ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(input_ids=ids, use_cache=False).logits
-        got_fp8 = fused(input_ids=ids, use_cache=False).logits
-        _dequantize_experts(fused)
-        got_f32 = fused(input_ids=ids, use_cache=False).logits
+    want, got_fp8, got_f32 = reference_and_fused_logits(ref, fused, (2, 16))
     assert rel_err(got_f32, want) <= 4 * result.measurements["nvfp4"].total().rel
     assert rel_err(got_fp8, want) <= FP8_EXPERTS.logits_rel
 
