@@ -75,7 +75,8 @@ def test_fp8_weight_without_scale(src, tmp_path):
 
 
 def test_mxfp8_with_a_bad_scale_shape_is_refused(src, tmp_path):
-    """A U8 scale per 1x32 group that does not cover the weight's inputs is read neither as MXFP8 nor as 128x128 blocks."""
+    """A U8 scale per 1x32 group that does not cover the weight's inputs is read neither as MXFP8 nor as 128x128
+    blocks."""
     to_fp8_block(src)
     name = "model.layers.1.mlp.experts.5.down_proj.weight"
 

@@ -478,8 +478,8 @@ def exact_pair(request, tmp_path_factory):
 
 
 def reference_and_fused_logits(ref, fused, shape: tuple[int, int]):
-    """Logits of random token ids ``shape``: the reference model's, the fused model's as run (FP8), and the fused model's
-    with its FP8 experts expanded to float32 (``fused`` keeps them so)."""
+    """Logits of random token ids ``shape``: the reference model's, the fused model's as run (FP8), and the fused
+    model's with its FP8 experts expanded to float32 (``fused`` keeps them so)."""
     ids = torch.randint(0, RELEASE_CONFIG["vocab_size"], shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(input_ids=ids, use_cache=False).logits

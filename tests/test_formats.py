@@ -114,7 +114,8 @@ def test_int4_reads_as_codes_times_group_scales(folder):
 def test_mxfp8_is_stored_with_its_group_scales(folder):
     reader, _ = folder
     stored = stored_weight(reader.tensors, "mxfp8.weight")
-    assert (stored.format.name, stored.scale.name, stored.cols, stored.group) == ("mxfp8", "mxfp8.weight_scale_inv", IN, 32)
+    got = (stored.format.name, stored.scale.name, stored.cols, stored.group)
+    assert got == ("mxfp8", "mxfp8.weight_scale_inv", IN, 32)
 
 
 def test_reader_names_the_folder_on_a_bad_int4_shape(tmp_path):

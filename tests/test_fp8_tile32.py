@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from fuse_tool.convert import convert_checkpoint
@@ -15,19 +17,24 @@ from v4_checkpoint import build_v4_checkpoint, write_safetensors
 
 
 def quantize_tile32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per 32x32 tile the smallest power of two ``2^k`` with ``|w| / 2^k <= 448``: e4m3 codes and E8M0 bytes ``k + 127``."""
+    """Per 32x32 tile the smallest power of two ``2^k`` with ``|w| / 2^k <= 448``: e4m3 codes and E8M0 bytes
+    ``k + 127``."""
     rows, cols = w.shape
     R, C = -(-rows // 32), -(-cols // 32)
     padded = torch.zeros(R * 32, C * 32)
     padded[:rows, :cols] = w.float()
     k = torch.ceil(torch.log2(padded.view(R, 32, C, 32).abs().amax((1, 3)).clamp(min=2.0**-100) / 448))
-    codes = (w.float() / torch.exp2(k).repeat_interleave(32, 0).repeat_interleave(32, 1)[:rows, :cols]).to(torch.float8_e4m3fn)
+    codes = (w.float() / _expand(torch.exp2(k), rows, cols)).to(torch.float8_e4m3fn)
     return codes, (k + 127).to(torch.uint8)
+
+
+def _expand(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return tiles.repeat_interleave(32, 0).repeat_interleave(32, 1)[:rows, :cols]
 
 
 def tile32_value(codes, e8m0):
     rows, cols = codes.shape
-    return codes.double() * torch.exp2(e8m0.double() - 127).repeat_interleave(32, 0).repeat_interleave(32, 1)[:rows, :cols]
+    return codes.double() * _expand(torch.exp2(e8m0.double() - 127), rows, cols)
 
 
 def test_exact_where_the_tile_scales_allow_and_counted_elsewhere():
@@ -49,8 +56,8 @@ def test_exact_where_the_tile_scales_allow_and_counted_elsewhere():
 
 def test_v4_with_32x32_tiles_converts_with_exactness_reported(tmp_path):
     """The tiny V4 release with every FP8 linear (attention, shared expert, MTP glue) re-stored as 32x32 tiles, as V4.1
-    stores them: each is recognised as fp8-tile32 and converted to E8M0 128x128 blocks; the summary counts the blocks, and
-    every tensor the report calls exact reads back as the source's values."""
+    stores them: each is recognised as fp8-tile32 and converted to E8M0 128x128 blocks; the summary counts the blocks,
+    and every tensor the report calls exact reads back as the source's values."""
     v4 = build_v4_checkpoint(tmp_path / "v4", "flash", seed=5, outlier_experts=())
     reader = ShardReader(v4)
     t = stored_tensors(reader)
@@ -64,13 +71,14 @@ def test_v4_with_32x32_tiles_converts_with_exactness_reported(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     write_safetensors(src / "model.safetensors", t)
-    (src / "model.safetensors.index.json").write_text('{"weight_map": {%s}}' % ", ".join(f'"{n}": "model.safetensors"' for n in t))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(t, "model.safetensors")}))
     (src / "config.json").write_text((v4 / "config.json").read_text())
     source = ShardReader(src)
     assert tiled and all(recognise(source.tensors, n).name == "fp8-tile32" for n in tiled)
     result = convert_checkpoint(src, tmp_path / "out", progress=False)
     report = result.measurements["fp8-tile32"]
-    assert f"FP8 32x32 -> FP8 {len(report.tensors)} tensors, {report.blocks} blocks" in describe_plan(result.plan, result.measurements)
+    text = describe_plan(result.plan, result.measurements)
+    assert f"FP8 32x32 -> FP8 {len(report.tensors)} tensors, {report.blocks} blocks" in text
     out = ShardReader(tmp_path / "out")
     for n, m in report.tensors.items():
         if m.inexact_blocks == 0 and n in source.tensors:

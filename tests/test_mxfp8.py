@@ -1,5 +1,5 @@
-"""MXFP8 sources (e4m3 codes, one E8M0 scale per 1x32 group under ``weight_scale_inv``): converted to FP8 128x128 blocks,
-exactly where the group scales allow it; every other block is counted and its move reported."""
+"""MXFP8 sources (e4m3 codes, one E8M0 scale per 1x32 group under ``weight_scale_inv``): converted to FP8 128x128
+blocks, exactly where the group scales allow it; every other block is counted and its move reported."""
 
 from __future__ import annotations
 

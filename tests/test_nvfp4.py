@@ -64,12 +64,14 @@ def nvfp4_value(parts) -> torch.Tensor:
 
 def stored_tensors(reader) -> dict[str, tuple[str, torch.Tensor]]:
     """Every tensor of a folder as ``write_safetensors`` takes it (F8_E8M0 as its bytes)."""
-    return {n: (i.dtype, reader.e8m0_bytes(n) if i.dtype == "F8_E8M0" else reader.get(n)) for n, i in reader.tensors.items()}
+    return {n: (i.dtype, reader.e8m0_bytes(n) if i.dtype == "F8_E8M0" else reader.get(n))
+            for n, i in reader.tensors.items()}
 
 
 def build_nvfp4_checkpoint(root, seed: int = 5):
     """The tiny V4 release with every decoder layer's routed experts re-stored as NVFP4 (the MTP block's stay MXFP4, as
-    NVIDIA's release keeps them), under ModelOpt's quantization_config. Returns the folder and the exact expert values."""
+    NVIDIA's release keeps them), under ModelOpt's quantization_config. Returns the folder and the exact expert
+    values."""
     v4 = build_v4_checkpoint(root / "v4", "flash", seed=seed, outlier_experts=())
     reader = ShardReader(v4)
     out, exact = {}, {}
@@ -128,7 +130,8 @@ def test_converted_and_error_reported(converted):
     assert manifest["requantization"]["relative_error"] == pytest.approx(rel, rel=1e-9)
     assert manifest["requantization"]["source_format"].startswith("nvfp4 (e2m1 codes")
     card = render_model_card(check_output(out), repo_id="alice/V4-Flash-NVFP4-fused")
-    assert "## Requantization error" in card and f"| relative error, all tensors (‖fp8 − nvfp4‖ / ‖nvfp4‖) | {rel:.3e} |" in card
+    assert "## Requantization error" in card
+    assert f"| relative error, all tensors (‖fp8 − nvfp4‖ / ‖nvfp4‖) | {rel:.3e} |" in card
     text = describe_plan(result.plan, result.measurements)
     assert f"NVFP4 -> FP8   {len(exact)} tensors" in text and f"relative error {rel:.3e}" in text
 
@@ -183,7 +186,8 @@ def test_real_nvfp4_inventory_plan_and_dry_run(tmp_path):
     assert len(plan.source.tensors) == len(inventory) == 135_235
     assert {lp.source_format for lp in plan.layers if not lp.is_mtp} == {"nvfp4"}
     assert {lp.source_format for lp in plan.layers if lp.is_mtp} == {"mxfp4"}
-    assert plan.converted_weights()["nvfp4"] == sum(n.endswith(".weight_scale_2") for n, _, _ in inventory) == 43 * 256 * 3
+    nvfp4_weights = sum(n.endswith(".weight_scale_2") for n, _, _ in inventory)
+    assert plan.converted_weights()["nvfp4"] == nvfp4_weights == 43 * 256 * 3
     out_tensors = {t.name: t for sh in plan.shards for t in sh.tensors}
     w = out_tensors["layers.5.ffn.experts.7.w2.weight"]
     assert (w.dtype, w.shape) == ("F8_E4M3", (4096, 2048))

@@ -89,8 +89,9 @@ def _requantization_lines(req: Any) -> list[str]:
         "## Requantization error",
         "",
         f"The source's routed experts are {_md_cell(req.get('source_format', 'INT4'))}. They were dequantized exactly "
-        f"(codes times their scales, in float32) and quantized to {_md_cell(req.get('target_format', 'FP8'))}, so these "
-        f"weights differ from the source's by the FP8 rounding below (measured against the dequantized {source} weights):",
+        f"(codes times their scales, in float32) and quantized to {_md_cell(req.get('target_format', 'FP8'))}, so "
+        f"these weights differ from the source's by the FP8 rounding below (measured against the dequantized {source} "
+        "weights):",
         "",
         "| measure | value |",
         "|---|---|",

@@ -115,7 +115,8 @@ def projection_task(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
     if scale is not None and inputs.arch.names.scale_storage == "e8m0":
         if mode not in ("copy", "convert"):  # a converted format's ue8m0 block scales are powers of two: one byte each
             raise inputs.error(f"would be {'cut mid-tensor' if mode == 'region' else 'requantized'} into F8_E8M0-scaled FP8; "
-                               "this family's files keep one-byte scales, and only whole FP8 copies and whole conversions write them",
+                               "this family's files keep one-byte scales, and only whole FP8 copies and whole "
+                               "conversions write them",
                                sw.weight.info.name)
         return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE, weight, scale, inputs.scale_fmt, E8M0_DTYPE_CODE)
     return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE if out_fp8 else sw.weight.dtype, weight, scale, inputs.scale_fmt)

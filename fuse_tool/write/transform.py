@@ -387,8 +387,10 @@ def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Itera
         if not allow_non_finite and (bad := count_non_finite(scales, s.dtype)):
             raise _non_finite_error(s.info, bad)
         data, scales = _read_rows(w, r0, r1).to(device), scales.to(device)
-        return start_on_strips(lambda a, b: fmt.to_fp8_rows(data[a:b], scales[a // per : -(-b // per)], sw.stored, task.scale_fmt),
-                               r1 - r0, device)
+        def convert(a: int, b: int):
+            return fmt.to_fp8_rows(data[a:b], scales[a // per : -(-b // per)], sw.stored, task.scale_fmt)
+
+        return start_on_strips(convert, r1 - r0, device)
 
     starts = list(range(0, w.rows, step))
     scale_rows, measured = [], fmt.measurement()

@@ -16,7 +16,8 @@ from ..fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..layout import WEIGHT_BLOCK, scale_name
 from ..mxfp4 import MX_GROUP, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
-from .base import FP8_CODES, BlockExactness, FormatError, StoredWeight, WeightFormat, e8m0_scale, group_scale_inv, register
+from .base import (FP8_CODES, BlockExactness, FormatError, StoredWeight, WeightFormat, e8m0_scale, group_scale_inv,
+                   register)
 
 
 def _per_block(t: torch.Tensor, rows_per: int, cols_per: int, reduce: str, fill: float) -> torch.Tensor:
@@ -32,10 +33,10 @@ def _per_block(t: torch.Tensor, rows_per: int, cols_per: int, reduce: str, fill:
 
 def pow2_blocks_measured(f: torch.Tensor, group_scales: torch.Tensor, group_rows: int, group_cols: int
                          ) -> tuple[torch.Tensor, torch.Tensor, BlockExactness]:
-    """Float32 ``f`` ``[rows, in]`` that is exactly e4m3 codes times power-of-two group scales (``group_scales``, float32,
-    one per ``group_rows x group_cols`` tile) as FP8 e4m3 with power-of-two 128x128 block scales (float32), measured:
-    a block is within the rule when none of its group scales is below its block scale, and moved where some value
-    differs after dequantization."""
+    """Float32 ``f`` ``[rows, in]`` that is exactly e4m3 codes times power-of-two group scales (``group_scales``,
+    float32, one per ``group_rows x group_cols`` tile) as FP8 e4m3 with power-of-two 128x128 block scales (float32),
+    measured: a block is within the rule when none of its group scales is below its block scale, and moved where some
+    value differs after dequantization."""
     q, scale = quantize_block_fp8(f, scale_fmt="ue8m0")
     moved = _per_block((dequantize_block_fp8(q, scale) - f).abs(), WEIGHT_BLOCK, WEIGHT_BLOCK, "amax", 0.0) / scale
     smallest = _per_block(group_scales, WEIGHT_BLOCK // group_rows, WEIGHT_BLOCK // group_cols, "amin", float("inf"))

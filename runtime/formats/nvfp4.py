@@ -17,15 +17,16 @@ import torch
 from ..errors import ModelError
 from ..mxfp4 import unpack_e2m1
 from ..safetensors_io import FP8_DTYPE_CODE, bytes_to_tensor, read_bytes
-from .base import (FormatError, RequantizationError, StoredWeight, WeightFormat, input_scale, quantization_config_field, register,
-                   requantize_to_fp8)
+from .base import (FormatError, RequantizationError, StoredWeight, WeightFormat, input_scale, quantization_config_field,
+                   register, requantize_to_fp8)
 
 NV_GROUP = 16  # inputs per e4m3 scale
 SCALE_SUFFIX, GLOBAL_SUFFIX = "_scale", "_scale_2"  # X.weight_scale, X.weight_scale_2
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: float | torch.Tensor) -> torch.Tensor:
-    """``[out, in/2]`` packed e2m1 (uint8), ``[out, in/16]`` e4m3 scales and the global scale -> float32 ``[out, in]``."""
+    """``[out, in/2]`` packed e2m1 (uint8), ``[out, in/16]`` e4m3 scales and the global scale -> float32
+    ``[out, in]``."""
     values = unpack_e2m1(packed)
     rows, cols = values.shape
     if tuple(scales.shape) != (rows, cols // NV_GROUP) or cols % NV_GROUP:
@@ -82,16 +83,17 @@ class NVFP4(WeightFormat):
             raise FormatError(f"has shape {list(info.shape)}: NVFP4 weights are supported as 2-D tensors only", name)
         rows, cols = info.shape[0], 2 * info.shape[1]
         if expect is not None and (rows, cols) != tuple(expect):
-            raise FormatError(f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (NVFP4: two e2m1 codes "
-                              f"per byte of a [{expect[0]}, {expect[1]}] weight)", name)
+            raise FormatError(f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (NVFP4: two e2m1 "
+                              f"codes per byte of a [{expect[0]}, {expect[1]}] weight)", name)
         if cols % NV_GROUP:
-            raise FormatError(f"has shape {list(info.shape)}: {cols} inputs are not whole NVFP4 groups of {NV_GROUP}", name)
+            raise FormatError(f"has shape {list(info.shape)}: {cols} inputs are not whole NVFP4 groups of {NV_GROUP}",
+                              name)
         if s.shape != (rows, cols // NV_GROUP):
-            raise FormatError(f"has shape {list(s.shape)}, expected {[rows, cols // NV_GROUP]} (one e4m3 scale per {NV_GROUP} "
-                              f"inputs of the NVFP4 weight [{rows}, {cols}])", s.name)
+            raise FormatError(f"has shape {list(s.shape)}, expected {[rows, cols // NV_GROUP]} (one e4m3 scale per "
+                              f"{NV_GROUP} inputs of the NVFP4 weight [{rows}, {cols}])", s.name)
         if g.dtype != "F32" or math.prod(g.shape) != 1:
-            raise FormatError(f"has dtype {g.dtype} and shape {list(g.shape)}, expected one F32 value (the NVFP4 global scale)",
-                              g.name)
+            raise FormatError(f"has dtype {g.dtype} and shape {list(g.shape)}, expected one F32 value (the NVFP4 "
+                              "global scale)", g.name)
         return StoredWeight(self, info, s, (g, *input_scale(tensors, name)), cols=cols, group=NV_GROUP, notes=(
             "NVFP4: e2m1 code x e4m3 scale is exact in float32; the F32 global scale rounds that product once",))
 
