@@ -364,3 +364,33 @@ def test_one_token_without_alignment(variant):
             assert rel(out, ref) < 3e-3
         else:
             assert torch.all(out == 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("shared,tiles", [(1, VARIANTS["plain-split-hidden-quant"]), (2, VARIANTS["epilogue-quant"])])
+def test_shared_slots_as_dense_gemms(shared, tiles):
+    """With ``shared_slots`` the last slots (every token, weight 1, route's output) run as dense block-FP8 GEMMs: the
+    grouped GEMMs skip them and the slot sum adds their rows. Clamped SwiGLU-OAI slots, a changing num_valid_tokens."""
+    from runtime import RoutingConfig, route
+
+    E, K, H, I, T = 5, 2, 256, 256, 11
+    g = torch.Generator().manual_seed(31 + shared)
+    ew = random_experts(E + shared, H, I, oai=True, gen=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids, w = route(torch.randn(T, E, generator=g), None, RoutingConfig(E, K, shared, "sigmoid", 1, 1, True, 2.0),
+                   backend="torch")
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    out = torch.full_like(x, float("nan"))
+    dense = dict(tiles, shared_dense=True)
+    fused_moe(x, ew, ids, w, backend="triton", tile_config=dense, out=out, shared_slots=shared)
+    assert rel(out, ref) < 6e-3  # the dense GEMM2 output is rounded to bf16 once more
+    without = fused_moe(x, ew, ids, w, backend="triton", tile_config=dense, shared_slots=0)
+    assert rel(out, without) < 6e-3
+    routed_only = fused_moe(x, ew, ids[:, :K], w[:, :K], backend="torch")
+    assert rel(out, routed_only) > 0.1, "the shared slots are in the result"
+    nv = torch.tensor([T - 4], dtype=torch.int32)
+    out.fill_(float("nan"))
+    fused_moe(x, ew, ids, w, nv, backend="triton", tile_config=dense, out=out, shared_slots=shared)
+    assert torch.all(out[T - 4:] == 0) and rel(out[:T - 4], ref[:T - 4]) < 6e-3
+    with pytest.raises(ValueError, match="shared_slots"):
+        fused_moe(x, ew, ids, w, backend="triton", shared_slots=K + shared + 1)
