@@ -114,7 +114,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None):
+def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None):
     H = ew.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(1000 + T)
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -129,6 +129,8 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None):
     cands = dict(CANDIDATES[band(T)], current=current)
     if T >= 256 and cfg.num_fused_shared_experts:  # the table's entry with the shared slots as dense block-FP8 GEMMs
         cands["current-dense"] = dict(current, shared_dense=True)
+    for label, over in (variants or {}).items():  # --variants: overrides on the table's own entry
+        cands[label] = dict(current, **over)
     shared = cfg.num_fused_shared_experts
     for label, over in cands.items():
         if only and label not in only:
@@ -212,6 +214,8 @@ def main():
     ap.add_argument("--fresh", action="store_true", help="start a new table instead of updating the existing one")
     ap.add_argument("--from-results", default=None, help="only write the table from an earlier --results-out file")
     ap.add_argument("--only", default=None, help="comma-separated candidate names to time (e.g. current,current-dense)")
+    ap.add_argument("--variants", default=None,
+                    help='JSON {name: overrides} timed on top of the table\'s entry, e.g. \'{"ws": {"warp_specialize": true}}\'')
     args = ap.parse_args()
     if args.from_results:
         return from_results(args.from_results, args.table_out)
@@ -228,7 +232,8 @@ def main():
         for T in map(int, args.tokens.split(",")):
             try:
                 row = tune_cell(name, T, ew, cfg, peer_mod, args.trials, log,
-                                set(args.only.split(",")) if args.only else None)
+                                set(args.only.split(",")) if args.only else None,
+                                json.loads(args.variants) if args.variants else None)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 continue

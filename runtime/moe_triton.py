@@ -671,7 +671,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         h = _alloc((numel, I), FP8_DTYPE, x)
         h_s = _alloc((numel, gi), torch.float32, x)
     else:
-        h = _alloc((split1, numel, N1), torch.float32, x)
+        h = _alloc((split1, numel, N1), _OUTPUT_DTYPES[cfg["gemm1_output_dtype"]], x)
         h_s = h
     BN1 = cfg["gemm1_block_n"]
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
