@@ -42,8 +42,6 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``shared_dense``: when the caller says which slots are shared (``fused_moe(..., shared_slots=S)``), run them as
   dense block-FP8 GEMMs over every token (cuBLASLt on Hopper, a PyTorch twin on the CPU) while the grouped GEMMs
   run the routed slots alone; implies ``quantize_input_first``.
-- ``warp_specialize``: the GEMMs' K loops are warp-specialized (``tl.range(..., warp_specialize=True)``; Hopper and
-  later, ignored elsewhere).
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ TILE_KEYS = {
     "gemm1_swap_ab": bool, "gemm1_warps": int, "gemm1_stages": int, "gemm2_block_n": int,
     "gemm2_split_k": int, "gemm2_swap_ab": bool, "gemm2_warps": int, "gemm2_stages": int,
     "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "quantize_hidden_first": bool,
-    "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool, "shared_dense": bool, "warp_specialize": bool,
+    "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool, "shared_dense": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
@@ -94,7 +92,7 @@ def builtin_tile_config(num_tokens: int, fp8: bool) -> dict:
                    gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3, group_m=8, quantize_input_first=True,
                    quantize_in_epilogue=True, quantize_hidden_first=False, down_output_dtype="bfloat16", weight_tma=False,
                    dependent_launch=False)  # H200, 2026-12-03: overlapping launches gained at decode, lost ~0.5% at prefill
-    cfg.update(shared_dense=False, warp_specialize=False, gemm1_output_dtype="float32")
+    cfg.update(shared_dense=False, gemm1_output_dtype="float32")
     if not fp8:
         cfg.update(gemm1_block_n=min(cfg["gemm1_block_n"], 64), gemm2_block_n=64, gemm1_stages=2, gemm2_stages=2,
                    quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,

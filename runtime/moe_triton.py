@@ -250,7 +250,6 @@ def _moe_gemm_kernel(
     DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
     NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-    WARP_SPEC: tl.constexpr = False,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
 
@@ -262,7 +261,6 @@ def _moe_gemm_kernel(
     alignment ran); ``total_ptr`` is then ``num_valid_tokens`` (read where HAS_NVALID).
     B_TMA: ``b_ptr`` is a tensor descriptor over the weights seen as ``[slots * rows, K]`` with ``[BN, BK]`` blocks
     (Hopper's TMA loads them; the strides still describe the 3-D tensor).
-    WARP_SPEC: the K loop is warp-specialized (Triton's loads and MMAs in separate warps; Hopper and later).
     """
     _follow_previous_launch(PDL)
     pid = tl.program_id(0)
@@ -314,7 +312,7 @@ def _moe_gemm_kernel(
     per_split = tl.cdiv(k_steps, SPLIT_K)
     k_lo = split * per_split
     k_hi = tl.minimum(k_lo + per_split, k_steps)
-    for kb in tl.range(k_lo, k_hi, warp_specialize=WARP_SPEC):
+    for kb in range(k_lo, k_hi):
         offs_k = kb * BK + tl.arange(0, BK)
         k_mask = offs_k < K
         amask = m_mask[:, None] & k_mask[None, :]
@@ -454,8 +452,6 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
     hopper = compiled and _is_hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
     if not hopper or gdc_wait is None:
         cfg["dependent_launch"] = False  # needs Hopper and Triton 3.3+; nothing to overlap under the interpreter
-    if not hopper:
-        cfg["warp_specialize"] = False
     if compiled and not hopper:
         cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
         cfg["shared_dense"] = False  # cuBLASLt's block-scaled FP8 GEMM needs sm_90 (the CPU twin stands in elsewhere)
@@ -603,7 +599,8 @@ def _dense_shared_slots(launch: _Launches, xq, xs, experts, ids_c, shared: int, 
     T = xq.shape[0]
     NE, KS = experts.num_expert_slots, ids_c.shape[1]
     # cuBLASLt reads 1x128 scales column-major; the grouped GEMM1 keeps the row-major ones (a token's scales in one
-    # cache line across its K steps: column-major scales there cost DeepSeek-V3 T = 4096 several per cent on the H200).
+    # cache line across its K steps). Column-major scales there cost 5-15% on the H200 at T = 4096 (DeepSeek-V3 7381
+    # against 7029 us, Kimi-K2 9080 against 7913: benchmarks/results/2026-12-04-h200-run{1,2}-tune.json).
     xs = torch.empty_strided(xs.shape, (1, T), dtype=xs.dtype, device=xs.device).copy_(xs)
     I = experts.intermediate_size  # noqa: E741
     exact = not xq.is_cuda or _block_fp8_mm_float32(xq.device.index if xq.device.index is not None else
@@ -683,7 +680,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         A_DIV=KS, A_MODE=1 if prequant else 0, A_SPLITS=1, GATED=fused_act, QUANT_OUT=quant_h, MUL_W=False,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
         BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
-        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma, WARP_SPEC=cfg["warp_specialize"],
+        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
@@ -703,7 +700,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
         BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
-        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma, WARP_SPEC=cfg["warp_specialize"],
+        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
     )
     shared_out = _dense_shared_slots(launch, a, a_s, experts, ids_c, shared_slots, act) if dense else c
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
