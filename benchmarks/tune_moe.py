@@ -215,7 +215,8 @@ def main():
     ap.add_argument("--from-results", default=None, help="only write the table from an earlier --results-out file")
     ap.add_argument("--only", default=None, help="comma-separated candidate names to time (e.g. current,current-dense)")
     ap.add_argument("--variants", default=None,
-                    help='JSON {name: overrides} timed on top of the table\'s entry, e.g. \'{"bf16gu": {"gemm1_output_dtype": "bfloat16"}}\'')
+                    help="JSON {name: overrides} timed on top of the table's entry, "
+                         "e.g. '{\"bf16gu\": {\"gemm1_output_dtype\": \"bfloat16\"}}'")
     args = ap.parse_args()
     if args.from_results:
         return from_results(args.from_results, args.table_out)

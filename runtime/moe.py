@@ -243,7 +243,8 @@ def fused_moe(
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K+S] with T = {x.shape[0]}")
     if not 0 <= shared_slots <= min(ids.shape[1], experts.num_expert_slots):
-        raise ValueError(f"shared_slots must be in [0, {min(ids.shape[1], experts.num_expert_slots)}], got {shared_slots}")
+        most = min(ids.shape[1], experts.num_expert_slots)
+        raise ValueError(f"shared_slots must be in [0, {most}], got {shared_slots}")
     if resolve_backend(backend, x, experts.gate_up) == "triton":
         from .moe_triton import fused_moe_triton
 

@@ -59,7 +59,8 @@ TILE_KEYS = {
     "gemm1_swap_ab": bool, "gemm1_warps": int, "gemm1_stages": int, "gemm2_block_n": int,
     "gemm2_split_k": int, "gemm2_swap_ab": bool, "gemm2_warps": int, "gemm2_stages": int,
     "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "quantize_hidden_first": bool,
-    "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool, "shared_dense": bool,
+    "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool,
+    "shared_dense": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 

@@ -525,7 +525,8 @@ def _block_fp8_mm_float32(index: int) -> bool:
     """Whether this GPU's cuBLASLt gives block-scaled FP8 products in float32 (else bf16 only)."""
     a = torch.ones((256, 512), device=f"cuda:{index}").to(FP8_DTYPE)
     try:
-        block_fp8_mm(a, torch.ones((4, 256), device=a.device).t(), a, torch.ones((2, 4), device=a.device), torch.float32)
+        ones = functools.partial(torch.ones, device=a.device)
+        block_fp8_mm(a, ones((4, 256)).t(), a, ones((2, 4)), torch.float32)
     except RuntimeError:
         return False
     return True
@@ -695,7 +696,8 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     launch(_moe_gemm_kernel, grid2,
         h, h_s, _weight_tiles(w2, BN2, BK) if tma else w2, s2, c, c, sorted_ids, expert_ids, bound, w_c, *act,
         H, I, numel, num_pid_m, routed, H, 0, numel * N1, numel * H,
-        h.stride(-2), 1, h_s.stride(0) if h_quant_mode == 1 else 0, h_s.stride(1) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
+        h.stride(-2), 1, *(h_s.stride() if h_quant_mode == 1 else (0, 0)),
+        w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
         H, 0,
         A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
