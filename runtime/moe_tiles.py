@@ -42,6 +42,9 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``shared_dense``: when the caller says which slots are shared (``fused_moe(..., shared_slots=S)``), run them as
   dense block-FP8 GEMMs over every token (cuBLASLt on Hopper, a PyTorch twin on the CPU) while the grouped GEMMs
   run the routed slots alone; implies ``quantize_input_first``.
+- ``sum_in_gemm2``: one token (decode) only, without ``shared_dense``: the last GEMM2 program of each column block
+  (an atomic counter per block, zeroed by GEMM1) adds the slots' outputs, in the slot-sum launch's order (the same
+  bits), so that launch and its gap go away. Ignored for more tokens.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ TILE_KEYS = {
     "gemm2_split_k": int, "gemm2_swap_ab": bool, "gemm2_warps": int, "gemm2_stages": int,
     "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "quantize_hidden_first": bool,
     "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool,
-    "shared_dense": bool,
+    "shared_dense": bool, "sum_in_gemm2": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
@@ -93,7 +96,7 @@ def builtin_tile_config(num_tokens: int, fp8: bool) -> dict:
                    gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3, group_m=8, quantize_input_first=True,
                    quantize_in_epilogue=True, quantize_hidden_first=False, down_output_dtype="bfloat16", weight_tma=False,
                    dependent_launch=False)  # H200, 2026-12-03: overlapping launches gained at decode, lost ~0.5% at prefill
-    cfg.update(shared_dense=False, gemm1_output_dtype="float32")
+    cfg.update(shared_dense=False, gemm1_output_dtype="float32", sum_in_gemm2=False)
     if not fp8:
         cfg.update(gemm1_block_n=min(cfg["gemm1_block_n"], 64), gemm2_block_n=64, gemm1_stages=2, gemm2_stages=2,
                    quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,

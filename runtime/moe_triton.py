@@ -23,7 +23,8 @@ forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing betw
 4. ``_moe_gemm_kernel`` for GEMM2: ``[.., I] x [H, I]^T`` times the routing weight, optionally
    split over K into partial outputs.
 5. ``_sum_kernel``: sum over the K+S slots (and GEMM2's K splits) per token, cast to x's dtype,
-   zeros for rows at or past ``num_valid_tokens``.
+   zeros for rows at or past ``num_valid_tokens``. One token with ``sum_in_gemm2``: no such launch; GEMM2's last
+   program of each column block does it (an atomic counter per column block).
 
 Either GEMM can swap its operands (``dot(W^T, A^T)``), so that the weight tile fills the MMA's
 M dimension when ``block_m`` is small, and on Hopper load its FP8 weight tiles through a TMA tensor
@@ -250,6 +251,8 @@ def _moe_gemm_kernel(
     DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
     NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+    cnt_ptr=None, ids_ptr=None, out_ptr=None, num_cnt=0, CNT_P: tl.constexpr = 1, ZERO_CNT: tl.constexpr = False,
+    SUM_KS: tl.constexpr = 0,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
 
@@ -261,6 +264,10 @@ def _moe_gemm_kernel(
     alignment ran); ``total_ptr`` is then ``num_valid_tokens`` (read where HAS_NVALID).
     B_TMA: ``b_ptr`` is a tensor descriptor over the weights seen as ``[slots * rows, K]`` with ``[BN, BK]`` blocks
     (Hopper's TMA loads them; the strides still describe the 3-D tensor).
+    ZERO_CNT: program 0 zeroes the ``num_cnt`` int32 counters at ``cnt_ptr`` (GEMM1, for GEMM2's SUM_KS).
+    SUM_KS > 0 (NAIVE GEMM2, one token of SUM_KS slots): every program bumps its column block's counter after its
+    stores, and the last one of the block sums the token's slots (and K splits) as ``_sum_kernel`` does, in the same
+    order (the same bits), into ``out_ptr``: the slot sum without its own launch.
     """
     _follow_previous_launch(PDL)
     pid = tl.program_id(0)
@@ -271,14 +278,20 @@ def _moe_gemm_kernel(
     gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % gsize
     pid_n = (pid % (GROUP_M * num_pid_n)) // gsize
+    if ZERO_CNT:
+        if (pid == 0) & (split == 0):
+            tl.store(cnt_ptr + tl.arange(0, CNT_P), tl.zeros([CNT_P], tl.int32), mask=tl.arange(0, CNT_P) < num_cnt)
+    skip = False
     if NAIVE:
         e = tl.load(sorted_ptr + pid_m).to(tl.int64)
-        if (e < 0) | (e >= num_slots):
-            return
+        skip = (e < 0) | (e >= num_slots)
         if HAS_NVALID:
-            if tl.load(total_ptr) < 1:
+            skip = skip | (tl.load(total_ptr) < 1)
+        if SUM_KS == 0:
+            if skip:
                 return
-        pair = tl.where(tl.arange(0, BM) == 0, pid_m, numel)
+        e = tl.where(skip, 0, e)  # a skipped program still counts for the slot sum: it computes nothing, stores nothing
+        pair = tl.where((tl.arange(0, BM) == 0) & (skip == 0), pid_m, numel)
     else:
         if pid_m * BM >= tl.load(total_ptr):
             return
@@ -312,6 +325,8 @@ def _moe_gemm_kernel(
     per_split = tl.cdiv(k_steps, SPLIT_K)
     k_lo = split * per_split
     k_hi = tl.minimum(k_lo + per_split, k_steps)
+    if skip:
+        k_hi = k_lo
     for kb in range(k_lo, k_hi):
         offs_k = kb * BK + tl.arange(0, BK)
         k_mask = offs_k < K
@@ -388,6 +403,38 @@ def _moe_gemm_kernel(
         tl.store(c_scale_ptr + pair.to(tl.int64) * stride_csm + pid_n, s, mask=m_mask)
     else:
         _store_cast(c_ptrs, out, cmask, INTERP)
+    if SUM_KS > 0:
+        tl.debug_barrier()  # every thread's stores of this tile precede the counter's release
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == num_pid_m * SPLIT_K - 1:
+            _sum_slots(c_ptr, ids_ptr, out_ptr, total_ptr, c_ptr, offs_n, n_mask, num_slots, c_split_stride, stride_cm, 0,
+                       SUM_KS, SPLIT_K, HAS_NVALID, 0, BN, INTERP, 0, True)
+
+
+@triton.jit
+def _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, mask, num_slots, c_split_stride, H, dense_stride,
+               KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, DENSE: tl.constexpr,
+               BH: tl.constexpr, INTERP: tl.constexpr, t, FROM_L2: tl.constexpr = False):
+    """Columns ``offs`` of result row ``t``: its slots' GEMM2 outputs in slot order, then the dense shared slots;
+    zeros past ``num_valid_tokens``. FROM_L2: read past this SM's cache (other programs of the same launch wrote c)."""
+    acc = tl.zeros([BH], tl.float32)
+    if HAS_NVALID:
+        live = t < tl.load(nvalid_ptr).to(tl.int64)
+    else:
+        live = t >= 0
+    if live:
+        for s in tl.static_range(KS):
+            e = tl.load(ids_ptr + t * KS + s)
+            if (e >= 0) & (e < num_slots):
+                for p in tl.static_range(SPLITS):
+                    ptrs = c_ptr + p * c_split_stride + (t * KS + s) * H + offs
+                    if FROM_L2:
+                        acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    else:
+                        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        for d in tl.static_range(DENSE):
+            acc += tl.load(dense_ptr + d * dense_stride + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+    _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)
 
 
 @triton.jit
@@ -399,21 +446,8 @@ def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, H, num_slots, c_
     _follow_previous_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
-    mask = offs < H
-    acc = tl.zeros([BH], tl.float32)
-    if HAS_NVALID:
-        live = t < tl.load(nvalid_ptr).to(tl.int64)
-    else:
-        live = t >= 0
-    if live:
-        for s in tl.static_range(KS):
-            e = tl.load(ids_ptr + t * KS + s)
-            if (e >= 0) & (e < num_slots):
-                for p in tl.static_range(SPLITS):
-                    acc += tl.load(c_ptr + p * c_split_stride + (t * KS + s) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        for d in tl.static_range(DENSE):
-            acc += tl.load(dense_ptr + d * dense_stride + t * H + offs, mask=mask, other=0.0).to(tl.float32)
-    _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)
+    _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, offs < H, num_slots, c_split_stride, H,
+               dense_stride, KS, SPLITS, HAS_NVALID, DENSE, BH, INTERP, t)
 
 
 @functools.lru_cache(maxsize=None)
@@ -671,7 +705,11 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     else:
         h = _alloc((split1, numel, N1), _OUTPUT_DTYPES[cfg["gemm1_output_dtype"]], x)
         h_s = h
-    BN1 = cfg["gemm1_block_n"]
+    BN1, BN2 = cfg["gemm1_block_n"], cfg["gemm2_block_n"]
+    # One token: GEMM2's last program of each column block adds the slots, no slot-sum launch; GEMM1 zeroes the counters.
+    fold_sum = cfg["sum_in_gemm2"] and naive and not dense
+    num_cnt = triton.cdiv(H, BN2)
+    cnt = _alloc((num_cnt,), torch.int32, x) if fold_sum else ids_c
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
     launch(_moe_gemm_kernel, grid1,
         a, a_s, _weight_tiles(w13, BN1, BK) if tma else w13, s13, h, h_s, sorted_ids, expert_ids, bound, w_c, *act,
@@ -682,6 +720,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
         BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
         POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
+        cnt_ptr=cnt, ids_ptr=ids_c, out_ptr=out, num_cnt=num_cnt, CNT_P=next_pow2(num_cnt), ZERO_CNT=fold_sum,
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
@@ -691,7 +730,6 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         h_quant_mode = 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
-    BN2 = cfg["gemm2_block_n"]
     grid2 = (num_pid_m * triton.cdiv(H, BN2), split2)
     launch(_moe_gemm_kernel, grid2,
         h, h_s, _weight_tiles(w2, BN2, BK) if tma else w2, s2, c, c, sorted_ids, expert_ids, bound, w_c, *act,
@@ -703,7 +741,10 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
         BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
         POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
+        cnt_ptr=cnt, ids_ptr=ids_c, out_ptr=out, num_cnt=num_cnt, SUM_KS=KS if fold_sum else 0,
     )
+    if fold_sum:
+        return out
     shared_out = _dense_shared_slots(launch, a, a_s, experts, ids_c, shared_slots, act) if dense else c
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
     launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, shared_out, H,

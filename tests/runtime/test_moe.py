@@ -204,6 +204,10 @@ VARIANTS = {
                                      gemm1_swap_ab=True, gemm2_swap_ab=True, quantize_input_first=True),
     "weight-tma-plain-hidden-quant": dict(DECODE_SPLIT, weight_tma=True, quantize_input_first=True, quantize_hidden_first=True,
                                           gemm2_split_k=1),
+    # Decode: the slot sum in GEMM2's last program per column block (ignored for more than one token).
+    "sum-in-gemm2": dict(DECODE_SPLIT, quantize_input_first=True, quantize_hidden_first=True, gemm2_split_k=1,
+                         sum_in_gemm2=True),
+    "sum-in-gemm2-split": dict(DECODE_SPLIT, gemm2_block_n=128, sum_in_gemm2=True),
 }
 
 
@@ -349,7 +353,8 @@ def test_triton_activation_quantization_is_the_references_bit_for_bit():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["default", "plain-split-hidden-quant", "epilogue-quant-swap"])
+@pytest.mark.parametrize("variant", ["default", "plain-split-hidden-quant", "epilogue-quant-swap", "sum-in-gemm2",
+                                     "sum-in-gemm2-split"])
 def test_one_token_without_alignment(variant):
     """One token runs without the alignment launch (each pair its own M block): a skipped slot (-1), and a
     num_valid_tokens of 1 then 0 in the same buffers, as a replayed decode graph would see."""
@@ -364,6 +369,8 @@ def test_one_token_without_alignment(variant):
     out = torch.full_like(x, float("nan"))
     fused_moe(x, ew, ids, w, backend="triton", tile_config=tiles, out=out)
     assert rel(out, ref) < 3e-3
+    if tiles and tiles.get("sum_in_gemm2"):  # the same additions in the same order as the slot-sum launch
+        assert torch.equal(out, fused_moe(x, ew, ids, w, backend="triton", tile_config=dict(tiles, sum_in_gemm2=False)))
     nv = torch.tensor([1], dtype=torch.int32)
     for n in (1, 0):
         nv.fill_(n)
