@@ -57,7 +57,7 @@ def _route_kernel(
     E: tl.constexpr, GS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GSP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, K: tl.constexpr, S: tl.constexpr, KSP: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM: tl.constexpr,
-    HASH: tl.constexpr, HAS_NVALID: tl.constexpr,
+    HASH: tl.constexpr, HAS_NVALID: tl.constexpr, SELECT: tl.constexpr = 0, TGP: tl.constexpr = 1,
 ):
     # SCORING: 0 sigmoid, 1 softmax, 2 sqrtsoftplus. RENORM: 0 none, 1 w / (sum + eps), 2 w / max(sum, eps).
     row = tl.program_id(0).to(tl.int64)
@@ -114,19 +114,44 @@ def _route_kernel(
                 gscore = _unpack_value(p1)
             gvalid = offs_g < G
             gpacked = tl.where(gvalid, _pack(gscore, offs_g), NEG)
-            keep = offs_g < 0
-            for _i in tl.static_range(TOPK_GROUP):
-                gm = tl.max(gpacked, axis=0)
-                hit = gpacked == gm
-                keep = keep | hit
-                gpacked = tl.where(hit, NEG, gpacked)
-            minf = tl.full([GP, GSP], float("-inf"), tl.float32)
-            packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
+            if SELECT == 2:
+                # The kept groups' rows alone ([TGP, GSP]): the K steps below reduce over half the tile or less.
+                # (RoutingConfig ensures the kept groups hold at least K experts: no -inf expert is among the K.)
+                offs_t = tl.arange(0, TGP)
+                kept = tl.full([TGP, GSP], NEG, tl.int64)
+                for i in tl.static_range(TOPK_GROUP):
+                    gm = tl.max(gpacked, axis=0)
+                    gpacked = tl.where(gpacked == gm, NEG, gpacked)
+                    row = tl.max(tl.where(offs_g[:, None] == 1023 - (gm & 1023), packed, NEG), axis=0)
+                    kept = tl.where(offs_t[:, None] == i, row[None, :], kept)
+                packed = kept
+            else:
+                if SELECT == 3:
+                    # A group is kept when fewer than TOPK_GROUP groups beat it: one [GP, GP] count, no serial steps.
+                    other = tl.reshape(gpacked, [1, GP])
+                    beaten_by = tl.sum((other > tl.reshape(gpacked, [GP, 1])).to(tl.int32), axis=1)
+                    keep = beaten_by < TOPK_GROUP
+                else:
+                    keep = offs_g < 0
+                    for _i in tl.static_range(TOPK_GROUP):
+                        gm = tl.max(gpacked, axis=0)
+                        hit = gpacked == gm
+                        keep = keep | hit
+                        gpacked = tl.where(hit, NEG, gpacked)
+                minf = tl.full([GP, GSP], float("-inf"), tl.float32)
+                packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
         ids = tl.zeros([KSP], tl.int32)
-        for k in tl.static_range(K):
-            pk = tl.max(tl.max(packed, axis=1), axis=0)
-            packed = tl.where(packed == pk, NEG, packed)
-            ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+        if SELECT == 1 or SELECT == 3:  # one reduction over the flattened tile per step, not two nested ones
+            flat = tl.reshape(packed, [packed.shape[0] * packed.shape[1]])
+            for k in tl.static_range(K):
+                pk = tl.max(flat, axis=0)
+                flat = tl.where(flat == pk, NEG, flat)
+                ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+        else:
+            for k in tl.static_range(K):
+                pk = tl.max(tl.max(packed, axis=1), axis=0)
+                packed = tl.where(packed == pk, NEG, packed)
+                ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
     # Weights from the unbiased scores of the chosen experts, recomputed with the same operations.
     zk = tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32)
     if SCORING == 1:
@@ -165,11 +190,21 @@ def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scorin
     num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
     return dict(E=E, GS=GS, G=n_group, GP=GP, GSP=GSP, TOPK_GROUP=topk_group, K=K, S=S,
                 KSP=next_pow2(K + S), SCORING=_SCORING_CODES[scoring], HAS_BIAS=has_bias,
-                GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps)
+                GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps,
+                SELECT=0, TGP=next_pow2(topk_group))
 
 
-def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None):
-    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D)."""
+def select_modes(n_group: int) -> tuple[int, ...]:
+    """The selection schemes ``SELECT`` valid for a geometry (all give the same ids): 0 nested reductions over the
+    ``[GP, GSP]`` tile per step, 1 one reduction over the flattened tile, 2 (groups only) the kept groups' rows
+    gathered first (:class:`RoutingConfig` ensures they hold at least K experts), 3 (groups only) groups kept by a
+    rank count, then 1."""
+    return (0, 1, 2, 3) if n_group > 1 else (0, 1)
+
+
+def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None, launch=None):
+    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D). ``launch``
+    overrides the kernel's ``SELECT`` (one of :func:`select_modes`) or ``num_warps`` (benchmarks compare them)."""
     T, E = logits.shape
     KS = cfg.slots_per_token
     if out is not None:
@@ -185,6 +220,10 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
     renorm = 0 if not (cfg.renormalize or hashed) else (2 if cfg.renormalize_form == "max" else 1)
     meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,
                           cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed)
+    if launch:
+        if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(cfg.n_group):
+            raise ValueError(f"launch overrides SELECT (one of the geometry's select_modes) and num_warps only: {launch}")
+        meta = dict(meta, **launch)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.to(torch.float32)
     _route_kernel[(T,)](

@@ -191,6 +191,32 @@ def test_activation_quantization_bit_for_bit(K):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "GLM-4.5"])
+def test_slot_sum_in_gemm2_changes_no_bit(name):
+    """One token: the slot sum done by GEMM2's last program per column block gives the slot-sum launch's bytes,
+    eagerly and replayed in a CUDA graph (num_valid_tokens 1, then 0: zeros), with the table's tiles otherwise."""
+    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=11)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids, w = route(torch.randn(1, E, device="cuda", generator=gen), None, _cfg(name))
+    ids[0, 1] = -1  # a skipped slot still counts for its column blocks
+    nv = torch.tensor([1], dtype=torch.int32, device="cuda")
+    apart = fused_moe(x, ew, ids, w, nv, tile_config=dict(sum_in_gemm2=False))
+    folded = fused_moe(x, ew, ids, w, nv, tile_config=dict(sum_in_gemm2=True))
+    assert torch.equal(apart, folded)
+    out = torch.full_like(x, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ew, ids, w, nv, tile_config=dict(sum_in_gemm2=True), out=out)
+    for n in (1, 0, 1):
+        nv.fill_(n)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, apart) if n else torch.all(out == 0)
+
+
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_dependent_launch_changes_no_bit(T):
     """Launches that overlap each other's tails (programmatic dependent launch) give the same bytes as launches that
