@@ -6,13 +6,13 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
 PEER_ARGS="--peer-dir ${PEERS:-.peers} --peer-configs benchmarks/results/2026-12-03-h200-tune-1.json"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee $LOG
-python3 -m pytest -q --noconftest tests/runtime/test_gpu.py -k "slot_sum or dependent_launch or routing_real_shapes or deepseek_v4 \
-  or (fused_moe_real_shapes and 1-) or cuda_graph" 2>&1 | tee -a $LOG
+python3 -m pytest -q --noconftest tests/runtime/test_gpu.py -k "slot_sum or (dependent_launch and 1]) or \
+  ((routing_real_shapes or fused_moe_real_shapes or deepseek_v4) and 1-) or cuda_graph_with_padding_rows and 16" \
+  2>&1 | tee -a $LOG
+python3 benchmarks/bench_moe.py --tokens 1 --trials 10 --rounds 3 $PEER_ARGS --out $OUT/bench-table.json 2>&1 \
+  | tee -a $LOG
+python3 benchmarks/bench_moe.py --tokens 1 --trials 10 --rounds 3 $PEER_ARGS --tile-config '{"sum_in_gemm2": true}' \
+  --out $OUT/bench-sum-in-gemm2.json 2>&1 | tee -a $LOG
 python3 benchmarks/bench_routing.py --variants --out $OUT/routing-variants.json 2>&1 | tee -a $LOG
-for r in 1 2; do
-  python3 benchmarks/bench_moe.py --tokens 1 --trials 10 --rounds 3 $PEER_ARGS --out $OUT/bench-table-$r.json 2>&1 | tee -a $LOG
-  python3 benchmarks/bench_moe.py --tokens 1 --trials 10 --rounds 3 $PEER_ARGS --tile-config '{"sum_in_gemm2": true}' \
-    --out $OUT/bench-sum-in-gemm2-$r.json 2>&1 | tee -a $LOG
-done
 python3 benchmarks/profile_moe.py --models DeepSeek-V3,GLM-4.5 --tokens 1 --iters 3 --tile-config '{}' \
   --tile-config '{"sum_in_gemm2": true}' 2>&1 | tee -a $LOG
