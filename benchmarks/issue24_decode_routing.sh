@@ -16,3 +16,8 @@ python3 benchmarks/bench_moe.py --tokens 1 --trials 10 --rounds 3 $PEER_ARGS --t
 python3 benchmarks/bench_routing.py --variants --out $OUT/routing-variants.json 2>&1 | tee -a $LOG
 python3 benchmarks/profile_moe.py --models DeepSeek-V3,GLM-4.5 --tokens 1 --iters 3 --tile-config '{}' \
   --tile-config '{"sum_in_gemm2": true}' 2>&1 | tee -a $LOG
+# The T = 1 entries of the tile table: the table's current entry against it with the slot sum in GEMM2.
+python3 benchmarks/tune_moe.py --no-peer --trials 5 --tokens 1 --only current,sum-in-gemm2 \
+  --variants '{"sum-in-gemm2": {"sum_in_gemm2": true}}' --table-out runtime/configs --results-out $OUT/tune.json \
+  2>&1 | tee -a $LOG
+cp runtime/configs/moe_fp8_e4m3_block128_NVIDIA_H200.json $OUT/

@@ -423,15 +423,18 @@ def _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, mask, num_s
     else:
         live = t >= 0
     if live:
+        # No branch on the slot ids: every row is loaded at once, the ids' loads in flight with them (a skipped
+        # slot's row was never written; it is read and dropped), and a skipped slot adds -0.0, which leaves every
+        # float32 sum (-0.0 included) as it was.
         for s in tl.static_range(KS):
             e = tl.load(ids_ptr + t * KS + s)
-            if (e >= 0) & (e < num_slots):
-                for p in tl.static_range(SPLITS):
-                    ptrs = c_ptr + p * c_split_stride + (t * KS + s) * H + offs
-                    if FROM_L2:
-                        acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    else:
-                        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            for p in tl.static_range(SPLITS):
+                ptrs = c_ptr + p * c_split_stride + (t * KS + s) * H + offs
+                if FROM_L2:
+                    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                else:
+                    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                acc += tl.where((e >= 0) & (e < num_slots), v, -0.0)
         for d in tl.static_range(DENSE):
             acc += tl.load(dense_ptr + d * dense_stride + t * H + offs, mask=mask, other=0.0).to(tl.float32)
     _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)

@@ -58,6 +58,7 @@ def _route_kernel(
     TOPK_GROUP: tl.constexpr, K: tl.constexpr, S: tl.constexpr, KSP: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM: tl.constexpr,
     HASH: tl.constexpr, HAS_NVALID: tl.constexpr, SELECT: tl.constexpr = 0, TGP: tl.constexpr = 1,
+    KP: tl.constexpr = 1,
 ):
     # SCORING: 0 sigmoid, 1 softmax, 2 sqrtsoftplus. RENORM: 0 none, 1 w / (sum + eps), 2 w / max(sum, eps).
     row = tl.program_id(0).to(tl.int64)
@@ -126,7 +127,7 @@ def _route_kernel(
                     kept = tl.where(offs_t[:, None] == i, row[None, :], kept)
                 packed = kept
             else:
-                if SELECT == 3:
+                if SELECT >= 3:
                     # A group is kept when fewer than TOPK_GROUP groups beat it: one [GP, GP] count, no serial steps.
                     other = tl.reshape(gpacked, [1, GP])
                     beaten_by = tl.sum((other > tl.reshape(gpacked, [GP, 1])).to(tl.int32), axis=1)
@@ -147,6 +148,11 @@ def _route_kernel(
                 pk = tl.max(flat, axis=0)
                 flat = tl.where(flat == pk, NEG, flat)
                 ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+        elif SELECT == 4:  # bitonic top-KP of the flattened tile (largest first): no serial reductions
+            top = tl.topk(tl.reshape(packed, [packed.shape[0] * packed.shape[1]]), KP)
+            if KSP == 2 * KP:  # laid out as the K+S slots: pad with NEG
+                top = tl.reshape(tl.permute(tl.join(top, tl.full([KP], NEG, tl.int64)), (1, 0)), [KSP])
+            ids = tl.where(offs_k < K, (1023 - (top & 1023)).to(tl.int32), 0)
         else:
             for k in tl.static_range(K):
                 pk = tl.max(tl.max(packed, axis=1), axis=0)
@@ -191,15 +197,19 @@ def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scorin
     return dict(E=E, GS=GS, G=n_group, GP=GP, GSP=GSP, TOPK_GROUP=topk_group, K=K, S=S,
                 KSP=next_pow2(K + S), SCORING=_SCORING_CODES[scoring], HAS_BIAS=has_bias,
                 GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps,
-                SELECT=0, TGP=next_pow2(topk_group))
+                SELECT=0, TGP=next_pow2(topk_group), KP=next_pow2(K))
 
 
-def select_modes(n_group: int) -> tuple[int, ...]:
+def select_modes(n_group: int, K: int, S: int) -> tuple[int, ...]:
     """The selection schemes ``SELECT`` valid for a geometry (all give the same ids): 0 nested reductions over the
     ``[GP, GSP]`` tile per step, 1 one reduction over the flattened tile, 2 (groups only) the kept groups' rows
     gathered first (:class:`RoutingConfig` ensures they hold at least K experts), 3 (groups only) groups kept by a
-    rank count, then 1."""
-    return (0, 1, 2, 3) if n_group > 1 else (0, 1)
+    rank count, then 1; 4 groups kept by a rank count, then Triton's bitonic ``tl.topk`` (where it exists and the
+    K+S slots fit in twice K rounded up to a power of two)."""
+    modes = (0, 1, 2, 3) if n_group > 1 else (0, 1)
+    if hasattr(tl, "topk") and next_pow2(K + S) <= 2 * next_pow2(K):
+        modes += (4,)
+    return modes
 
 
 def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None, launch=None):
@@ -221,7 +231,8 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
     meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,
                           cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed)
     if launch:
-        if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(cfg.n_group):
+        if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(
+                cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts):
             raise ValueError(f"launch overrides SELECT (one of the geometry's select_modes) and num_warps only: {launch}")
         meta = dict(meta, **launch)
     if bias is not None and bias.dtype != torch.float32:
