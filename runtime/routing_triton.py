@@ -6,8 +6,10 @@ weights are renormalized as ``w / (sum + eps)`` or ``w / max(sum, eps)``. A hash
 
 One program per token row. The ``E`` experts are laid out as a ``[GP, GSP]`` tile
 (groups x experts per group, both padded to powers of two and masked), so any ``E <= 512``
-and any ``n_group`` dividing it work. Selection is iterative: each of the ``K`` steps takes the
-maximum and, among equal values, the lowest expert index (the same rule for groups).
+and any ``n_group`` dividing it work. Selection runs on int64 keys that pack the value above the
+index, so the largest key is the largest value and, among equal values, the lowest expert index
+(the same rule for groups). Where Triton has ``tl.topk``, one bitonic top-k takes the K keys at once;
+otherwise (and in the other ``select_modes``) each of the K steps takes the maximum key.
 """
 
 from __future__ import annotations
@@ -193,11 +195,18 @@ def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scorin
     GS = E // n_group
     GP, GSP = next_pow2(n_group), next_pow2(GS)
     tile = GP * GSP
-    num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
+    # H200, Triton 3.6, T = 1 in a CUDA graph (docs/benchmarks.md, issue 24 routing): the bitonic top-k (SELECT 4)
+    # with 2 warps for groups or <= 128 experts, else 4, took DeepSeek-V3 3.00 -> 2.33 us, V4-Flash 2.50 -> 2.01 and
+    # V4-Pro 2.78 -> 2.46; the serial schemes are fastest with one warp up to 256 experts.
+    select = 4 if 4 in select_modes(n_group, K, S) else (2 if n_group > 1 else 1)
+    if select == 4 and not hash_routed:
+        num_warps = 2 if (n_group > 1 or tile <= 128) else 4
+    else:
+        num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
     return dict(E=E, GS=GS, G=n_group, GP=GP, GSP=GSP, TOPK_GROUP=topk_group, K=K, S=S,
                 KSP=next_pow2(K + S), SCORING=_SCORING_CODES[scoring], HAS_BIAS=has_bias,
                 GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps,
-                SELECT=0, TGP=next_pow2(topk_group), KP=next_pow2(K))
+                SELECT=select, TGP=next_pow2(topk_group), KP=next_pow2(K))
 
 
 def select_modes(n_group: int, K: int, S: int) -> tuple[int, ...]:
