@@ -8,8 +8,8 @@ One program per token row. The ``E`` experts are laid out as a ``[GP, GSP]`` til
 (groups x experts per group, both padded to powers of two and masked), so any ``E <= 512``
 and any ``n_group`` dividing it work. Selection runs on int64 keys that pack the value above the
 index, so the largest key is the largest value and, among equal values, the lowest expert index
-(the same rule for groups). Where Triton has ``tl.topk``, one bitonic top-k takes the K keys at once;
-otherwise (and in the other ``select_modes``) each of the K steps takes the maximum key.
+(the same rule for groups). For up to 64 tokens, where Triton has ``tl.topk``, one bitonic top-k takes
+the K keys at once; otherwise (and in the other ``select_modes``) each of the K steps takes the maximum key.
 """
 
 from __future__ import annotations
@@ -188,17 +188,22 @@ _SCORING_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 
 @functools.lru_cache(maxsize=None)
 def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scoring: str, has_bias: bool,
-                   group_top2: bool, renorm: int, hash_routed: bool):
+                   group_top2: bool, renorm: int, hash_routed: bool, few_tokens: bool):
     """Kernel meta-parameters, keyed by everything that changes them (E+S included)."""
     if hash_routed:  # no selection: bias and groups play no part
         n_group, topk_group, has_bias, group_top2 = 1, 1, False, False
     GS = E // n_group
     GP, GSP = next_pow2(n_group), next_pow2(GS)
     tile = GP * GSP
-    # H200, Triton 3.6, T = 1 in a CUDA graph (docs/benchmarks.md, issue 24 routing): the bitonic top-k (SELECT 4)
-    # with 2 warps for groups or <= 128 experts, else 4, took DeepSeek-V3 3.00 -> 2.33 us, V4-Flash 2.50 -> 2.01 and
-    # V4-Pro 2.78 -> 2.46; the serial schemes are fastest with one warp up to 256 experts.
-    select = 4 if 4 in select_modes(n_group, K, S) else (2 if n_group > 1 else 1)
+    # H200, Triton 3.6, in a CUDA graph (docs/benchmarks.md, issue 24 routing): up to 64 tokens, the bitonic top-k
+    # (SELECT 4) with 2 warps for groups or <= 128 experts, else 4, took DeepSeek-V3 3.00 -> 2.15 us at T = 1,
+    # V4-Flash 2.50 -> 1.99 and V4-Pro 2.78 -> 2.37; at 512 and 4096 tokens it was up to 1.9x slower (a row's
+    # latency matters less there than the work per row), so more tokens keep the serial steps with one warp up to
+    # 256 experts, as timed before.
+    if few_tokens:
+        select = 4 if 4 in select_modes(n_group, K, S) else (2 if n_group > 1 else 1)
+    else:
+        select = 0
     if select == 4 and not hash_routed:
         num_warps = 2 if (n_group > 1 or tile <= 128) else 4
     else:
@@ -238,7 +243,7 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
     hashed = cfg.hash_routed
     renorm = 0 if not (cfg.renormalize or hashed) else (2 if cfg.renormalize_form == "max" else 1)
     meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,
-                          cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed)
+                          cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed, T <= 64)
     if launch:
         if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(
                 cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts):
