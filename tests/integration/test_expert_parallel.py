@@ -43,6 +43,11 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str, i
                     logits = model(ids).logits
                 if rank == 0:
                     torch.save(logits, os.path.join(out_dir, f"{name}-{world}-{replica}.pt"))
+            # the loader's own EP (each block split as it loads) gives the same logits
+            with torch.no_grad():
+                logits = from_fused_pretrained(path, dtype=torch.float32, expert_parallel=True)(ids).logits
+            if rank == 0:
+                torch.save(logits, os.path.join(out_dir, f"{name}-{world}-load.pt"))
     except BaseException:
         import traceback
 
@@ -85,6 +90,7 @@ def test_expert_parallel_logits_equal_one_process(world, models, tmp_path):
         got = torch.load(tmp_path / f"{name}-{world}-True.pt")
         scale = want.abs().max()
         assert (got - want).abs().max() <= 1e-5 * scale, name
+        assert torch.equal(torch.load(tmp_path / f"{name}-{world}-load.pt"), got), name
         broken = torch.load(tmp_path / f"{name}-{world}-False.pt")
         assert (broken - want).abs().max() > 1e-2 * scale, f"{name}: the shared replica made no difference"
 

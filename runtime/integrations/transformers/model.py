@@ -44,17 +44,19 @@ class StreamedModel:
     ``max_memory`` (default: every GPU's free memory, then the host's) in order; each tensor is read from its shard
     straight to its module's device. ``keep_fp8``: every non-expert linear whose weight is FP8 with 128x128 block
     scales becomes a :class:`runtime.fp8_linear.FP8BlockLinear` holding it as FP8 (else it is dequantized at load).
+    ``expert_parallel``: True (the default process group) or a ``torch.distributed`` group: each MoE block becomes this
+    rank's :class:`runtime.expert_parallel.ExpertParallelMoE` as soon as it is loaded.
     """
 
     def __init__(self, path: str | os.PathLike, kind: str = "fused", dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu", backend: str | None = None,
                  device_map: Mapping[str, Any] | str | None = None, max_memory: Mapping[Any, Any] | None = None,
-                 keep_fp8: bool = False):
+                 keep_fp8: bool = False, expert_parallel: Any = False):
         if kind not in ("fused", "source"):
             raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
         self.path, self.kind, self.backend = os.fspath(path), kind, backend
         self.device = torch.device(device)
-        self.keep_fp8 = keep_fp8
+        self.keep_fp8, self.expert_parallel = keep_fp8, expert_parallel
         self.reader = ShardReader(self.path)
         self.family = family_of(self.reader.config)
         self.config = build_config(self.reader.config)
@@ -254,7 +256,12 @@ class StreamedModel:
         if i in self.plan.fused_moe_layers:
             path = self.plan.fused_moe_layers[i]
             parent, _, leaf = path.rpartition(".")
-            setattr(self.model.get_submodule(parent), leaf, self.moe_module(i))
+            moe = self.moe_module(i)
+            if self.expert_parallel:  # this rank's share at once: never more than one layer's full experts held
+                from ...expert_parallel import ExpertParallelMoE
+
+                moe = ExpertParallelMoE(moe, None if self.expert_parallel is True else self.expert_parallel)
+            setattr(self.model.get_submodule(parent), leaf, moe)
         return layer
 
     def release_layer(self, i: int) -> None:
@@ -264,7 +271,7 @@ class StreamedModel:
             path = self.plan.fused_moe_layers[i]
             parent, _, leaf = path.rpartition(".")
             mod = self.model.get_submodule(parent)
-            if isinstance(getattr(mod, leaf), FusedSharedMoE):
+            if hasattr(getattr(mod, leaf), "experts"):  # FusedSharedMoE or its ExpertParallelMoE share
                 getattr(mod, leaf).experts = None
                 setattr(mod, leaf, torch.nn.Identity())
         layer.to("meta")
@@ -331,18 +338,20 @@ def _moe_block_like(like: torch.nn.Module, text_config, index: int | None = None
 
 def from_fused_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                           backend: str | None = None, device_map: Mapping[str, Any] | str | None = None,
-                          max_memory: Mapping[Any, Any] | None = None, keep_fp8: bool = False):
+                          max_memory: Mapping[Any, Any] | None = None, keep_fp8: bool = False,
+                          expert_parallel: Any = False):
     """Build the source architecture's transformers model from a converted checkpoint folder.
 
     Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts
     are cast to ``dtype``); every other weight is loaded from the shards (FP8 ones dequantized
     into ``dtype``, or kept FP8 in :class:`runtime.fp8_linear.FP8BlockLinear` with ``keep_fp8=True``). ``dtype``
     defaults to the config's. ``device_map`` / ``max_memory`` place modules over devices as in transformers
-    (:class:`StreamedModel`), each tensor read from its shard straight to its device. Returns an eval-mode model
+    (:class:`StreamedModel`), each tensor read from its shard straight to its device; ``expert_parallel=True`` keeps
+    this rank's share of every MoE block (:mod:`runtime.expert_parallel`). Returns an eval-mode model
     ready for ``generate()``, with the folder's generation_config.json when it has one.
     """
     sm = StreamedModel(path, kind="fused", dtype=dtype, device=device, backend=backend, device_map=device_map,
-                       max_memory=max_memory, keep_fp8=keep_fp8)
+                       max_memory=max_memory, keep_fp8=keep_fp8, expert_parallel=expert_parallel)
     model = sm.load_all()
     _attach_generation_config(model, path)
     return model
