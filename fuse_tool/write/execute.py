@@ -24,6 +24,7 @@ from .. import __version__
 from ..errors import ConversionError, FuseSharedError
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MANIFEST_VERSION, done_name, partial_name
 from ..plan import ConversionPlan, PlannedShard
+from ..source.license import read_source_license
 from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .transform import CopyRange, finite_checker, run_task
@@ -184,6 +185,8 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str) 
             "inputs_fingerprint": journal.fingerprint,
             "files": manifest_files,
         }
+        if lic := read_source_license(plan.source.root):  # the source card is not copied: its licence is carried here
+            manifest["source_license"] = lic
         if plan.requantization is not None and (planned := plan.tasks_of_mode("int4")):
             manifest["requantization"] = plan.requantization.summary(planned)  # INT4 -> FP8: the model card shows it
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
