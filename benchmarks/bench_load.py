@@ -128,8 +128,10 @@ def _random(dtype: str, shape: tuple[int, ...], g: torch.Generator, device) -> t
         mag = torch.randint(0x08, 0x60, (n,), generator=g, dtype=torch.uint8, device=device)
         sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8, device=device) << 7
         return (mag | sign).view(torch.float8_e4m3fn).reshape(shape).cpu()
-    if dtype == "F32":
-        return (torch.rand(shape, generator=g, device=device) * 1e-3 + 1e-4).cpu()
+    if len(shape) == 1:  # norms at 1 (as released models are near), the router's selection bias small
+        return torch.ones(shape, dtype=torch.bfloat16) if dtype == "BF16" else torch.randn(shape, generator=g, device=device).cpu() * 1e-3
+    if dtype == "F32":  # block scales: codes of magnitude ~4 times these give weights of ~1/sqrt(width)
+        return (torch.rand(shape, generator=g, device=device) * 2e-3 + 1e-3).cpu()
     return (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
 
 
