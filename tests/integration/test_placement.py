@@ -74,3 +74,19 @@ def test_parse_memory():
     assert parse_memory("70GiB") == 70 * 2**30 and parse_memory("80GB") == 80 * 10**9 and parse_memory(123) == 123
     with pytest.raises(ValueError, match="not a size"):
         parse_memory("lots")
+
+
+def test_keep_fp8_with_e8m0_scales(tmp_path):
+    """DeepSeek-V4: non-expert FP8 weights with one-byte E8M0 block scales (`.scale`) stay FP8 too."""
+    from fuse_tool.convert import convert_checkpoint
+    from v4_checkpoint import VOCAB, build_v4_checkpoint
+
+    out = tmp_path / "out"
+    convert_checkpoint(build_v4_checkpoint(tmp_path / "src", "flash"), out, progress=False)
+    ref = from_fused_pretrained(out, dtype=torch.float32)
+    model = from_fused_pretrained(out, dtype=torch.float32, keep_fp8=True)
+    assert sum(isinstance(m, FP8BlockLinear) for m in model.modules()) >= 3
+    x = tokens(batch=2, seq=16, vocab=VOCAB)
+    with torch.no_grad():
+        want, got = ref(x).logits, model(x).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

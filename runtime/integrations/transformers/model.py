@@ -119,7 +119,9 @@ class StreamedModel:
         if rd.dtype(src) != "F8_E4M3" or len(rd.tensors[src].shape) != 2:
             return None
         path = name[: -len(".weight")]
-        if not isinstance(self.model.get_submodule(path), (torch.nn.Linear, FP8BlockLinear)):  # FP8: loaded before
+        # a plain nn.Linear only (or one this loader made FP8 before): subclasses with their own forward (DeepSeek-V4's
+        # grouped o_a_proj) use the weight otherwise, and keep it dequantized
+        if type(self.model.get_submodule(path)) not in (torch.nn.Linear, FP8BlockLinear):
             return None
         rows, cols = rd.tensors[src].shape
         grid = (-(-rows // 128), -(-cols // 128))
