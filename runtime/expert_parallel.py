@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from .moe import ExpertWeights, FusedSharedMoE, fused_moe
-from .routing import route
+from .moe import ExpertWeights, FusedSharedMoE, fused_moe, route_rows
 
 FUSED_EP_PLAN = {"*": "fused_ep"}
 """Every :class:`FusedSharedMoE` of a model, whatever its path: routed slots split, shared slots replicated."""
@@ -86,17 +85,7 @@ class ExpertParallelMoE(torch.nn.Module):
                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
         import torch.distributed as dist
 
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
-        if self.cfg.hash_routed:
-            if token_ids is None:
-                raise ValueError("this MoE layer is hash-routed: call it with token_ids (the input ids of x's rows)")
-            token_ids = token_ids.reshape(-1).to(h.device)
-        else:
-            token_ids = None
-        logits = torch.nn.functional.linear(h.to(torch.float32), self.router_weight)
-        ids, w = route(logits, self.e_score_correction_bias, self.cfg, num_valid_tokens, backend=self.backend,
-                       token_ids=token_ids, tid2eid=self.tid2eid)
+        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)
         ids = ids.long()
         E = self.cfg.num_experts
         mine = (ids >= self.start) & (ids < self.stop)
@@ -106,7 +95,7 @@ class ExpertParallelMoE(torch.nn.Module):
         is_shared = (ids >= E) & (ids < E + self.num_shared)
         shared_ids = torch.where(is_shared, ids - E + self.num_local_routed, torch.full_like(ids, -1))
         y = y + fused_moe(h, self.experts, shared_ids.to(torch.int32), w, num_valid_tokens, backend=self.backend)
-        return y.reshape(shape)
+        return y.reshape(x.shape)
 
 
 def expert_parallel(model: torch.nn.Module, group: Any = None, shared_replica: bool = True) -> torch.nn.Module:
