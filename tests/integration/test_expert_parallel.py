@@ -48,6 +48,7 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str, i
                 logits = from_fused_pretrained(path, dtype=torch.float32, expert_parallel=True)(ids).logits
             if rank == 0:
                 torch.save(logits, os.path.join(out_dir, f"{name}-{world}-load.pt"))
+        dist.barrier()  # no rank tears the group down while another still uses it
     except BaseException:
         import traceback
 
