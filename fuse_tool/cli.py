@@ -252,5 +252,35 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
                                 backend=None if backend == "auto" else backend))
 
 
+@main.command()
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one).")
+@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda, cuda:1).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None, help="Compute dtype (default: the config's).")
+@click.option("--model-name", default=None, help="The model id the API reports and accepts (default: OUT_DIR's name).")
+@click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(1, 1 << 20), help="Largest max_tokens a request may ask.")
+def serve(out_dir, host, port, device, dtype, model_name, max_tokens_limit):
+    """Serve the converted checkpoint in OUT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    try:
+        import torch
+
+        from runtime.integrations.transformers import from_fused_pretrained
+        from runtime.serve import load_tokenizer, make_server
+
+        model = from_fused_pretrained(out_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
+        server = make_server(model, load_tokenizer(out_dir), host, port, model_name or out_dir.name, max_tokens_limit)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    bound_host, bound_port = server.server_address[:2]
+    click.echo(f"serving {out_dir} at http://{bound_host}:{bound_port}/v1 (Ctrl-C stops)", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

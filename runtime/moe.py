@@ -250,6 +250,25 @@ def fused_moe(
     return y
 
 
+def route_rows(moe: torch.nn.Module, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
+               token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing half of a MoE block's forward: ``x`` ``[..., H]`` as rows ``h`` ``[T, H]``, and :func:`route`'s
+    ``ids`` / ``weights`` ``[T, K+S]`` from the float32 router GEMM. ``moe`` has ``cfg``, ``router_weight``,
+    ``e_score_correction_bias``, ``tid2eid`` and ``backend`` (:class:`FusedSharedMoE`, or one rank's share of it)."""
+    h = x.reshape(-1, x.shape[-1])
+    if moe.cfg.hash_routed:
+        if token_ids is None:
+            raise ValueError("this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
+                             "call it with token_ids (the input ids of x's rows); there is no fallback to score routing")
+        token_ids = token_ids.reshape(-1).to(h.device)
+    else:
+        token_ids = None
+    logits = torch.nn.functional.linear(h.to(torch.float32), moe.router_weight)
+    ids, w = route(logits, moe.e_score_correction_bias, moe.cfg, num_valid_tokens, backend=moe.backend,
+                   token_ids=token_ids, tid2eid=moe.tid2eid)
+    return h, ids, w
+
+
 class FusedSharedMoE(torch.nn.Module):
     """One converted MoE layer: router GEMM (float32) + :func:`route` + :func:`fused_moe`.
 
@@ -291,20 +310,9 @@ class FusedSharedMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[..., H]``; ``token_ids`` (hash layers only, required there): one id per row of ``x``, same order."""
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
-        if self.cfg.hash_routed:
-            if token_ids is None:
-                raise ValueError("this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
-                                 "call it with token_ids (the input ids of x's rows); there is no fallback to score routing")
-            token_ids = token_ids.reshape(-1).to(h.device)
-        else:
-            token_ids = None
-        logits = torch.nn.functional.linear(h.to(torch.float32), self.router_weight)
-        ids, w = route(logits, self.e_score_correction_bias, self.cfg, num_valid_tokens, backend=self.backend,
-                       token_ids=token_ids, tid2eid=self.tid2eid)
+        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)
         return fused_moe(h, self.experts, ids, w, num_valid_tokens, backend=self.backend,
-                         shared_slots=self.cfg.num_fused_shared_experts).reshape(shape)
+                         shared_slots=self.cfg.num_fused_shared_experts).reshape(x.shape)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu",

@@ -24,6 +24,7 @@ from ..errors import ConversionError, FuseSharedError
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, done_name, partial_name
 from ..manifest import Manifest
 from ..plan import ConversionPlan, PlannedShard
+from ..source.license import read_source_license
 from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .measurements import Measured, Measurements
@@ -185,7 +186,8 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
         options = {"precision": plan.options.precision, "other_linear": plan.options.other_linear, "scale_fmt": plan.scale_fmt,
                    "max_shard_size": plan.options.max_shard_size}
         manifest = Manifest(manifest_files, __version__, source_id, options, journal.fingerprint,
-                            measurements=measurements.manifest_entries(plan.converted_weights()))  # the model card shows them
+                            measurements=measurements.manifest_entries(plan.converted_weights()),  # the model card shows them
+                            extra=_source_license(plan))
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump()), out / MANIFEST_NAME))
         config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)
@@ -209,6 +211,12 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
         raise disk_error(e, out) from None
     fsync_dir(out)
     return [s.filename for s in plan.shards] + [p.name for p in others] + [INDEX_NAME, MANIFEST_NAME, CONFIG_NAME]
+
+def _source_license(plan: ConversionPlan) -> dict:
+    """The manifest's ``source_license`` field, when the source's card declares one (the card is not copied)."""
+    lic = read_source_license(plan.source.root)
+    return {"source_license": lic} if lic else {}
+
 
 def _file_entry(data: bytes) -> dict:
     return {"size": len(data), "sha256": sha256_bytes(data)}

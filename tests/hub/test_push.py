@@ -66,7 +66,7 @@ def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys
     meta = _front_matter(card)
     assert meta["base_model"] == ["deepseek-ai/Tiny-MoE"]
     assert meta["base_model_relation"] == "quantized"
-    assert meta["library_name"] == "transformers"
+    assert "library_name" not in meta  # the Hub's transformers snippet (a stock from_pretrained) would not run
     assert {"fp8", "moe", "fused-shared-experts", "deepseek_v3"} <= set(meta["tags"])
     block = json.loads((converted / "config.json").read_text())["fused_shared_experts"]
     m = re.search(r"```json\n(.*?)\n```", card, re.S)
@@ -75,6 +75,7 @@ def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys
     assert "from runtime.integrations.transformers import from_fused_pretrained" in card
     assert "FusedSharedMoE" in card
     assert "Stock `transformers` cannot load this checkpoint" in card
+    assert "fuse-shared serve" in card
     assert card in hub.validated_yaml  # huggingface_hub validated the card's metadata against the endpoint
 
     head = hub.head(REPO)
