@@ -142,6 +142,14 @@ def _header_length(path: Path, n: int):
     path.write_bytes(bytes(data))
 
 
+def _header_length_short(path: Path, by: int):
+    """The header padded with spaces (as writers do) and its length ``by`` bytes short: the JSON still parses, and
+    every tensor would be read ``by`` bytes early."""
+    header, body = read_raw(path)
+    raw = json.dumps(header).encode() + b" " * 8
+    path.write_bytes(struct.pack("<Q", len(raw) - by) + raw + body)
+
+
 def _corrupt_json(path: Path):
     data = bytearray(path.read_bytes())
     data[8:20] = b'{"oops": [1,'
@@ -196,6 +204,12 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
                                lambda s: _header_length(shard_of(s, EXPERT), shard_of(s, EXPERT).stat().st_size), ("runs past the end of the file",), ()),
     "header_length_absurd": ("header length of 2**62",
                              lambda s: _header_length(shard_of(s, EXPERT), 2**62), ("over the safetensors limit",), ()),
+    "header_length_4_bytes_short": ("header length 4 bytes short (the JSON ends in padding spaces)",
+                                    lambda s: _header_length_short(shard_of(s, EXPERT), 4),
+                                    ("cover", "of the data section", "header length"), ()),
+    "header_length_1_byte_short": ("header length 1 byte short (the JSON ends in padding spaces)",
+                                   lambda s: _header_length_short(shard_of(s, EXPERT), 1),
+                                   ("cover", "of the data section", "header length"), ()),
     "header_json_corrupt": ("header JSON corrupt",
                             lambda s: _corrupt_json(shard_of(s, EXPERT)), ("header is not valid JSON",), ()),
     "header_not_an_object": ("header JSON is a list, not an object",

@@ -138,10 +138,19 @@ def _damage(kind):
         f.write_bytes(bytes(data))
         return f.name, "header"
 
+    def header_length_short(out):  # the JSON still parses (padding spaces); every tensor would be read 4 bytes off
+        f = shard_of(out, f"{X}.2.up_proj.weight")
+        data = f.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        raw = data[8 : 8 + n].rstrip() + b" " * 8
+        f.write_bytes(struct.pack("<Q", len(raw) - 4) + raw + data[8 + n :])
+        return f.name, "of the data section"
+
     return locals()[kind]
 
 
-@pytest.mark.parametrize("kind", ["truncated", "header", "missing", "no_manifest", "manifest_size", "leftover_partial", "journal", "no_config", "header_length"])
+@pytest.mark.parametrize("kind", ["truncated", "header", "missing", "no_manifest", "manifest_size", "leftover_partial", "journal", "no_config", "header_length",
+                                  "header_length_short"])
 def test_damaged_output_fails_verify(out, kind):
     where, what = _damage(kind)(out)
     code, _, err = verify(out, "--checksums")
