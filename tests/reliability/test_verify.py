@@ -186,3 +186,18 @@ def test_verify_against_is_not_swallowed(out):
     (out / MANIFEST).unlink()
     code, _, err = verify(out, "--against", str(out))
     assert code == 1 and "no fuse_shared_manifest.json" in err
+
+
+def test_verify_against_a_source_whose_index_omits_a_stored_tensor_fails(out, tiny_source, tmp_path):
+    """The runtime's reader refuses a stored tensor the index leaves out, as convert does: loaders would drop it."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_source, src)
+    index = json.loads((src / INDEX).read_text())
+    gone = f"{X}.3.gate_proj.weight"
+    shard = index["weight_map"].pop(gone)
+    (src / INDEX).write_text(json.dumps(index))
+    code, _, err = verify(out, "--against", src)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert shard in err and gone in err and "does not list it" in err, err
