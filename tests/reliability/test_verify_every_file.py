@@ -64,8 +64,9 @@ def test_edited_routing_field_in_config_is_caught(out):
     k = cfg["num_experts_per_tok"]
     assert k < 9
     _same_size_edit(out / "config.json", f'"num_experts_per_tok": {k}', f'"num_experts_per_tok": {k + 1}')
-    assert _verify(out)[0] == 0  # same size: only the hash can tell
-    _fails(out, "config.json: sha256", "--checksums")
+    # same size, but the fused block's top_k no longer matches the field it came from: caught without the hash too
+    _fails(out, f"routing.top_k is {k}, but the model's own fields give {k + 1}")
+    _fails(out, f"routing.top_k is {k}", "--checksums")
 
 
 @pytest.mark.parametrize("name,old,new", [
