@@ -133,7 +133,7 @@ def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: d
                             fd = source_fds[piece.file] = os.open(piece.file, os.O_RDONLY)
                         except OSError as e:
                             raise ConversionError(f"cannot read: {e.strerror or e}", file=piece.file) from None
-                    check = None if allow_non_finite else finite_checker(piece.source)
+                    check = None if allow_non_finite else finite_checker(piece.source, piece.block_scales)
                     n = writer.copy(piece.tensor, piece.offset, fd, piece.file_offset, piece.length, piece.file, check)
                 else:
                     n = writer.write(piece.tensor, piece.offset, piece.data)

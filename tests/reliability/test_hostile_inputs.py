@@ -24,6 +24,7 @@ INDEX = "model.safetensors.index.json"
 EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
 ROUTER = "model.layers.2.mlp.gate.weight"
 NORM = "model.layers.0.input_layernorm.weight"
+SHARED_DOWN = "model.layers.1.mlp.shared_experts.down_proj.weight"
 
 
 # ----------------------------------------------------------------------------- editing helpers
@@ -292,6 +293,15 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
                           _fp8(lambda s: mutate(s, _poison_fp8_byte(EXPERT))), (EXPERT, "non-finite values"), ()),
     "inf_in_fp8_scale": ("Inf in an FP8 weight's _scale_inv",
                          _fp8(lambda s: mutate(s, _poison(EXPERT + "_scale_inv", float("inf"), 0))), (EXPERT + "_scale_inv", "non-finite values"), ()),
+    "zero_fp8_scale": ("a 0 in an FP8 weight's _scale_inv (copied unchanged)",
+                       _fp8(lambda s: mutate(s, _poison(EXPERT + "_scale_inv", 0.0, 0))),
+                       (EXPERT + "_scale_inv", "1 FP8 block scales that are 0 or negative"), ()),
+    "negative_fp8_scale": ("a negative FP8 _scale_inv (copied unchanged)",
+                           _fp8(lambda s: mutate(s, _poison(EXPERT + "_scale_inv", -0.01, 0))),
+                           (EXPERT + "_scale_inv", "0 or negative"), ()),
+    "negative_fp8_scale_in_a_cut": ("a negative _scale_inv of the shared expert (cut into slots)",
+                                    _fp8(lambda s: mutate(s, _poison(SHARED_DOWN + "_scale_inv", -0.01, 0))),
+                                    (SHARED_DOWN + "_scale_inv", "0 or negative"), ()),
 }
 
 
