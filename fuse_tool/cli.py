@@ -174,6 +174,10 @@ def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, 
 
     try:
         options = _options(precision, other_linear, scale_fmt, max_shard_size)
+        if push_to and not dry_run:  # the repo id and the token now, not after hours of converting
+            from . import hub
+
+            hub.check_push_access(push_to)
         path, source_id = _resolve_source(model)
         if dry_run:
             click.echo(describe_plan(plan_conversion(path, options)))
