@@ -90,6 +90,11 @@ class _OneLineGroup(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+def _bounded(text: str, limit: int = 200) -> str:
+    """A user-supplied value as quoted in a message: at most ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _fail(e: Exception) -> None:
     """Print one line for the user and exit 1: the tool's own errors as they are, others named for what they are."""
     if isinstance(e, FuseSharedError):
@@ -98,17 +103,36 @@ def _fail(e: Exception) -> None:
         message = f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}"
     else:  # a bug: say so, in one line, rather than show Python's message as if it were ours
         message = f"internal error ({type(e).__name__}: {e}); this is a bug in fuse-shared, please report it with the command you ran"
-    click.echo(f"error: {' '.join(message.split())}", err=True)
+    click.echo(f"error: {_bounded_message(' '.join(message.split()))}", err=True)
     sys.exit(1)
 
 
+def _bounded_message(message: str, head: int = 600, tail: int = 300) -> str:
+    """A message that quotes a huge value (a 10 MB model_type, a 100k-character path) cut in the middle, so its start
+    (where) and its end (what was expected) still fit on a screen."""
+    if len(message) <= head + tail + 50:
+        return message
+    return f"{message[:head]} [... {len(message) - head - tail} characters cut ...] {message[-tail:]}"
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A name the user meant as a local folder: ``/x``, ``./x``, ``~/x``, or ``examples/tiny-x`` where ``examples/``
+    exists here (a mistyped folder must not turn into a Hub download)."""
+    first = model.split("/", 1)[0]
+    return model.startswith(("/", ".", "~")) or ("/" in model and first not in ("", ".", "..") and Path(first).is_dir())
+
+
 def _resolve_source(model: str) -> tuple[Path, str]:
+    """MODEL as a local folder, or a Hub repo id downloaded into the cache: (folder, what the user wrote)."""
     if Path(model).exists():
         return Path(model), model
+    if _looks_like_a_path(model):
+        raise ConversionError("no such folder (a local path, so the Hub is not asked; a Hub repo id is owner/name)",
+                              file=_bounded(model))
     from . import hub  # only when a Hub id is given
 
     if not hub.is_hub_reference(model):
-        raise ConversionError("no such folder, and not a Hub repo id (owner/name[@revision])", file=model)
+        raise ConversionError("no such folder, and not a Hub repo id (owner/name[@revision])", file=_bounded(model))
     return hub.resolve_model_source(model), model
 
 
@@ -221,8 +245,9 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
-@click.option("--against", metavar="MODEL_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Also run OUT_DIR and its source MODEL_DIR on the same tokens, one layer at a time; compare MoE outputs and logits.")
+@click.option("--against", metavar="MODEL", default=None,
+              help="Also run OUT_DIR and its source MODEL (a folder or Hub repo id[@revision]) on the same tokens, one layer at a "
+                   "time; compare MoE outputs and logits.")
 @click.option("--tokens", default="4x32", show_default=True, callback=_token_shape,
               help="--against: BATCHxSEQ deterministic token ids (at most 4096 tokens).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1), help="--against: seed of the token ids.")
@@ -243,6 +268,7 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
             from .verify.numerics import require_transformers
 
             require_transformers()  # before the structural check: say at once what to install
+            against, _ = _resolve_source(against)
         r = check_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
         _fail(e)
