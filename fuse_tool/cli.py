@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import sys
 from pathlib import Path
 
-import click
+try:  # torch loads here, for seconds: a Ctrl-C meanwhile ends in one line, not a traceback of the imports
+    import click
 
-from .errors import ConversionError, FuseSharedError
-from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
-from .report import describe_plan
+    from .errors import ConversionError, FuseSharedError
+    from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
+    from .report import describe_plan
+except KeyboardInterrupt:
+    sys.stderr.write("error: interrupted\n")
+    raise SystemExit(130) from None
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -78,16 +83,34 @@ class _OneLineGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        previous = _terminate_like_interrupt()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
             hint = f" (see {e.ctx.command_path} --help)" if isinstance(e, click.UsageError) and e.ctx is not None else ""
             click.echo(f"error: {' '.join(e.format_message().split())}{hint}", err=True)
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
+        except click.Abort as e:  # click's word for Ctrl-C (or SIGTERM) outside a conversion, which says what it kept
+            interrupted = isinstance(e.__cause__, KeyboardInterrupt)
+            click.echo(f"error: {'interrupted' if interrupted else 'aborted'}", err=True)
+            sys.exit(130 if interrupted else 1)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _terminate_like_interrupt():
+    """SIGTERM (``kill``, a job scheduler's stop) handled as Ctrl-C is: the half-written shard removed, completed shards
+    and the journal kept for ``--resume``, one line said. Returns the handler it replaced (None off the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        return None
 
 
 def _bounded(text: str, limit: int = 200) -> str:
