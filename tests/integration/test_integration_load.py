@@ -173,3 +173,36 @@ def test_integration_imports_transformers_lazily():
         "assert 'transformers' not in sys.modules and callable(t.from_fused_pretrained)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_loading_without_transformers_names_the_extra_to_install(tmp_path):
+    """The quick-start environment has no transformers: every loading entry point says which extra to install."""
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = None\n"
+        "from runtime.integrations.transformers import StreamedModel, build_config, from_fused_pretrained\n"
+        "for call in (lambda: from_fused_pretrained('x'), lambda: StreamedModel('x', kind='source'),\n"
+        "             lambda: build_config({'model_type': 'deepseek_v3'})):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ImportError as e:\n"
+        "        assert \"pip install 'fuse-shared[verify]'\" in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('no ImportError')\n"
+        "import runpy\n"
+        "sys.argv = ['generate_tiny.py']\n"
+        "try:\n"
+        "    runpy.run_path('examples/generate_tiny.py', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 1, e.code\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: examples/generate_tiny.py needs transformers, which is not installed: pip install 'fuse-shared[verify]' "
+        "(from a checkout: pip install -e '.[verify]')"], r.stderr

@@ -14,6 +14,7 @@ from ...layout import LayoutError, converted_moe_layers, read_config_block
 from ...moe import FusedSharedMoE
 from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .reading import ShardReader
+from .requires import import_transformers
 
 
 def _fp32_patterns(model) -> list[str]:
@@ -43,6 +44,7 @@ class StreamedModel:
                  device: str | torch.device = "cpu", backend: str | None = None):
         if kind not in ("fused", "source"):
             raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
+        import_transformers("loading a checkpoint into transformers (from_fused_pretrained, StreamedModel)")
         self.path, self.kind, self.backend = os.fspath(path), kind, backend
         self.device = torch.device(device)
         self.reader = ShardReader(self.path)
