@@ -182,9 +182,7 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
             manifest_files[p.name] = _file_entry(tmp.read_bytes())
         manifest_files[INDEX_NAME] = _file_entry(index_bytes)
         manifest_files[CONFIG_NAME] = _file_entry(config_bytes)
-        options = {"precision": plan.options.precision, "other_linear": plan.options.other_linear, "scale_fmt": plan.scale_fmt,
-                   "max_shard_size": plan.options.max_shard_size}
-        manifest = Manifest(manifest_files, __version__, source_id, options, journal.fingerprint,
+        manifest = Manifest(manifest_files, __version__, source_id, plan.options_used(), journal.fingerprint,
                             measurements=measurements.manifest_entries(plan.converted_weights()))  # the model card shows them
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump()), out / MANIFEST_NAME))
