@@ -295,7 +295,9 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
         r = check_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
         _fail(e)
-    what = f"sha256 of {r.files_checked} files ({len(r.shards)} shards, {r.shard_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
+    from .progress import human_size
+
+    what = f"sha256 of {r.files_checked} files ({len(r.shards)} shards, {human_size(r.shard_bytes)}) matches the manifest" if checksums else \
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
     click.echo(f"ok: {out_dir}: {len(r.tensors)} tensors in {len(r.shards)} shards; {what}")
     if against is not None:

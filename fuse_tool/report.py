@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .plan import ConversionPlan
+from .progress import human_size
 from .write.measurements import Measurements
 
 
@@ -42,11 +43,7 @@ def _activation(plan: ConversionPlan) -> str:
     return b.activation + (f" ({_params(routed)})" if b.activation == "swiglu_oai" or math.isfinite(routed.clamp_limit) else "")
 
 
-def _size(n: int) -> str:
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
+_size = human_size
 
 
 def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None) -> str:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 
 from runtime.errors import ModelError
 from runtime.families import MoEArchitecture, check_hidden_size, describe_model, family_for, router_tensor_names
@@ -39,6 +38,7 @@ from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read
 
 from ..durable import sha256_file
 from ..manifest import Manifest, ManifestError, is_file_entry
+from ..progress import progress_bar
 from ..errors import FuseSharedError, VerifyError
 from ..source.checkpoint import Containment
 from ..write.out_dir import output_locked
@@ -366,8 +366,7 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
         manifest, entries, to_hash = _check_manifest(root, list(shards), checksums)
     hashed = 0
     if checksums:
-        bar = tqdm(total=sum(entries[n]["size"] for n in to_hash), unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
-                   disable=not progress)
+        bar = progress_bar(sum(entries[n]["size"] for n in to_hash), "verifying", progress)
         try:
             for name in to_hash:
                 got, want = sha256_file(root / name, "a safetensors file", on_chunk=bar.update), entries[name]["sha256"]

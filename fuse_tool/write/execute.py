@@ -17,13 +17,13 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .. import __version__
 from ..errors import ConversionError, FuseSharedError
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, done_name, partial_name
 from ..manifest import Manifest
 from ..plan import ConversionPlan, PlannedShard
+from ..progress import progress_bar
 from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .measurements import Measured, Measurements
@@ -82,7 +82,7 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
     that change a weight's number format measured (those of shards kept by --resume are not measured again)."""
     todo = [s for s in plan.shards if s.filename not in journal.completed]
     source_fds: dict[Path, int] = {}
-    bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", disable=not progress)
+    bar = progress_bar(plan.total_size, "converting", progress)
     bar.update(sum(s.nbytes for s in plan.shards if s.filename in journal.completed))
     journal.save()  # before the first shard: any .done in OUT_DIR belongs to this fingerprint
     pipeline = ShardPipeline(out_dir, journal)
