@@ -269,8 +269,8 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
 @click.option("--against", metavar="MODEL", default=None,
-              help="Also run OUT_DIR and its source MODEL (a folder or Hub repo id[@revision]) on the same tokens, one layer at a "
-                   "time; compare MoE outputs and logits.")
+              help="Also run OUT_DIR and its source MODEL (a folder or Hub repo id[@revision]) on the same tokens, "
+                   "one layer at a time; compare MoE outputs and logits.")
 @click.option("--tokens", default="4x32", show_default=True, callback=_token_shape,
               help="--against: BATCHxSEQ deterministic token ids (at most 4096 tokens).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1), help="--against: seed of the token ids.")
@@ -297,7 +297,8 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
         _fail(e)
     from .progress import human_size
 
-    what = f"sha256 of {r.files_checked} files ({len(r.shards)} shards, {human_size(r.shard_bytes)}) matches the manifest" if checksums else \
+    shards = f"{len(r.shards)} shards, {human_size(r.shard_bytes)}"
+    what = f"sha256 of {r.files_checked} files ({shards}) matches the manifest" if checksums else \
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
     click.echo(f"ok: {out_dir}: {len(r.tensors)} tensors in {len(r.shards)} shards; {what}")
     if against is not None:

@@ -60,8 +60,8 @@ class ModelFolder:
                 if weight_map is None or weight_map.get(name) == fname:
                     self.tensors[name] = info
                 elif name not in weight_map:  # loaders would drop it without a word: the model would lose a weight
-                    raise CheckpointError(f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a damaged or "
-                                          "stale index (expected every stored tensor in its weight_map)",
+                    raise CheckpointError(f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a "
+                                          "damaged or stale index (expected every stored tensor in its weight_map)",
                                           file=self.path / fname, tensor=name)
         if weight_map is not None:
             missing = [n for n in weight_map if n not in self.tensors]

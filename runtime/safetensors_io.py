@@ -181,12 +181,14 @@ def _require_exact_cover(spans: list[tuple[int, int, str]], data_size: int, head
     end = 0
     for begin, stop, name in spans:
         if begin != end:
-            raise CheckpointError(f"data_offsets leave bytes [{end}, {begin}) of the data section unused before this tensor "
-                                  f"(header length {header_len} wrong, or a corrupt header)", file=path, tensor=name)
+            raise CheckpointError(f"data_offsets leave bytes [{end}, {begin}) of the data section unused before this "
+                                  f"tensor (header length {header_len} wrong, or a corrupt header)", file=path,
+                                  tensor=name)
         end = stop
     if end != data_size:
-        raise CheckpointError(f"the tensors cover {end} of the {data_size} bytes of the data section, which the safetensors "
-                              f"format does not allow (header length {header_len} wrong, or bytes appended to the file)", file=path)
+        raise CheckpointError(f"the tensors cover {end} of the {data_size} bytes of the data section, which the "
+                              f"safetensors format does not allow (header length {header_len} wrong, or bytes appended "
+                              "to the file)", file=path)
 
 
 class _DuplicateKey(ValueError):

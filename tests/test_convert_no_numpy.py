@@ -33,5 +33,6 @@ def test_numpy_is_declared_so_torch_does_not_warn():
     import re
 
     text = (ROOT / "pyproject.toml").read_text()
-    deps = re.findall(r'^\s*"([A-Za-z0-9_.-]+)', text[text.index("dependencies = [") : text.index("]", text.index("dependencies = ["))], re.M)
+    start = text.index("dependencies = [")
+    deps = re.findall(r'^\s*"([A-Za-z0-9_.-]+)', text[start : text.index("]", start)], re.M)
     assert "numpy" in deps, deps

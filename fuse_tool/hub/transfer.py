@@ -345,7 +345,8 @@ def verify_remote(
     return problems, extra
 
 
-def check_push_access(repo_id: str, *, revision: str | None = None, token: str | None = None, endpoint: str | None = None) -> str:
+def check_push_access(repo_id: str, *, revision: str | None = None, token: str | None = None,
+                      endpoint: str | None = None) -> str:
     """What ``push_checkpoint`` checks before it sends anything, without a folder: the repo id and revision are
     well-formed, the Hub is reachable and the token is there and may write. ``convert --push-to`` calls it before
     converting (hours at real size). Returns the full repo id (``owner/name``); raises HubError in one line."""
@@ -373,7 +374,8 @@ def _push_access(repo_id: str, revision: str | None, token: str | None, endpoint
                          token=token) from None
     role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
-        raise HubError(f"the token of {me.get('name', 'this user')} is read-only: pushing to {repo_id} needs a token with write access")
+        raise HubError(f"the token of {me.get('name', 'this user')} is read-only: pushing to {repo_id} needs a token "
+                       "with write access")
     if "/" not in repo_id:
         repo_id = f"{me['name']}/{repo_id}"
     return api, repo_id, token, ep

@@ -31,7 +31,8 @@ from typing import Any
 from runtime.errors import ModelError
 from runtime.families import MoEArchitecture, check_hidden_size, describe_model, family_for, router_tensor_names
 from runtime.layout import (
-    CONFIG_KEY, WEIGHT_BLOCK, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor, converted_moe_layers, read_config_block, scale_grid,
+    CONFIG_KEY, WEIGHT_BLOCK, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor,
+    converted_moe_layers, read_config_block, scale_grid,
     selection_bias_shapes,
 )
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read_small_file
@@ -391,17 +392,19 @@ def _check_config_fields(root: Path, config: dict) -> MoEArchitecture:
         raise _fail(f"{root / CONFIG_NAME}: " + (f"field {e.field!r}: " if e.field else "") + e.detail) from None
 
 
-# Routing fields of the block that the source's top-level fields decide (has_bias and hash_layers come from the tensors).
-_ROUTING_FROM_CONFIG = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "group_score",
-                        "renormalize_form", "renormalize_eps")
+# Routing fields of the block that the source's top-level fields decide (has_bias and hash_layers come from the
+# tensors).
+_ROUTING_FROM_CONFIG = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor",
+                        "group_score", "renormalize_form", "renormalize_eps")
 
 
 def _check_block_against_config(root: Path, config: dict, block: FusedSharedExperts, arch: MoEArchitecture) -> None:
     """The block against the top-level fields it was derived from: an edited block loads and routes differently."""
     path = root / CONFIG_NAME
-    for name, got, want in (("num_routed_experts", block.num_routed_experts, arch.num_routed_experts),
-                            ("expert_intermediate_size", block.expert_intermediate_size, arch.expert_width),
-                            ("source_shared_intermediate_size", block.source_shared_intermediate_size, arch.shared_width)):
+    counts = (("num_routed_experts", block.num_routed_experts, arch.num_routed_experts),
+              ("expert_intermediate_size", block.expert_intermediate_size, arch.expert_width),
+              ("source_shared_intermediate_size", block.source_shared_intermediate_size, arch.shared_width))
+    for name, got, want in counts:
         if got != want:
             raise _fail(f"{path}: {CONFIG_KEY}.{name} is {got}, but the model's own fields say {want}")
     want = family_for(config).planned_routing(arch, block.routing.has_bias, block.routing.hash_layers)
@@ -434,7 +437,8 @@ def _check_config_against_tensors(root: Path, config: dict, block: FusedSharedEx
         if any(tensors[n].dtype == FP8_DTYPE_CODE for n in _expert_weights(layers[layer], tensors)):
             fp8_layers.append(layer)
     if fp8_layers and block.weight_block_size is None:
-        raise _fail(f"{root / CONFIG_NAME}: {CONFIG_KEY}.weight_block_size is null, but MoE layer {fp8_layers[0]} has FP8 experts")
+        raise _fail(f"{root / CONFIG_NAME}: {CONFIG_KEY}.weight_block_size is null, but MoE layer {fp8_layers[0]} has "
+                    "FP8 experts")
 
 
 def _expert_weights(names: ExpertTensorNames, tensors: dict[str, TensorInfo]) -> list[str]:

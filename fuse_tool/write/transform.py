@@ -167,8 +167,9 @@ def _check_positive(scales: torch.Tensor, info: TensorInfo) -> None:
     scales are powers of two, positive by construction.)"""
     bad = int((scales <= 0).sum())
     if bad:
-        raise ConversionError(f"has {bad} FP8 block scales that are 0 or negative, expected every scale > 0 (a damaged "
-                              "checkpoint); pass --allow-non-finite to convert anyway", file=info.file, tensor=info.name)
+        raise ConversionError(f"has {bad} FP8 block scales that are 0 or negative, expected every scale > 0 (a "
+                              "damaged checkpoint); pass --allow-non-finite to convert anyway", file=info.file,
+                              tensor=info.name)
 
 
 def _check_block_scales(scales: torch.Tensor, info: TensorInfo, allow: bool) -> None:
@@ -199,8 +200,8 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
         yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes, w.info)
         if task.scale is not None:
             s = sw.scale
-            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes, s.info,
-                            block_scales=True)
+            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes,
+                            s.info, block_scales=True)
         return
     if task.mode == "region":
         yield from _region(task, allow_non_finite)

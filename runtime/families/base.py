@@ -281,7 +281,8 @@ def check_hidden_size(config: Mapping, arch: MoEArchitecture, router_name: str, 
     transformers builds every layer from ``hidden_size``: a value other than the tensors' width gives a
     checkpoint it cannot load. Raises ModelError naming the field.
     """
-    cfg, where = (config[arch.config_key], f"config.json {arch.config_key}") if arch.config_key else (config, "config.json")
+    key = arch.config_key
+    cfg, where = (config[key], f"config.json {key}") if key else (config, "config.json")
     hidden = optional_int(cfg, "hidden_size", 0, where, minimum=1)
     if hidden and len(router_shape) == 2 and hidden != router_shape[1]:
         raise ModelError(f"is {hidden}, but the router {router_name} is {list(router_shape)}: the tensors are "

@@ -347,7 +347,8 @@ def test_convert_push_to_checks_the_repo_and_token_before_converting(hub, tmp_pa
     from fuse_tool.cli import main
 
     src = build_checkpoint("deepseek_v3", tmp_path / "src")
-    repo, fragment = REPO, {"no_token": NO_TOKEN_MESSAGE, "read_only_token": "read-only"}.get(problem, "malformed repo id")
+    fragments = {"no_token": NO_TOKEN_MESSAGE, "read_only_token": "read-only"}
+    repo, fragment = REPO, fragments.get(problem, "malformed repo id")
     if problem == "malformed_repo_id":
         repo = "alice/bad--name"
     elif problem == "no_token":

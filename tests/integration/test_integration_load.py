@@ -201,8 +201,9 @@ def test_loading_without_transformers_names_the_extra_to_install(tmp_path):
         "except SystemExit as e:\n"
         "    assert e.code == 1, e.code\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines() == [
-        "error: examples/generate_tiny.py needs transformers, which is not installed: pip install 'fuse-shared[verify]' "
-        "(from a checkout: pip install -e '.[verify]')"], r.stderr
+        "error: examples/generate_tiny.py needs transformers, which is not installed: "
+        "pip install 'fuse-shared[verify]' (from a checkout: pip install -e '.[verify]')"], r.stderr

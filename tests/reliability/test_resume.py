@@ -17,7 +17,9 @@ from fuse_tool.convert import convert_checkpoint
 from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
-from helpers import REPO, assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes
+from helpers import (
+    REPO, assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes,
+)
 
 SHARD = "20KB"
 OPTS = ConvertOptions(max_shard_size=20_000)
