@@ -229,3 +229,30 @@ def test_step3p7_config_refusals(tmp_path, change, message):
     cfg["text_config"].update(change)
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", f"text_config.{next(iter(change))}", message)
+
+
+@pytest.mark.parametrize("model", ["examples/tiny-deepseek-v4x", "./tiny-x", "/nonexistent/tiny-x", "../tiny-x"])
+def test_mistyped_local_path_says_no_such_folder_without_asking_the_hub(model, tmp_path, monkeypatch):
+    """A name that looks like a path (``examples/`` exists here) is never sent to the Hub as a repo id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a Hub request would fail with "cannot reach"
+    for command in (["convert", model, str(tmp_path / "out"), "--quiet"], ["inspect", model]):
+        r = CliRunner().invoke(main, command)
+        assert r.exit_code == 1 and "no such folder" in r.output and "Hub is not asked" in r.output, r.output
+        assert "cannot reach" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_huge_model_argument_is_quoted_bounded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["inspect", "x" * 100_000])
+    assert r.exit_code == 1 and len(r.output) < 1200 and "characters cut" in r.output, r.output[:300]
+
+
+def test_huge_model_type_is_quoted_bounded(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "m" * 10_000_000
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, output = run_convert(src, tmp_path / "out")
+    assert code == 1 and len(output) < 1200 and "characters cut" in output and "Traceback" not in output, output[:300]

@@ -275,6 +275,20 @@ def describe_model(config: Mapping) -> MoEArchitecture:
     return family.describe(config, model_type_of(config))
 
 
+def check_hidden_size(config: Mapping, arch: MoEArchitecture, router_name: str, router_shape: tuple[int, ...]) -> None:
+    """config.json's ``hidden_size`` (an integer, where present) against a router's width ``[E, H]``.
+
+    transformers builds every layer from ``hidden_size``: a value other than the tensors' width gives a
+    checkpoint it cannot load. Raises ModelError naming the field.
+    """
+    key = arch.config_key
+    cfg, where = (config[key], f"config.json {key}") if key else (config, "config.json")
+    hidden = optional_int(cfg, "hidden_size", 0, where, minimum=1)
+    if hidden and len(router_shape) == 2 and hidden != router_shape[1]:
+        raise ModelError(f"is {hidden}, but the router {router_name} is {list(router_shape)}: the tensors are "
+                         f"{router_shape[1]} wide", **_where(where, "hidden_size"))
+
+
 def refuse_latent_experts(config: Mapping) -> None:
     """Any family: routed experts that run in a latent space narrower than the hidden size (``moe_latent_size``,
     NemotronH style: a down-projection before the experts and an up-projection after) cannot share slots with a
@@ -326,6 +340,9 @@ def optional_int(cfg: Mapping, key: str, default: int, where: str = "config.json
 def _checked_int(value: Any, key: str, where: str, minimum: int, maximum: int) -> int:
     if not is_integral(value):
         raise ModelError(f"is {value!r}, expected an integer", **_where(where, key))
+    if isinstance(value, float):  # the output's config.json keeps it, and transformers cannot build a model from 8.0
+        raise ModelError(f"is {value!r}, expected an integer written without a decimal point (transformers builds the "
+                         "model from this field and cannot use a float)", **_where(where, key))
     value = int(value)
     if not minimum <= value <= maximum:
         raise ModelError(f"is {value}, expected an integer from {minimum} to {maximum}", **_where(where, key))

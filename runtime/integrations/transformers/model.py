@@ -18,6 +18,7 @@ from ...moe import FusedSharedMoE
 from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .placement import DeviceMap, align_inputs, auto_device_map, default_max_memory
 from .reading import ShardReader
+from .requires import import_transformers
 
 
 def _fp32_patterns(model) -> list[str]:
@@ -56,6 +57,7 @@ class StreamedModel:
                  keep_fp8: bool = False, expert_parallel: Any = False):
         if kind not in ("fused", "source"):
             raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
+        import_transformers("loading a checkpoint into transformers (from_fused_pretrained, StreamedModel)")
         self.path, self.kind, self.backend = os.fspath(path), kind, backend
         self.device = torch.device(device)
         self.keep_fp8, self.expert_parallel = keep_fp8, expert_parallel
