@@ -94,6 +94,15 @@ NEW_FAMILIES = {
     "hy_v4": (lambda T, moe, I, E, W, L, over: T.HYV4Config(
         **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
         index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=0.3, hc_mult=2, **NO_SPECIAL_TOKENS, **over), "HYV4ForCausalLM"),
+    # DeepSeek-V3.2: V3's MoE with a DSA indexer in every attention layer (its own transformers class).
+    "deepseek_v32": (lambda T, moe, I, E, W, L, over: T.DeepseekV32Config(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16,
+        index_topk=4, **over), "DeepseekV32ForCausalLM"),
+    # Solar Open: DeepSeek-V3 routing (groups by top-2 sum, renormalized, rsf), every layer MoE, stacked experts.
+    "solar_open": (lambda T, moe, I, E, W, L, over: T.SolarOpenConfig(
+        **moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        head_dim=32, n_group=3, topk_group=2, routed_scaling_factor=1.7, **NO_SPECIAL_TOKENS, **over), "SolarOpenForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(

@@ -49,6 +49,10 @@ CASES = {
                            v2=dict(group_score="top2_sum")),
     # Hunyuan 4 clamps its routed experts only: limit (routed, shared) = (swiglu_limit, inf).
     "hy_v4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)),
+    # DeepSeek-V3.2: V3's routing; the DSA indexer copied (weights_proj unquantized), loaded with DeepseekV32ForCausalLM.
+    "deepseek_v32": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
+    # Solar Open: DeepSeek-V3's router with 3 groups of 2 (top-2 sum, 2 kept), every layer MoE.
+    "solar_open": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 3, 2, True, 1.7, True)),
     # Step-3.7: per-layer (routed, shared) limits after the activation; a shared width of 1.5 I (the second slot half padding).
     "step3p7": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
                     limit={1: (0.3, math.inf), 2: (0.25, 0.2)}, activation="swiglu_post_clamp",

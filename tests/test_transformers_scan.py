@@ -76,3 +76,24 @@ def test_every_shared_expert_model_type_is_fused_or_refused_by_name(model_type):
             assert "is not supported" not in str(e)
         else:
             assert arch.family == family.family
+
+
+def generation_class(model_type: str) -> str | None:
+    """The class transformers builds for a checkpoint of ``model_type`` (its image-text or multimodal class first)."""
+    for mapping in reversed(GENERATION_MAPPINGS):
+        name = getattr(modeling_auto, mapping, {}).get(model_type)
+        if name:
+            return name
+    return None
+
+
+@pytest.mark.parametrize("model_type", sorted(mt for mt, fam in REGISTRY.items() if not issubclass(fam, RefusedFamily)))
+def test_each_family_loads_with_the_class_transformers_has_for_its_model_type(model_type):
+    """from_fused_pretrained and verify --against build the family's classes: for a model type transformers knows,
+    those are transformers' own (DeepSeek-V3.2 is DeepseekV32ForCausalLM, with its indexer, not V3's class)."""
+    if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}: the family picks the classes")
+    classes = REGISTRY[model_type].transformers_classes({"model_type": model_type})
+    assert classes is not None
+    assert classes.config_class == configuration_auto.CONFIG_MAPPING_NAMES[model_type]
+    assert classes.model_class == generation_class(model_type)

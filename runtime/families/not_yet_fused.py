@@ -42,7 +42,6 @@ _NOT_YET = {
         "family module maps its Mamba-hybrid classes yet"),
     ("laguna",): ("Laguna", "no family module maps its classes yet"),
     ("exaone_moe",): ("EXAONE-MoE", "no family module maps its classes yet"),
-    ("solar_open",): ("Solar Open", "no family module maps its classes yet"),
     ("step3p5",): (
         "Step-3.5 (Step-3.7's text model)", "transformers has it only as Step-3.7's text config, with no model class of "
         "its own: convert the step3p7 checkpoint that wraps it"),
