@@ -103,6 +103,12 @@ NEW_FAMILIES = {
     "solar_open": (lambda T, moe, I, E, W, L, over: T.SolarOpenConfig(
         **moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
         head_dim=32, n_group=3, topk_group=2, routed_scaling_factor=1.7, **NO_SPECIAL_TOKENS, **over), "SolarOpenForCausalLM"),
+    # Laguna: sigmoid + bias (stored under mlp.experts), plain-sum renormalization, rsf on the routed sum; any shared width
+    # (48 over I = 32: the second slot half padding); per-head attention gates, full and sliding layers, per-layer heads.
+    "laguna": (lambda T, moe, I, E, W, L, over: T.LagunaConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
+        moe_routed_scaling_factor=2.5, layer_types=(["full_attention", "sliding_attention"] * L)[:L], sliding_window=8,
+        num_attention_heads_per_layer=([2, 4] * L)[:L], **NO_SPECIAL_TOKENS, **over), "LagunaForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(

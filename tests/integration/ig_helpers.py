@@ -41,6 +41,7 @@ CASES = {
     "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not
     "deepseek_v32": dict(experts=6),  # DSA indexer in every attention layer: loads with DeepseekV32ForCausalLM
     "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
+    "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
     "step3p7": dict(experts=6, shared_width=48),  # per-layer routed and shared limits after the activation; padded slot
 }
 
