@@ -109,6 +109,11 @@ NEW_FAMILIES = {
         **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
         moe_routed_scaling_factor=2.5, layer_types=(["full_attention", "sliding_attention"] * L)[:L], sliding_window=8,
         num_attention_heads_per_layer=([2, 4] * L)[:L], **NO_SPECIAL_TOKENS, **over), "LagunaForCausalLM"),
+    # EXAONE-MoE: DeepSeek-V3's router (2 groups by top-2 sum), bias stored as mlp.e_score_correction_bias, layer 0 dense.
+    "exaone_moe": (lambda T, moe, I, E, W, L, over: T.ExaoneMoeConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=8, sliding_window_pattern=2,
+        **NO_SPECIAL_TOKENS, **over), "ExaoneMoeForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(

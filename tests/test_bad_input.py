@@ -230,6 +230,18 @@ def test_shared_mlp_with_biases_is_refused(tmp_path, family, flag):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", flag, "no bias terms")
 
 
+@pytest.mark.parametrize("family,fields,reason", [
+    ("laguna", {"moe_router_logit_softcapping": 30.0}, "tanh"),
+    ("laguna", {"moe_apply_router_weight_on_input": True}, "scales the expert input"),
+    ("exaone_moe", {"is_moe_layer": [False, False, True]}, "transformers builds MoE blocks in layers [1, 2]"),
+])
+def test_unfusable_variants_of_new_families_are_refused(tmp_path, family, fields, reason):
+    src = build_checkpoint(family, tmp_path / "src", experts=6)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **fields}))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", next(iter(fields)), reason)
+
+
 def test_granitemoeshared_without_shared_width_is_refused(tmp_path):
     src = build_checkpoint("granitemoeshared", tmp_path / "src", experts=6)
     cfg = json.loads((src / "config.json").read_text())

@@ -40,7 +40,6 @@ _NOT_YET = {
     ("granitemoehybrid",): (
         "GraniteMoE-Hybrid", "its layers without routed experts (num_local_experts 0) run the shared MLP alone, and no "
         "family module maps its Mamba-hybrid classes yet"),
-    ("exaone_moe",): ("EXAONE-MoE", "no family module maps its classes yet"),
     ("step3p5",): (
         "Step-3.5 (Step-3.7's text model)", "transformers has it only as Step-3.7's text config, with no model class of "
         "its own: convert the step3p7 checkpoint that wraps it"),
