@@ -234,6 +234,7 @@ def test_shared_mlp_with_biases_is_refused(tmp_path, family, flag):
     ("laguna", {"moe_router_logit_softcapping": 30.0}, "tanh"),
     ("laguna", {"moe_apply_router_weight_on_input": True}, "scales the expert input"),
     ("exaone_moe", {"is_moe_layer": [False, False, True]}, "transformers builds MoE blocks in layers [1, 2]"),
+    ("axk2", {"n_group": 2, "topk_group": 1}, "score of 0.0, not -inf"),
 ])
 def test_unfusable_variants_of_new_families_are_refused(tmp_path, family, fields, reason):
     src = build_checkpoint(family, tmp_path / "src", experts=6)

@@ -15,8 +15,6 @@ _NOT_YET = {
     ("axk1",): (
         "A.X-K1", "its MoE block RMS-normalizes the sum of the routed and shared outputs (post_mlp_layernorm) inside "
         "the block a fused layer replaces, and the fused block has no output norm"),
-    ("axk2",): (
-        "A.X-K2", "no family module maps its DeepSeek-V3-style MoE and its classes yet"),
     ("deepseek_ocr2", "unlimited_ocr"): (
         "DeepSeek-OCR 2 / Unlimited-OCR", "no family module maps the DeepSeek-V2-style text MoE under its OCR wrapper "
         "(SAM and vision encoders) yet"),

@@ -43,6 +43,7 @@ CASES = {
     "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
     "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
     "exaone_moe": dict(experts=6),  # DeepSeek-V3 router, bias beside the router, sliding and global layers
+    "axk2": dict(experts=6),  # per-expert release names; indexer, attention gate and gated norms copied
     "step3p7": dict(experts=6, shared_width=48),  # per-layer routed and shared limits after the activation; padded slot
 }
 
