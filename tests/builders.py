@@ -119,6 +119,11 @@ NEW_FAMILIES = {
         **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
         first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16, index_topk=4, gated_norm_rank=4,
         **NO_SPECIAL_TOKENS, **over), "AXK2ForCausalLM"),
+    # MiniCPM-5 MoE: DeepSeek-V3's router (3 groups of 2, 2 kept), gated attention (q_proj holds query and gate).
+    "minicpm5_moe": (lambda T, moe, I, E, W, L, over: T.MiniCPM5MoeConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, n_group=3, topk_group=2, routed_scaling_factor=3.66, **NO_SPECIAL_TOKENS, **over),
+        "MiniCPM5MoeForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(

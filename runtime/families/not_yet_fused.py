@@ -33,8 +33,6 @@ _NOT_YET = {
     ("kolibri1", "kolibri1_1"): (
         "Kolibri 1 / 1.1", "its router picks the top-k of logits + bias and weights them by the sigmoid of the picked "
         "logits, a choice rule the layout's routing cannot express (it adds the bias to the sigmoid scores)"),
-    ("minicpm5_moe",): (
-        "MiniCPM-5 MoE", "no family module maps its DeepSeek-V3-style MoE and its classes yet"),
     ("granitemoehybrid",): (
         "GraniteMoE-Hybrid", "its layers without routed experts (num_local_experts 0) run the shared MLP alone, and no "
         "family module maps its Mamba-hybrid classes yet"),
