@@ -124,6 +124,11 @@ NEW_FAMILIES = {
         **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
         first_k_dense_replace=1, n_group=3, topk_group=2, routed_scaling_factor=3.66, **NO_SPECIAL_TOKENS, **over),
         "MiniCPM5MoeForCausalLM"),
+    # Flint: sigmoid top-k without bias, plain-sum renormalization; shared width 48 over I = 32; layer 0 dense
+    # (mlp_only_layers); attention sinks.
+    "flint": (lambda T, moe, I, E, W, L, over: T.FlintConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
+        mlp_only_layers=[0], sliding_window=8, **NO_SPECIAL_TOKENS, **over), "FlintForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(

@@ -26,8 +26,6 @@ _NOT_YET = {
         "modality) that share one shared MLP: one fused expert set per modality is not a layout the runtime has"),
     ("hy_v4_vl",): (
         "Hunyuan 4 VL", "no family module maps Hunyuan 4's MoE under the VL wrapper's names and classes yet"),
-    ("flint",): (
-        "Flint", "no family module describes its router (sigmoid of the logits, top-k, no selection bias) yet"),
     ("lara_mini",): (
         "Lara-Mini", "no family module describes its router (softmax top-k) and hybrid linear-attention layers yet"),
     ("kolibri1", "kolibri1_1"): (
