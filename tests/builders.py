@@ -129,6 +129,11 @@ NEW_FAMILIES = {
     "flint": (lambda T, moe, I, E, W, L, over: T.FlintConfig(
         **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
         mlp_only_layers=[0], sliding_window=8, **NO_SPECIAL_TOKENS, **over), "FlintForCausalLM"),
+    # GraniteMoE-SWA: GraniteMoE-Shared's MoE under its module names (stacked experts), shared width 48 over I = 32,
+    # sliding and global layers with attention sinks.
+    "granitemoe_swa": (lambda T, moe, I, E, W, L, over: T.GraniteMoeSWAConfig(
+        **moe, intermediate_size=I, num_local_experts=E, shared_intermediate_size=W or 48, residual_multiplier=0.7,
+        sliding_window=8, **over), "GraniteMoeSWAForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(
@@ -290,7 +295,7 @@ def add_mtp_layer(path: Path) -> None:
     _edit_config(path, lambda c: c.get("text_config", c).update(num_nextn_predict_layers=1))
 
 
-_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.layer\.weight$|eh_proj|shared_head|e_score_correction_bias|"
+_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.(layer\.)?weight$|eh_proj|shared_head|e_score_correction_bias|"
                        r"indexer\.weights_proj)")
 _DECODER = re.compile(r"(^|\.)layers\.")  # model.layers.L, or Mistral-native layers.L
 # 3-D expert stacks: gate_up (quantized per half), down, and Step-3.7's gate, up and down apart.

@@ -40,23 +40,6 @@ class Cohere2Moe(RefusedFamily):
 
 
 @register
-class GraniteMoeSWA(RefusedFamily):
-    """GraniteMoE-SWA: GraniteMoE-Shared's MoE with sliding-window attention and attention sinks; the shared MLP exists
-    only when ``shared_intermediate_size`` > 0 (transformers' default is 0)."""
-
-    family = "GraniteMoE-SWA"
-    model_types = ("granitemoe_swa",)
-
-    @classmethod
-    def refusal(cls, config, model_type):
-        if not config.get("shared_intermediate_size"):
-            return ("there is no shared expert in this config (shared_intermediate_size is 0, transformers' default): "
-                    "nothing to fuse")
-        return ("its shared MLP (shared_intermediate_size > 0) could be fused as GraniteMoE-Shared's is, but no family "
-                "module maps its transformers classes yet")
-
-
-@register
 class Qwen3OmniMoeThinker(RefusedFamily):
     family = "Qwen3-Omni-MoE thinker"
     model_types = ("qwen3_omni_moe_thinker",)
