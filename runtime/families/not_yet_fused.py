@@ -27,7 +27,9 @@ _NOT_YET = {
     ("hy_v4_vl",): (
         "Hunyuan 4 VL", "no family module maps Hunyuan 4's MoE under the VL wrapper's names and classes yet"),
     ("lara_mini",): (
-        "Lara-Mini", "no family module describes its router (softmax top-k) and hybrid linear-attention layers yet"),
+        "Lara-Mini", "its checkpoints store the linear-attention input projections as one in_proj of unequal parts "
+        "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated shared "
+        "MLP would fuse)"),
     ("kolibri1", "kolibri1_1"): (
         "Kolibri 1 / 1.1", "its router picks the top-k of logits + bias and weights them by the sigmoid of the picked "
         "logits, a choice rule the layout's routing cannot express (it adds the bias to the sigmoid scores)"),
