@@ -134,6 +134,11 @@ NEW_FAMILIES = {
     "granitemoe_swa": (lambda T, moe, I, E, W, L, over: T.GraniteMoeSWAConfig(
         **moe, intermediate_size=I, num_local_experts=E, shared_intermediate_size=W or 48, residual_multiplier=0.7,
         sliding_window=8, **over), "GraniteMoeSWAForCausalLM"),
+    # Cohere2-MoE: softmax of the top-k logits; two shared widths added in full ("sum"); layer 0 dense.
+    "cohere2_moe": (lambda T, moe, I, E, W, L, over: T.Cohere2MoeConfig(
+        **moe, head_dim=32, intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I,
+        shared_expert_combination_strategy="sum", mlp_layer_types=["dense"] + ["sparse"] * (L - 1), prefix_dense_intermediate_size=3 * I,
+        sliding_window=8, **NO_SPECIAL_TOKENS, **over), "Cohere2MoeForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(

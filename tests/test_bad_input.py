@@ -159,7 +159,7 @@ def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
     ("longcat_flash", "no shared expert"),
     ("mimo_v2_flash", "no shared expert"),
     ("gpt_oss", "no shared expert"),
-    ("mixtral", "not supported; supported: afmoe, axk2, bailing_hybrid, deepseek_v2, deepseek_v3, deepseek_v32"),
+    ("mixtral", "not supported; supported: afmoe, axk2, bailing_hybrid, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v32"),
     # transformers 5.25's shared-expert families that are not fused (issue 22): each names what stands in the way.
     ("qwen3_omni_moe", "per-token sigmoid gate"),
     ("qwen3_omni_moe_thinker", "no shared expert"),

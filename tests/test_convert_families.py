@@ -66,6 +66,8 @@ CASES = {
     "flint": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 1.0, False), v2={}),
     # GraniteMoE-SWA: GraniteMoE-Shared's routing; experts stacked as transformers' gate_up_proj / down_proj.
     "granitemoe_swa": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    # Cohere2-MoE ("sum"): softmax of the top-k logits (renormalized softmax), no bias, no rsf.
+    "cohere2_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, False)),
     # Step-3.7: per-layer (routed, shared) limits after the activation; a shared width of 1.5 I (the second slot half padding).
     "step3p7": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
                     limit={1: (0.3, math.inf), 2: (0.25, 0.2)}, activation="swiglu_post_clamp",

@@ -47,6 +47,7 @@ CASES = {
     "minicpm5_moe": dict(experts=6),  # DeepSeek-V3 router; q_proj stored for the module q_gate_proj
     "flint": dict(experts=6, shared_width=48),  # sigmoid without bias; padded second slot; attention sinks
     "granitemoe_swa": dict(experts=6, shared_width=48),  # shared MLP beside the block; sinks and sliding layers
+    "cohere2_moe": dict(experts=6),  # shared_expert_combination_strategy "sum"
     "step3p7": dict(experts=6, shared_width=48),  # per-layer routed and shared limits after the activation; padded slot
 }
 
