@@ -5,9 +5,9 @@ conversion mapping "axk2" stacks them). MLA attention with its DSA indexer and f
 RMSNorms (``*_layernorm.W_{down,up}``, kept unquantized), are copied unchanged. MoE layers from ``mlp_layer_types`` or
 ``first_k_dense_replace`` / ``moe_layer_freq`` (default: layer 0 dense).
 
-Groups: the Light release has none (``n_group`` null). With ``n_group`` > 1, ``AXK2TopkRouter.apply_group_scoring`` fills
-the experts of dropped groups with a score of 0.0, not -inf, so such an expert outranks a kept one whose biased score is
-negative: a group rule the layout has no field for, refused.
+Groups: the Light release has none (``n_group`` null). With ``n_group`` > 1,
+``AXK2TopkRouter.apply_group_scoring`` fills the experts of dropped groups with a score of 0.0, not -inf, so such an
+expert outranks a kept one whose biased score is negative: a group rule the layout has no field for, refused.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class ExaoneMoe(DeepSeekStyleFamily):
         layers = super().moe_layers(cfg, n_layers, where)
         legacy = cfg.get("is_moe_layer")
         # transformers' ExaoneMoeConfig does not read is_moe_layer: where it says otherwise, the two models differ.
-        if legacy is not None and (not isinstance(legacy, list) or tuple(i for i, m in enumerate(legacy) if m) != layers):
+        said = tuple(i for i, m in enumerate(legacy) if m) if isinstance(legacy, list) else None
+        if legacy is not None and said != layers:
             raise ModelError(f"says MoE layers {legacy!r}, but transformers builds MoE blocks in layers {list(layers)} "
                              "(from mlp_layer_types / first_k_dense_replace)", file="config.json", field="is_moe_layer")
         return layers

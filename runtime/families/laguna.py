@@ -19,7 +19,8 @@ from typing import Mapping
 
 from ..errors import UnsupportedModelError
 from .base import (
-    DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersClasses, optional_bool, optional_float, optional_int, register,
+    DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersClasses, optional_bool, optional_float, optional_int,
+    register,
 )
 
 
@@ -31,7 +32,7 @@ class Laguna(DeepSeekStyleFamily):
     config_keys = {"n_routed_experts": ("num_experts",), "routed_scaling_factor": ("moe_routed_scaling_factor",)}
     config_defaults = {"first_k_dense_replace": 1, "renormalize_eps": 0.0}
     fixed = {"scoring": "sigmoid", "n_group": 1, "renormalize": True}
-    router_in_model_dtype = True  # F.linear(hidden_states, weight).float(): the logits are rounded to the model dtype first
+    router_in_model_dtype = True  # F.linear(hidden_states, weight).float(): logits rounded to the model dtype first
     transformers = TransformersClasses(
         "LagunaConfig", "LagunaForCausalLM",
         renames=(
@@ -53,7 +54,7 @@ class Laguna(DeepSeekStyleFamily):
                 file="config.json", field="moe_router_logit_softcapping")
         if optional_bool(config, "moe_apply_router_weight_on_input", False):
             raise UnsupportedModelError(
-                f"model_type {model_type!r} ({cls.family}) cannot be converted: moe_apply_router_weight_on_input scales "
-                "the expert input by the router weight, so a weight-1.0 output slot is wrong",
+                f"model_type {model_type!r} ({cls.family}) cannot be converted: moe_apply_router_weight_on_input "
+                "scales the expert input by the router weight, so a weight-1.0 output slot is wrong",
                 file="config.json", field="moe_apply_router_weight_on_input")
         return super().describe(config, model_type)

@@ -10,8 +10,8 @@ from .base import RefusedFamily, register
 # model types -> (display name, what is not handled yet)
 _NOT_YET = {
     ("aria", "aria_text"): (
-        "Aria", "its routed experts are always SiLU-gated while its shared MLP follows hidden_act, and no family module "
-        "maps Aria's grouped-GEMM experts and vision wrapper yet"),
+        "Aria", "its routed experts are always SiLU-gated while its shared MLP follows hidden_act, and no family "
+        "module maps Aria's grouped-GEMM experts and vision wrapper yet"),
     ("axk1",): (
         "A.X-K1", "its MoE block RMS-normalizes the sum of the routed and shared outputs (post_mlp_layernorm) inside "
         "the block a fused layer replaces, and the fused block has no output norm"),
@@ -28,8 +28,8 @@ _NOT_YET = {
         "Hunyuan 4 VL", "no family module maps Hunyuan 4's MoE under the VL wrapper's names and classes yet"),
     ("lara_mini",): (
         "Lara-Mini", "its checkpoints store the linear-attention input projections as one in_proj of unequal parts "
-        "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated shared "
-        "MLP would fuse)"),
+        "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated "
+        "shared MLP would fuse)"),
     ("kolibri1", "kolibri1_1"): (
         "Kolibri 1 / 1.1", "its router picks the top-k of logits + bias and weights them by the sigmoid of the picked "
         "logits, a choice rule the layout's routing cannot express (it adds the bias to the sigmoid scores)"),
@@ -37,8 +37,8 @@ _NOT_YET = {
         "GraniteMoE-Hybrid", "its layers without routed experts (num_local_experts 0) run the shared MLP alone, and no "
         "family module maps its Mamba-hybrid classes yet"),
     ("step3p5",): (
-        "Step-3.5 (Step-3.7's text model)", "transformers has it only as Step-3.7's text config, with no model class of "
-        "its own: convert the step3p7 checkpoint that wraps it"),
+        "Step-3.5 (Step-3.7's text model)", "transformers has it only as Step-3.7's text config, with no model class "
+        "of its own: convert the step3p7 checkpoint that wraps it"),
 }
 
 
