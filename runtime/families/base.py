@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
@@ -267,8 +267,41 @@ def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[
     return f"{block_prefix}.{names.router}", tuple(f"{block_prefix}.{b}" for b in names.bias)
 
 
+def wrapped_text_family(config: Mapping) -> type[Family] | None:
+    """The family of a wrapper's text model: the config's own ``model_type`` is no family's, and its ``text_config``
+    names one (a vision or audio model around a known language model). None otherwise."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping) or config.get("model_type") is None or config.get("model_type") in REGISTRY:
+        return None
+    inner = text.get("model_type")
+    return REGISTRY.get(inner) if isinstance(inner, str) else None
+
+
+def describe_wrapped(config: Mapping, family: type[Family]) -> MoEArchitecture:
+    """A wrapper described as the family of its ``text_config``: refused with that family's reason, or its text model's
+    architecture under transformers' wrapper names (``model.language_model.layers.L``, the config in ``text_config``)."""
+    outer, text = config["model_type"], config["text_config"]
+    inner = text["model_type"]
+    if issubclass(family, RefusedFamily):
+        raise UnsupportedModelError(
+            f"model_type {outer!r} wraps a {family.family} text model (text_config.model_type {inner!r}), which cannot "
+            f"be converted: {family.refusal(text, inner)}", file="config.json", field="text_config.model_type")
+    refuse_latent_experts(config)
+    arch = family.describe(text, inner)
+    if arch.config_key is not None:
+        raise UnsupportedModelError(f"model_type {outer!r} wraps {inner!r}, itself a wrapper: no text model to describe",
+                                    file="config.json", field="text_config.model_type")
+    return replace(arch, model_type=outer, config_key="text_config",
+                   names=replace(arch.names, layer_prefix="model.language_model" + arch.names.layer_prefix[len("model"):]
+                                 if arch.names.layer_prefix.startswith("model.") else arch.names.layer_prefix))
+
+
 def describe_model(config: Mapping) -> MoEArchitecture:
-    """Pick the family for a config.json and let it describe the model (or refuse it)."""
+    """Pick the family for a config.json and let it describe the model (or refuse it); a wrapper around a known
+    family's text model is described as that family (:func:`describe_wrapped`)."""
+    wrapped = wrapped_text_family(config)
+    if wrapped is not None:
+        return describe_wrapped(config, wrapped)
     family = family_for(config)
     if not issubclass(family, RefusedFamily):
         refuse_latent_experts(config)

@@ -207,3 +207,18 @@ def test_loading_without_transformers_names_the_extra_to_install(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "error: examples/generate_tiny.py needs transformers, which is not installed: "
         "pip install 'fuse-shared[verify]' (from a checkout: pip install -e '.[verify]')"], r.stderr
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_cohere2_moe_sigmoid_selection_is_exact(tmp_path, norm_topk_prob):
+    """Cohere2-MoE's other router (expert_selection_fn "sigmoid", divided by the plain sum or not): the fusion is exact."""
+    from builders import build_checkpoint
+    from fuse_tool.convert import convert_checkpoint
+    from fuse_tool.plan import ConvertOptions
+
+    src = build_checkpoint("cohere2_moe", tmp_path / "src", experts=6, expert_selection_fn="sigmoid", norm_topk_prob=norm_topk_prob)
+    convert_checkpoint(src, tmp_path / "out", ConvertOptions(precision="source"), progress=False)
+    with torch.no_grad():
+        want = reference_model("cohere2_moe", src)(tokens()).logits
+        got = from_fused_pretrained(tmp_path / "out", dtype=torch.float32)(tokens()).logits
+    assert rel(got, want) < 1e-5 and torch.equal(got.argmax(-1), want.argmax(-1))
