@@ -10,7 +10,11 @@ Each time is the median per call of a CUDA graph that replays ROT calls on diffe
 reference before it is timed. The peer runs with its default config and every shipped H200 table
 (both activation paths), or, with ``--peer-configs``, with the best config and path recorded per
 cell by ``benchmarks/tune_moe.py``. ``--unfused`` adds the same kernels on the K routed slots plus
-the shared expert as its own dense MLP, added after.
+the shared expert as its own dense MLP, added after. ``--anchors`` also times cuBLASLt's block-FP8 GEMM
+(``torch._scaled_mm``, 1x128 x 128x128) at the dense 4096x4096x7168 shape and, for T >= 512, at each model's GEMM
+shapes (all T*(K+S) pairs, and the T rows of the shared slot), for the ratios in ``docs/benchmarks.md``.
+Each cell's ``rel_exact_ours`` / ``rel_exact_ref`` are the distances of ours and of the reference from exact
+float64 math (``--no-exact`` skips them).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (MODELS, TOKENS, copy_bandwidth, find_peer_dir, graph_time_us, load_peer,  # noqa: E402
-                    random_fp8_experts, versions)
+from common import (MODELS, TOKENS, block_fp8_anchor, copy_bandwidth, exact_moe, find_peer_dir,  # noqa: E402
+                    graph_time_us, load_peer, random_fp8_experts, versions)
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.moe_triton import resolve_tile_config  # noqa: E402
@@ -61,6 +65,8 @@ def main():
     ap.add_argument("--peer-dir", default=None)
     ap.add_argument("--peer-configs", default=None, help="tune_moe.py results: time only the peer's best per cell")
     ap.add_argument("--unfused", action="store_true")
+    ap.add_argument("--anchors", action="store_true", help="time the block-FP8 cuBLASLt anchors too")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--rounds", type=int, default=3,
                     help="ours and the peer's best timed alternately this many times; medians reported (default 3)")
     args = ap.parse_args()
@@ -77,6 +83,11 @@ def main():
     bw = max(copies.values())
     print(f"{info}; copy bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items())
           + f"; using the best, {bw / 1e12:.2f}; peer: {'yes' if peer_mod else 'no'}", flush=True)
+    anchors = []
+    if args.anchors:
+        for dt in (torch.bfloat16, torch.float32):
+            anchors.append(dict(block_fp8_anchor(4096, 4096, 7168, dt), what="dense"))
+            print(f"anchor {anchors[-1]}", flush=True)
     rows = []
     for name in args.models.split(","):
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
@@ -92,13 +103,24 @@ def main():
             ref = fused_moe(x, ew, ids0, w0, backend="torch")
             out = torch.empty_like(x)
             y = torch.full_like(x, float("nan"))
-            fused_moe(x, ew, ids0, w0, tile_config=override, out=y)
+            fused_moe(x, ew, ids0, w0, tile_config=override, out=y, shared_slots=S)
             torch.cuda.synchronize()
             err = rel(y, ref)
             r = dict(model=name, T=T, rel_ours=err, ok=bool(err < TOL_OURS and not torch.isnan(y).any()),
                      tiles=resolve_tile_config(T, ew, K + S, x.device, override))
+            if args.exact:
+                exact = exact_moe(x, ew, ids0, w0)
+                r.update(rel_exact_ours=rel(y, exact), rel_exact_ref=rel(ref, exact))
+                del exact
+            if args.anchors and T >= 512:
+                shapes = dict(gemm1_pairs=(T * (K + S), 2 * I, H), gemm2_pairs=(T * (K + S), H, I),
+                              gemm1_shared=(T, 2 * I, H), gemm2_shared=(T, H, I))
+                for what, (m, n, k) in shapes.items():
+                    anchors.append(dict(block_fp8_anchor(m, n, k), what=what, model=name, T=T))
+                    print(f"anchor {anchors[-1]}", flush=True)
+
             def ours():
-                return [fused_moe(x, ew, i, w, tile_config=override, out=out) for i, w in sets]
+                return [fused_moe(x, ew, i, w, tile_config=override, out=out, shared_slots=S) for i, w in sets]
 
             ours_rounds = [graph_time_us(ours, ROT, args.trials)]
             tf = ours_rounds[0]
@@ -147,6 +169,10 @@ def main():
                              peer_over_ours=tp / tf, peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw,
                              peer_all={k: v[0] for k, v in peer_times.items()})
             rows.append(r)
+            if args.out:  # after every cell, so a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(dict(info=info, copy_bw=bw, copies=copies, anchors=anchors, rows=rows), f, indent=1,
+                              default=str)
             print(f"{name:12} {T:5d} | ours {tf:8.1f} us ({r['pct_copy']:5.1f}% copy, {r['tflops']:6.1f} TFLOP/s, "
                   f"rel {err:.1e}{'' if r['ok'] else ' CHECK FAILED'})"
                   + (f" | peer {r['peer_us']:8.1f} us ({r['peer_pct_copy']:5.1f}% copy) peer/ours {r['peer_over_ours']:.3f}"
@@ -165,7 +191,7 @@ def main():
     print(f"checks: {len(rows) - len(fails)} passed, {len(fails)} failed {fails if fails else ''}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(info=info, copy_bw=bw, copies=copies, rows=rows), f, indent=1, default=str)
+            json.dump(dict(info=info, copy_bw=bw, copies=copies, anchors=anchors, rows=rows), f, indent=1, default=str)
     return 1 if fails else 0
 
 

@@ -1,8 +1,10 @@
 """Routing benchmark: the fused Triton router against eager PyTorch routing as transformers computes it.
 
-    python3 benchmarks/bench_routing.py [--out results.json]
+    python3 benchmarks/bench_routing.py [--out results.json] [--variants]
 
-Times per call: in a CUDA graph of REPS calls (device time) and eagerly (what a Python loop sees).
+Times per call: in a CUDA graph of REPS calls (device time) and eagerly (what a Python loop sees). ``--variants``:
+instead, every selection scheme of the kernel (``routing_triton.select_modes``) with 1, 2 and 4 warps at T = 1,
+each checked against the PyTorch reference (ids equal, weights to 1e-5) before it is timed.
 """
 
 from __future__ import annotations
@@ -52,7 +54,17 @@ def transformers_route(router_logits, bias, cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", action="store_true", help="time the kernel's variants at T = 1 instead")
+    ap.add_argument("--select", default=None, help="with --variants: only these SELECT schemes, e.g. 4")
+    ap.add_argument("--warps", default="1,2,4", help="with --variants: the num_warps to try")
     args = ap.parse_args()
+    if args.variants:
+        rows = variant_rows(selects=args.select and {int(v) for v in args.select.split(",")},
+                            warps=tuple(int(v) for v in args.warps.split(",")))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(info=versions(), variants=rows), f, indent=1)
+        return
     rows = []
     print(versions())
     print(f"{'model':12} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5} | {'triton eager':>12} {'torch eager':>11} {'x':>5}")
@@ -74,6 +86,38 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info=versions(), rows=rows), f, indent=1)
+
+
+def variant_rows(tokens=(1,), selects=None, warps=(1, 2, 4)):
+    """Each (selection scheme, warps) of the kernel, per score-routed geometry, against the reference first."""
+    from runtime.routing_triton import route_triton, select_modes
+
+    geoms = dict(MODELS, **{n: RoutingConfig(E, 6, 1, "sqrtsoftplus", 1, 1, True, 1.5) for n, E in V4.items()})
+    rows = []
+    print(f"{'model':18} {'T':>5} {'SELECT':>6} {'warps':>5} | {'graph us':>8}")
+    for name, cfg in geoms.items():
+        for T in tokens:
+            logits = torch.randn(T, cfg.num_experts, device="cuda")
+            bias = torch.randn(cfg.num_experts, device="cuda") * 0.05
+            ref_ids, ref_w = route(logits, bias, cfg, backend="torch")
+            ids = torch.empty(T, cfg.slots_per_token, dtype=torch.int32, device="cuda")
+            w = torch.empty(T, cfg.slots_per_token, dtype=torch.float32, device="cuda")
+            for mode in select_modes(cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts):
+                for nw in warps if not selects or mode in selects else ():
+                    launch = dict(SELECT=mode, num_warps=nw)
+                    ids.fill_(-7)
+                    w.fill_(float("nan"))
+                    try:
+                        route_triton(logits, bias, cfg, out=(ids, w), launch=launch)
+                    except Exception as e:  # noqa: BLE001 - a scheme this Triton cannot compile is recorded, not fatal
+                        print(f"{name} SELECT={mode} warps={nw}: {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    ok = torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+                    f = lambda: route_triton(logits, bias, cfg, out=(ids, w), launch=launch)  # noqa: E731
+                    us = graph_time_us(lambda: [f() for _ in range(REPS)], REPS, 7, 1) if ok else float("nan")
+                    rows.append(dict(model=name, T=T, SELECT=mode, num_warps=nw, ok=ok, triton_graph_us=us))
+                    print(f"{name:18} {T:5d} {mode:6d} {nw:5d} | {us:8.2f}{'' if ok else '  WRONG'}", flush=True)
+    return rows
 
 
 V4 = {"DeepSeek-V4-Flash": 256, "DeepSeek-V4-Pro": 384}

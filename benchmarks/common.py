@@ -20,7 +20,7 @@ for p in (ROOT, os.path.join(ROOT, "tests", "runtime")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from rt_helpers import MODELS, random_fp8_experts  # noqa: E402,F401
+from rt_helpers import MODELS, exact_moe, random_fp8_experts  # noqa: E402,F401
 
 TOKENS = [1, 8, 64, 512, 4096]
 
@@ -112,3 +112,35 @@ def versions() -> dict:
 
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 driver=torch.version.cuda)
+
+
+def block_fp8_anchor(M: int, N: int, K: int, out_dtype=torch.bfloat16, trials: int = 10) -> dict:
+    """cuBLASLt's block-scaled FP8 GEMM (1x128 activations x 128x128 weights, ``torch._scaled_mm`` through
+    :func:`runtime.moe_triton.block_fp8_mm`) at ``[M, K] x [N, K]^T``: TFLOP/s (median of a graph of 4 calls over 4
+    operand sets, so L2 holds none of them) and its relative error against the float32 product of the dequantized
+    operands, or the error it raised."""
+    from runtime.moe_triton import block_fp8_mm
+
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    kg, ng = -(-K // 128), -(-N // 128)
+    sets = []
+    for _ in range(4):
+        a = (torch.randn(M, K, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = (torch.randn(N, K, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sa = (torch.rand(kg, M, device="cuda", generator=g) + 0.5).t() / 100  # column-major, as cuBLASLt wants
+        sw = (torch.rand(ng, kg, device="cuda", generator=g) + 0.5) / 100
+        sets.append((a, sa, w, sw))
+    try:
+        y = block_fp8_mm(*sets[0], out_dtype)
+    except RuntimeError as e:
+        return dict(M=M, N=N, K=K, out_dtype=str(out_dtype), error=str(e).splitlines()[0][:200])
+    a, sa, w, sw = sets[0]
+    af = a.float() * sa.repeat_interleave(128, 1)[:, :K]
+    wf = w.float() * sw.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    ref = af @ wf.t()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    us = graph_time_us(lambda: [block_fp8_mm(*s, out_dtype) for s in sets], 4, trials)
+    del sets, af, wf, ref
+    torch.cuda.empty_cache()
+    return dict(M=M, N=N, K=K, out_dtype=str(out_dtype).replace("torch.", ""), us=us,
+                tflops=2 * M * N * K / (us * 1e-6) / 1e12, rel=err)

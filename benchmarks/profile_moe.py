@@ -72,7 +72,7 @@ def main():
             for over in args.tile_config or [None]:
                 tiles = json.loads(over) if over else None
                 show(f"ours {json.dumps(resolve_tile_config(T, ew, K + S, x.device, tiles), sort_keys=True)}",
-                     launches(lambda: fused_moe(x, ew, ids, w, tile_config=tiles, out=out), args.iters))
+                     launches(lambda: fused_moe(x, ew, ids, w, tile_config=tiles, out=out, shared_slots=S), args.iters))
             if peer_mod is not None:
                 peer = peer_mod.Peer(ew, "fused")
                 pc = json.loads(args.peer_config) if args.peer_config else None

@@ -86,6 +86,9 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "m64-plain-hq-g8-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, **_TMA),
         "m64-plain-hq-s4-tma-n2x256": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8,
                                            **_TMA),
+        # One 128x128 accumulator per program in two warpgroups (the gated 128-row tiles spilled); shared slot dense.
+        "m128-plain-hq-tma-dense": dict(_PLAIN_HQ_M64, block_m=128, gemm1_warps=8, gemm2_warps=8, gemm1_stages=3,
+                                        gemm2_stages=3, shared_dense=True, **_TMA),
     },
 }
 
@@ -111,7 +114,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def tune_cell(name, T, ew, cfg, peer_mod, trials, log):
+def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None):
     H = ew.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(1000 + T)
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -123,19 +126,28 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log):
     row = dict(model=name, T=T, ours={}, peer={})
     base = builtin_tile_config(T, True)
     current = resolve_tile_config(T, ew, ids0.shape[1], x.device)
-    for label, over in dict(CANDIDATES[band(T)], current=current).items():
+    cands = dict(CANDIDATES[band(T)], current=current)
+    if T >= 256 and cfg.num_fused_shared_experts:  # the table's entry with the shared slots as dense block-FP8 GEMMs
+        cands["current-dense"] = dict(current, shared_dense=True)
+    for label, over in (variants or {}).items():  # --variants: overrides on the table's own entry
+        cands[label] = dict(current, **over)
+    shared = cfg.num_fused_shared_experts
+    for label, over in cands.items():
+        if only and label not in only:
+            continue
         full = dict(base, **over)
         try:
             check_tile_config(full)
             y = torch.full_like(x, float("nan"))
-            fused_moe(x, ew, ids0, w0, tile_config=full, out=y)
+            fused_moe(x, ew, ids0, w0, tile_config=full, out=y, shared_slots=shared)
             torch.cuda.synchronize()
             err = rel(y, ref)
             if not err < TOL or torch.isnan(y).any():
                 log(f"  {name} T={T} ours {label}: CHECK FAILED rel {err:.2e}")
                 row["ours"][label] = dict(ok=False, rel=err)
                 continue
-            t = graph_time_us(lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out) for i, w in sets], ROT, trials)
+            t = graph_time_us(lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out, shared_slots=shared)
+                                       for i, w in sets], ROT, trials)
             row["ours"][label] = dict(ok=True, rel=err, us=t, config=full)
             log(f"  {name} T={T} ours {label}: {t:.1f} us (rel {err:.1e})")
         except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
@@ -201,6 +213,10 @@ def main():
     ap.add_argument("--peer-dir", default=None)
     ap.add_argument("--fresh", action="store_true", help="start a new table instead of updating the existing one")
     ap.add_argument("--from-results", default=None, help="only write the table from an earlier --results-out file")
+    ap.add_argument("--only", default=None, help="comma-separated candidate names to time (e.g. current,current-dense)")
+    ap.add_argument("--variants", default=None,
+                    help="JSON {name: overrides} timed on top of the table's entry, "
+                         "e.g. '{\"bf16gu\": {\"gemm1_output_dtype\": \"bfloat16\"}}'")
     args = ap.parse_args()
     if args.from_results:
         return from_results(args.from_results, args.table_out)
@@ -216,7 +232,9 @@ def main():
         table = shapes.setdefault(shape_key(E + S, H, I, K + S), {})
         for T in map(int, args.tokens.split(",")):
             try:
-                row = tune_cell(name, T, ew, cfg, peer_mod, args.trials, log)
+                row = tune_cell(name, T, ew, cfg, peer_mod, args.trials, log,
+                                set(args.only.split(",")) if args.only else None,
+                                json.loads(args.variants) if args.variants else None)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 continue

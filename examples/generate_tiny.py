@@ -53,8 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=12)
     args = ap.parse_args(argv)
 
-    import transformers
+    from runtime.integrations.transformers.requires import import_transformers
 
+    try:
+        transformers = import_transformers("examples/generate_tiny.py")
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     from fuse_tool.convert import convert_checkpoint
     from fuse_tool.plan import ConvertOptions
     from runtime.integrations.transformers import build_config, from_fused_pretrained, transformers_classes_for

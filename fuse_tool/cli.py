@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import sys
 from pathlib import Path
 
-import click
+try:  # torch loads here, for seconds: a Ctrl-C meanwhile ends in one line, not a traceback of the imports
+    import click
 
-from .errors import ConversionError, FuseSharedError
-from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
-from .report import describe_plan
+    from .errors import ConversionError, FuseSharedError
+    from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
+    from .report import describe_plan
+except KeyboardInterrupt:
+    sys.stderr.write("error: interrupted\n")
+    raise SystemExit(130) from None
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -78,16 +83,39 @@ class _OneLineGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        previous = _terminate_like_interrupt()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
             hint = f" (see {e.ctx.command_path} --help)" if isinstance(e, click.UsageError) and e.ctx is not None else ""
             click.echo(f"error: {' '.join(e.format_message().split())}{hint}", err=True)
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
+        except click.Abort as e:  # click's word for Ctrl-C (or SIGTERM) outside a conversion, which says what it kept
+            interrupted = isinstance(e.__cause__, KeyboardInterrupt)
+            click.echo(f"error: {'interrupted' if interrupted else 'aborted'}", err=True)
+            sys.exit(130 if interrupted else 1)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _terminate_like_interrupt():
+    """SIGTERM (``kill``, a job scheduler's stop) handled as Ctrl-C is: the half-written shard removed, completed shards
+    and the journal kept for ``--resume``, one line said. Returns the handler it replaced (None off the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        return None
+
+
+def _bounded(text: str, limit: int = 200) -> str:
+    """A user-supplied value as quoted in a message: at most ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _fail(e: Exception) -> None:
@@ -98,17 +126,36 @@ def _fail(e: Exception) -> None:
         message = f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}"
     else:  # a bug: say so, in one line, rather than show Python's message as if it were ours
         message = f"internal error ({type(e).__name__}: {e}); this is a bug in fuse-shared, please report it with the command you ran"
-    click.echo(f"error: {' '.join(message.split())}", err=True)
+    click.echo(f"error: {_bounded_message(' '.join(message.split()))}", err=True)
     sys.exit(1)
 
 
+def _bounded_message(message: str, head: int = 600, tail: int = 300) -> str:
+    """A message that quotes a huge value (a 10 MB model_type, a 100k-character path) cut in the middle, so its start
+    (where) and its end (what was expected) still fit on a screen."""
+    if len(message) <= head + tail + 50:
+        return message
+    return f"{message[:head]} [... {len(message) - head - tail} characters cut ...] {message[-tail:]}"
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A name the user meant as a local folder: ``/x``, ``./x``, ``~/x``, or ``examples/tiny-x`` where ``examples/``
+    exists here (a mistyped folder must not turn into a Hub download)."""
+    first = model.split("/", 1)[0]
+    return model.startswith(("/", ".", "~")) or ("/" in model and first not in ("", ".", "..") and Path(first).is_dir())
+
+
 def _resolve_source(model: str) -> tuple[Path, str]:
+    """MODEL as a local folder, or a Hub repo id downloaded into the cache: (folder, what the user wrote)."""
     if Path(model).exists():
         return Path(model), model
+    if _looks_like_a_path(model):
+        raise ConversionError("no such folder (a local path, so the Hub is not asked; a Hub repo id is owner/name)",
+                              file=_bounded(model))
     from . import hub  # only when a Hub id is given
 
     if not hub.is_hub_reference(model):
-        raise ConversionError("no such folder, and not a Hub repo id (owner/name[@revision])", file=model)
+        raise ConversionError("no such folder, and not a Hub repo id (owner/name[@revision])", file=_bounded(model))
     return hub.resolve_model_source(model), model
 
 
@@ -174,6 +221,10 @@ def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, 
 
     try:
         options = _options(precision, other_linear, scale_fmt, max_shard_size)
+        if push_to and not dry_run:  # the repo id and the token now, not after hours of converting
+            from . import hub
+
+            hub.check_push_access(push_to)
         path, source_id = _resolve_source(model)
         if dry_run:
             click.echo(describe_plan(plan_conversion(path, options)))
@@ -217,8 +268,9 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
-@click.option("--against", metavar="MODEL_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Also run OUT_DIR and its source MODEL_DIR on the same tokens, one layer at a time; compare MoE outputs and logits.")
+@click.option("--against", metavar="MODEL", default=None,
+              help="Also run OUT_DIR and its source MODEL (a folder or Hub repo id[@revision]) on the same tokens, "
+                   "one layer at a time; compare MoE outputs and logits.")
 @click.option("--tokens", default="4x32", show_default=True, callback=_token_shape,
               help="--against: BATCHxSEQ deterministic token ids (at most 4096 tokens).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1), help="--against: seed of the token ids.")
@@ -239,10 +291,14 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
             from .verify.numerics import require_transformers
 
             require_transformers()  # before the structural check: say at once what to install
+            against, _ = _resolve_source(against)
         r = check_output(out_dir, checksums=checksums, progress=not quiet)
     except Exception as e:  # noqa: BLE001
         _fail(e)
-    what = f"sha256 of {r.files_checked} files ({len(r.shards)} shards, {r.shard_bytes / 1e9:.2f} GB) matches the manifest" if checksums else \
+    from .progress import human_size
+
+    shards = f"{len(r.shards)} shards, {human_size(r.shard_bytes)}"
+    what = f"sha256 of {r.files_checked} files ({shards}) matches the manifest" if checksums else \
         "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
     click.echo(f"ok: {out_dir}: {len(r.tensors)} tensors in {len(r.shards)} shards; {what}")
     if against is not None:
@@ -250,6 +306,36 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
 
         sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo,
                                 backend=None if backend == "auto" else backend))
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one).")
+@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda, cuda:1).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None, help="Compute dtype (default: the config's).")
+@click.option("--model-name", default=None, help="The model id the API reports and accepts (default: OUT_DIR's name).")
+@click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(1, 1 << 20), help="Largest max_tokens a request may ask.")
+def serve(out_dir, host, port, device, dtype, model_name, max_tokens_limit):
+    """Serve the converted checkpoint in OUT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    try:
+        import torch
+
+        from runtime.integrations.transformers import from_fused_pretrained
+        from runtime.serve import load_tokenizer, make_server
+
+        model = from_fused_pretrained(out_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
+        server = make_server(model, load_tokenizer(out_dir), host, port, model_name or out_dir.name, max_tokens_limit)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    bound_host, bound_port = server.server_address[:2]
+    click.echo(f"serving {out_dir} at http://{bound_host}:{bound_port}/v1 (Ctrl-C stops)", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":  # pragma: no cover

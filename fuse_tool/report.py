@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .plan import ConversionPlan
+from .progress import human_size
 from .write.measurements import Measurements
 
 
@@ -42,11 +43,7 @@ def _activation(plan: ConversionPlan) -> str:
     return b.activation + (f" ({_params(routed)})" if b.activation == "swiglu_oai" or math.isfinite(routed.clamp_limit) else "")
 
 
-def _size(n: int) -> str:
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
+_size = human_size
 
 
 def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None) -> str:
@@ -71,7 +68,7 @@ def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None
         f"source         {len(plan.source.tensors):,} tensors in {len(plan.source.shard_files)} files, "
         f"{_size(plan.source.total_bytes)}, quantization: {plan.source_quantization}",
         f"output         {plan.num_tensors:,} tensors in {len(plan.shards)} shards, {_size(plan.total_size)}; "
-        f"precision {plan.options.precision}, other linear {plan.options.other_linear}, scale format {plan.scale_fmt}",
+        + _options_used(plan),
         "bytes          " + ", ".join(f"{k} {_size(v)}" for k, v in sorted(kinds.items())),
         f"shared slots   {', '.join(shared_modes)}",
     ]
@@ -81,3 +78,10 @@ def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None
     lines += [f"not copied     {name}: {why}" for name, why in plan.source.skipped]
     lines += (measurements or Measurements()).describe(plan.converted_weights())
     return "\n".join(lines)
+
+
+def _options_used(plan) -> str:
+    """``precision fp8, other linear fp8, scale format float``; ``precision source`` alone (it writes no FP8)."""
+    used = plan.options_used()
+    words = {"precision": "precision", "other_linear": "other linear", "scale_fmt": "scale format"}
+    return ", ".join(f"{words[k]} {v}" for k, v in used.items() if k in words)

@@ -33,7 +33,7 @@ class ModelFolder:
         path: the folder.
     Raises:
         CheckpointError: no config.json, an unreadable index, no shards, a damaged header,
-            or a tensor the index places in a shard that does not hold it.
+            a tensor the index places in a shard that does not hold it, or a stored tensor the index leaves out.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -59,6 +59,10 @@ class ModelFolder:
             for name, info in found.items():
                 if weight_map is None or weight_map.get(name) == fname:
                     self.tensors[name] = info
+                elif name not in weight_map:  # loaders would drop it without a word: the model would lose a weight
+                    raise CheckpointError(f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a "
+                                          "damaged or stale index (expected every stored tensor in its weight_map)",
+                                          file=self.path / fname, tensor=name)
         if weight_map is not None:
             missing = [n for n in weight_map if n not in self.tensors]
             if missing:

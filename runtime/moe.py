@@ -194,6 +194,7 @@ def fused_moe(
     backend: str | None = None,
     tile_config: Mapping[str, Any] | None = None,
     out: torch.Tensor | None = None,
+    shared_slots: int = 0,
 ) -> torch.Tensor:
     """Fused MoE forward over every slot: ``y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
 
@@ -213,6 +214,9 @@ def fused_moe(
         tile_config: Triton tile overrides on top of the tuned table for this GPU (keys in
             :mod:`runtime.moe_tiles`); ignored by the PyTorch backend.
         out: optional preallocated contiguous ``[T, H]`` result of x's dtype.
+        shared_slots: S >= 0 when the last S slots are shared experts that every token uses once with weight 1.0
+            (what :func:`runtime.route` gives); the Triton backend may then run them as dense GEMMs over all
+            tokens (tile config ``shared_dense``). The result is the same either way; 0 promises nothing.
 
     Returns:
         ``[T, H]`` tensor of x's dtype (``out`` when given).
@@ -228,10 +232,13 @@ def fused_moe(
         raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K+S] with T = {x.shape[0]}")
+    if not 0 <= shared_slots <= min(ids.shape[1], experts.num_expert_slots):
+        most = min(ids.shape[1], experts.num_expert_slots)
+        raise ValueError(f"shared_slots must be in [0, {most}], got {shared_slots}")
     if resolve_backend(backend, x, experts.gate_up) == "triton":
         from .moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, tile_config, out)
+        return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, tile_config, out, shared_slots)
     from .moe_reference import fused_moe_reference
 
     y = fused_moe_reference(x, experts, ids, weights, num_valid_tokens)
@@ -241,6 +248,25 @@ def fused_moe(
         out.copy_(y)
         return out
     return y
+
+
+def route_rows(moe: torch.nn.Module, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
+               token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing half of a MoE block's forward: ``x`` ``[..., H]`` as rows ``h`` ``[T, H]``, and :func:`route`'s
+    ``ids`` / ``weights`` ``[T, K+S]`` from the float32 router GEMM. ``moe`` has ``cfg``, ``router_weight``,
+    ``e_score_correction_bias``, ``tid2eid`` and ``backend`` (:class:`FusedSharedMoE`, or one rank's share of it)."""
+    h = x.reshape(-1, x.shape[-1])
+    if moe.cfg.hash_routed:
+        if token_ids is None:
+            raise ValueError("this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
+                             "call it with token_ids (the input ids of x's rows); there is no fallback to score routing")
+        token_ids = token_ids.reshape(-1).to(h.device)
+    else:
+        token_ids = None
+    logits = torch.nn.functional.linear(h.to(torch.float32), moe.router_weight)
+    ids, w = route(logits, moe.e_score_correction_bias, moe.cfg, num_valid_tokens, backend=moe.backend,
+                   token_ids=token_ids, tid2eid=moe.tid2eid)
+    return h, ids, w
 
 
 class FusedSharedMoE(torch.nn.Module):
@@ -284,19 +310,9 @@ class FusedSharedMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[..., H]``; ``token_ids`` (hash layers only, required there): one id per row of ``x``, same order."""
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
-        if self.cfg.hash_routed:
-            if token_ids is None:
-                raise ValueError("this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
-                                 "call it with token_ids (the input ids of x's rows); there is no fallback to score routing")
-            token_ids = token_ids.reshape(-1).to(h.device)
-        else:
-            token_ids = None
-        logits = torch.nn.functional.linear(h.to(torch.float32), self.router_weight)
-        ids, w = route(logits, self.e_score_correction_bias, self.cfg, num_valid_tokens, backend=self.backend,
-                       token_ids=token_ids, tid2eid=self.tid2eid)
-        return fused_moe(h, self.experts, ids, w, num_valid_tokens, backend=self.backend).reshape(shape)
+        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)
+        return fused_moe(h, self.experts, ids, w, num_valid_tokens, backend=self.backend,
+                         shared_slots=self.cfg.num_fused_shared_experts).reshape(x.shape)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu",

@@ -33,10 +33,18 @@ A tile config is a dict with these keys (every key optional when overriding):
   applying SwiGLU, where GEMM1 is plain) so that GEMM2 reads FP8 from memory (what swapped GEMM2 operands
   need) instead of quantizing on load. Ignored with ``quantize_in_epilogue``.
 - ``down_output_dtype``: ``"float32"`` or ``"bfloat16"`` for GEMM2's per-slot outputs.
+- ``gemm1_output_dtype``: ``"float32"`` or ``"bfloat16"`` for what GEMM1 writes when it does not quantize h in its
+  epilogue (h, or plain GEMM1's gate | up sums): bf16 halves those bytes, written once and read once.
 - ``weight_tma``: FP8 weight tiles loaded by Hopper's tensor memory accelerator (a tensor descriptor per GEMM)
   instead of by the threads.
 - ``dependent_launch``: each launch after the first of a call may start while the previous one drains
   (programmatic dependent launch; Hopper and later, ignored elsewhere and under the interpreter).
+- ``shared_dense``: when the caller says which slots are shared (``fused_moe(..., shared_slots=S)``), run them as
+  dense block-FP8 GEMMs over every token (cuBLASLt on Hopper, a PyTorch twin on the CPU) while the grouped GEMMs
+  run the routed slots alone; implies ``quantize_input_first``.
+- ``sum_in_gemm2``: one token (decode) only, without ``shared_dense``: the last GEMM2 program of each column block
+  (an atomic counter per block, zeroed by GEMM1) adds the slots' outputs, in the slot-sum launch's order (the same
+  bits), so that launch and its gap go away. Ignored for more tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ TILE_KEYS = {
     "gemm1_swap_ab": bool, "gemm1_warps": int, "gemm1_stages": int, "gemm2_block_n": int,
     "gemm2_split_k": int, "gemm2_swap_ab": bool, "gemm2_warps": int, "gemm2_stages": int,
     "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "quantize_hidden_first": bool,
-    "down_output_dtype": str, "weight_tma": bool, "dependent_launch": bool,
+    "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool,
+    "shared_dense": bool, "sum_in_gemm2": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
@@ -87,6 +96,7 @@ def builtin_tile_config(num_tokens: int, fp8: bool) -> dict:
                    gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3, group_m=8, quantize_input_first=True,
                    quantize_in_epilogue=True, quantize_hidden_first=False, down_output_dtype="bfloat16", weight_tma=False,
                    dependent_launch=False)  # H200, 2026-12-03: overlapping launches gained at decode, lost ~0.5% at prefill
+    cfg.update(shared_dense=False, gemm1_output_dtype="float32", sum_in_gemm2=False)
     if not fp8:
         cfg.update(gemm1_block_n=min(cfg["gemm1_block_n"], 64), gemm2_block_n=64, gemm1_stages=2, gemm2_stages=2,
                    quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,
@@ -104,8 +114,9 @@ def check_tile_config(cfg: Mapping[str, Any]) -> None:
             raise ValueError(f"tile config {k} must be a positive int, got {v!r}")
         if want is bool and not isinstance(v, bool):
             raise ValueError(f"tile config {k} must be true or false, got {v!r}")
-    if cfg.get("down_output_dtype", "float32") not in OUTPUT_DTYPES:
-        raise ValueError(f"down_output_dtype must be one of {OUTPUT_DTYPES}, got {cfg['down_output_dtype']!r}")
+    for k in ("down_output_dtype", "gemm1_output_dtype"):
+        if cfg.get(k, "float32") not in OUTPUT_DTYPES:
+            raise ValueError(f"{k} must be one of {OUTPUT_DTYPES}, got {cfg[k]!r}")
     for k in ("block_m", "gemm1_block_n", "gemm2_block_n"):
         if k in cfg and cfg[k] & (cfg[k] - 1):
             raise ValueError(f"tile config {k} must be a power of two, got {cfg[k]}")

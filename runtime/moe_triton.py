@@ -23,7 +23,8 @@ forward can be captured in a CUDA graph, with ``num_valid_tokens`` changing betw
 4. ``_moe_gemm_kernel`` for GEMM2: ``[.., I] x [H, I]^T`` times the routing weight, optionally
    split over K into partial outputs.
 5. ``_sum_kernel``: sum over the K+S slots (and GEMM2's K splits) per token, cast to x's dtype,
-   zeros for rows at or past ``num_valid_tokens``.
+   zeros for rows at or past ``num_valid_tokens``. One token with ``sum_in_gemm2``: no such launch; GEMM2's last
+   program of each column block does it (an atomic counter per column block).
 
 Either GEMM can swap its operands (``dot(W^T, A^T)``), so that the weight tile fills the MMA's
 M dimension when ``block_m`` is small, and on Hopper load its FP8 weight tiles through a TMA tensor
@@ -205,13 +206,14 @@ def _align_kernel(
 
 @triton.jit
 def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, R, K, num_slots,
-                  stride_ar, stride_ak, stride_sr, split_stride,
+                  stride_ar, stride_ak, stride_sr, stride_sg, split_stride, stride_ids,
                   BR: tl.constexpr, INTERP: tl.constexpr, SWIGLU_SPLITS: tl.constexpr, POST_CLAMP: tl.constexpr,
                   PDL: tl.constexpr = False):
     """1x128 FP8 quantization of ``a [R, K]`` into ``q [R, K]`` and its scales ``s [R, ceil(K/128)]``.
 
     SWIGLU_SPLITS > 0: ``a`` is plain GEMM1's float32 partial sums ``[SWIGLU_SPLITS, R, 2K]`` of gate | up; each row (a
-    (token, slot) pair) is summed over the splits and put through its slot's SwiGLU (slot ``ids[row]``) first."""
+    (token, slot) pair) is summed over the splits and put through its slot's SwiGLU (slot ``ids[row * stride_ids]``)
+    first. Scale ``[r, g]`` goes to ``s + r * stride_sr + g * stride_sg`` (column-major for cuBLAS's 1x128 recipe)."""
     _follow_previous_launch(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
@@ -224,7 +226,7 @@ def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, 
         for sp in tl.static_range(SWIGLU_SPLITS):
             gate += tl.load(ptrs + sp * split_stride, mask=mask, other=0.0)
             up += tl.load(ptrs + sp * split_stride + K * stride_ak, mask=mask, other=0.0)
-        e = tl.load(ids_ptr + rows, mask=rows < R, other=0)
+        e = tl.load(ids_ptr + rows * stride_ids, mask=rows < R, other=0)
         e = tl.where((e >= 0) & (e < num_slots), e, 0)
         a = _swiglu(gate, up, tl.load(alpha_ptr + e)[:, None], tl.load(beta_ptr + e)[:, None],
                     tl.load(limit_ptr + e)[:, None], POST_CLAMP)
@@ -232,7 +234,7 @@ def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, 
         a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     q, s = _quant_fp8(a, INTERP)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * stride_sr + g, s, mask=rows < R)
+    tl.store(s_ptr + rows * stride_sr + g * stride_sg, s, mask=rows < R)
 
 
 @triton.jit
@@ -241,7 +243,7 @@ def _moe_gemm_kernel(
     sorted_ptr, expert_ids_ptr, total_ptr, topk_w_ptr,
     alpha_ptr, beta_ptr, limit_ptr,
     N, K, numel, num_pid_m, num_slots, up_row, up_scale_row, a_split_stride, c_split_stride,
-    stride_am, stride_ak, stride_asm,
+    stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_csm,
     A_DIV: tl.constexpr, A_MODE: tl.constexpr, A_SPLITS: tl.constexpr, GATED: tl.constexpr,
@@ -249,6 +251,8 @@ def _moe_gemm_kernel(
     DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
     NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+    cnt_ptr=None, ids_ptr=None, out_ptr=None, num_cnt=0, CNT_P: tl.constexpr = 1, ZERO_CNT: tl.constexpr = False,
+    SUM_KS: tl.constexpr = 0,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
 
@@ -260,6 +264,10 @@ def _moe_gemm_kernel(
     alignment ran); ``total_ptr`` is then ``num_valid_tokens`` (read where HAS_NVALID).
     B_TMA: ``b_ptr`` is a tensor descriptor over the weights seen as ``[slots * rows, K]`` with ``[BN, BK]`` blocks
     (Hopper's TMA loads them; the strides still describe the 3-D tensor).
+    ZERO_CNT: program 0 zeroes the ``num_cnt`` int32 counters at ``cnt_ptr`` (GEMM1, for GEMM2's SUM_KS).
+    SUM_KS > 0 (NAIVE GEMM2, one token of SUM_KS slots): every program bumps its column block's counter after its
+    stores, and the last one of the block sums the token's slots (and K splits) as ``_sum_kernel`` does, in the same
+    order (the same bits), into ``out_ptr``: the slot sum without its own launch.
     """
     _follow_previous_launch(PDL)
     pid = tl.program_id(0)
@@ -270,14 +278,20 @@ def _moe_gemm_kernel(
     gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % gsize
     pid_n = (pid % (GROUP_M * num_pid_n)) // gsize
+    if ZERO_CNT:
+        if (pid == 0) & (split == 0):
+            tl.store(cnt_ptr + tl.arange(0, CNT_P), tl.zeros([CNT_P], tl.int32), mask=tl.arange(0, CNT_P) < num_cnt)
+    skip = False
     if NAIVE:
         e = tl.load(sorted_ptr + pid_m).to(tl.int64)
-        if (e < 0) | (e >= num_slots):
-            return
+        skip = (e < 0) | (e >= num_slots)
         if HAS_NVALID:
-            if tl.load(total_ptr) < 1:
+            skip = skip | (tl.load(total_ptr) < 1)
+        if SUM_KS == 0:
+            if skip:
                 return
-        pair = tl.where(tl.arange(0, BM) == 0, pid_m, numel)
+        e = tl.where(skip, 0, e)  # a skipped program still counts for the slot sum: it computes nothing, stores nothing
+        pair = tl.where((tl.arange(0, BM) == 0) & (skip == 0), pid_m, numel)
     else:
         if pid_m * BM >= tl.load(total_ptr):
             return
@@ -311,13 +325,15 @@ def _moe_gemm_kernel(
     per_split = tl.cdiv(k_steps, SPLIT_K)
     k_lo = split * per_split
     k_hi = tl.minimum(k_lo + per_split, k_steps)
+    if skip:
+        k_hi = k_lo
     for kb in range(k_lo, k_hi):
         offs_k = kb * BK + tl.arange(0, BK)
         k_mask = offs_k < K
         amask = m_mask[:, None] & k_mask[None, :]
         if A_MODE == 1:
             a = tl.load(a_base + offs_k[None, :] * stride_ak, mask=amask, other=0.0)
-            a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
         else:
             if A_MODE == 2:
                 g = tl.zeros([BM, BK], tl.float32)
@@ -387,28 +403,54 @@ def _moe_gemm_kernel(
         tl.store(c_scale_ptr + pair.to(tl.int64) * stride_csm + pid_n, s, mask=m_mask)
     else:
         _store_cast(c_ptrs, out, cmask, INTERP)
+    if SUM_KS > 0:
+        tl.debug_barrier()  # every thread's stores of this tile precede the counter's release
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == num_pid_m * SPLIT_K - 1:
+            _sum_slots(c_ptr, ids_ptr, out_ptr, total_ptr, c_ptr, offs_n, n_mask, num_slots, c_split_stride, stride_cm, 0,
+                       SUM_KS, SPLIT_K, HAS_NVALID, 0, BN, INTERP, 0, True)
 
 
 @triton.jit
-def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, H, num_slots, c_split_stride,
-                KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr,
-                INTERP: tl.constexpr, PDL: tl.constexpr = False):
-    _follow_previous_launch(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BH + tl.arange(0, BH)
-    mask = offs < H
+def _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, mask, num_slots, c_split_stride, H, dense_stride,
+               KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, DENSE: tl.constexpr,
+               BH: tl.constexpr, INTERP: tl.constexpr, t, FROM_L2: tl.constexpr = False):
+    """Columns ``offs`` of result row ``t``: its slots' GEMM2 outputs in slot order, then the dense shared slots;
+    zeros past ``num_valid_tokens``. FROM_L2: read past this SM's cache (other programs of the same launch wrote c)."""
     acc = tl.zeros([BH], tl.float32)
     if HAS_NVALID:
         live = t < tl.load(nvalid_ptr).to(tl.int64)
     else:
         live = t >= 0
     if live:
+        # No branch on the slot ids: every row is loaded at once, the ids' loads in flight with them (a skipped
+        # slot's row was never written; it is read and dropped), and a skipped slot adds -0.0, which leaves every
+        # float32 sum (-0.0 included) as it was.
         for s in tl.static_range(KS):
             e = tl.load(ids_ptr + t * KS + s)
-            if (e >= 0) & (e < num_slots):
-                for p in tl.static_range(SPLITS):
-                    acc += tl.load(c_ptr + p * c_split_stride + (t * KS + s) * H + offs, mask=mask, other=0.0).to(tl.float32)
+            for p in tl.static_range(SPLITS):
+                ptrs = c_ptr + p * c_split_stride + (t * KS + s) * H + offs
+                if FROM_L2:
+                    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                else:
+                    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                acc += tl.where((e >= 0) & (e < num_slots), v, -0.0)
+        for d in tl.static_range(DENSE):
+            acc += tl.load(dense_ptr + d * dense_stride + t * H + offs, mask=mask, other=0.0).to(tl.float32)
     _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)
+
+
+@triton.jit
+def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, H, num_slots, c_split_stride, dense_stride,
+                KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr,
+                INTERP: tl.constexpr, DENSE: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """Row ``t`` of the result: its slots' GEMM2 outputs (slots below ``num_slots``; every K split) plus, for the
+    ``DENSE`` shared slots run as dense GEMMs, ``dense[d, t]``; zeros past ``num_valid_tokens``."""
+    _follow_previous_launch(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, offs < H, num_slots, c_split_stride, H,
+               dense_stride, KS, SPLITS, HAS_NVALID, DENSE, BH, INTERP, t)
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,6 +491,11 @@ def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: 
         cfg["dependent_launch"] = False  # needs Hopper and Triton 3.3+; nothing to overlap under the interpreter
     if compiled and not hopper:
         cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
+        cfg["shared_dense"] = False  # cuBLASLt's block-scaled FP8 GEMM needs sm_90 (the CPU twin stands in elsewhere)
+    if not experts.is_fp8:
+        cfg["shared_dense"] = False
+    if cfg["shared_dense"]:
+        cfg["quantize_input_first"] = True  # the dense GEMMs read FP8 x from memory
     check_tile_config(cfg)
     return cfg
 
@@ -490,18 +537,60 @@ def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
 
 
 def _quantize_rows(launch: _Launches, a, rows: int, K: int, row_stride: int, col_stride: int, split_stride: int = 0,
-                   swiglu_splits: int = 0, slots=None, post_clamp: bool = False):
+                   swiglu_splits: int = 0, slots=None, post_clamp: bool = False, scales_by_column: bool = False):
     """One ``_quant_kernel`` launch over ``rows`` rows of ``K`` values: (FP8 ``[rows, K]``, float32 scales
-    ``[rows, ceil(K/128)]``). ``swiglu_splits`` > 0: the rows are plain GEMM1's partial sums, put through SwiGLU with
-    ``slots = (ids, (alpha, beta, limit), num_slots)`` first."""
+    ``[rows, ceil(K/128)]``, column-major with ``scales_by_column``: cuBLAS's 1x128 layout). ``swiglu_splits`` > 0: the
+    rows are plain GEMM1's partial sums, put through SwiGLU with ``slots = (ids, (alpha, beta, limit), num_slots)``
+    first, ``ids`` one slot per row (any row stride)."""
     q = _alloc((rows, K), FP8_DTYPE, a)
-    s = _alloc((rows, triton.cdiv(K, 128)), torch.float32, a)
+    groups = triton.cdiv(K, 128)
+    if scales_by_column:
+        s = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32, device=a.device)
+    else:
+        s = _alloc((rows, groups), torch.float32, a)
     ids, act, num_slots = slots if slots is not None else (a, (a, a, a), 0)
     BR = _quant_rows(rows)
-    launch(_quant_kernel, (triton.cdiv(rows, BR), triton.cdiv(K, 128)),
-           a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), split_stride,
+    launch(_quant_kernel, (triton.cdiv(rows, BR), groups),
+           a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), s.stride(1), split_stride,
+           ids.stride(0) if slots is not None else 0,
            BR=BR, INTERP=interpreting(), SWIGLU_SPLITS=swiglu_splits, POST_CLAMP=post_clamp, num_warps=4)
     return q, s
+
+
+@functools.lru_cache(maxsize=None)
+def _block_fp8_mm_float32(index: int) -> bool:
+    """Whether this GPU's cuBLASLt gives block-scaled FP8 products in float32 (else bf16 only)."""
+    a = torch.ones((256, 512), device=f"cuda:{index}").to(FP8_DTYPE)
+    try:
+        ones = functools.partial(torch.ones, device=a.device)
+        block_fp8_mm(a, ones((4, 256)).t(), a, ones((2, 4)), torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+def block_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ w^T`` from FP8 operands: ``a [M, K]`` with 1x128 scales ``a_scale [M, ceil(K/128)]``, ``w [N, K]``
+    with 128x128 block scales ``w_scale [ceil(N/128), ceil(K/128)]``; float32 accumulation, ``out_dtype`` (bf16 or
+    float32) result.
+
+    On a Hopper GPU this is cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm``, recipes 1x128 x 128x128; it
+    wants ``a_scale`` column-major and K a multiple of 128); elsewhere (CPU, the Triton interpreter) the same
+    product from the dequantized operands in float32."""
+    M, K = a.shape
+    N = w.shape[0]
+    kg = triton.cdiv(K, 128)
+    if a.is_cuda:
+        ws = w_scale
+        if kg % 4:  # cuBLASLt reads the weight scales with a K stride rounded up to 4 groups
+            ws = torch.zeros((w_scale.shape[0], triton.cdiv(kg, 4) * 4), dtype=torch.float32, device=a.device)
+            ws[:, :kg] = w_scale
+            ws = ws[:, :kg]
+        return torch._scaled_mm(a, w.t(), a_scale, ws.t(), out_dtype=out_dtype)
+    af = (a.to(torch.float32) * a_scale.repeat_interleave(128, dim=1)[:, :K])
+    wf = w.to(torch.float32) * w_scale.repeat_interleave(128, dim=0)[:N].repeat_interleave(128, dim=1)[:, :K]
+    return (af @ wf.t()).to(out_dtype)
 
 
 def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -540,10 +629,37 @@ def _align(launch: _Launches, ids_c, num_valid_tokens, numel: int, KS: int, num_
     return sorted_ids, expert_ids, total, max_blocks
 
 
-def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
+def _dense_shared_slots(launch: _Launches, xq, xs, experts, ids_c, shared: int, act):
+    """The last ``shared`` slots, which every token uses once with weight 1, as dense GEMMs over all T rows (x as FP8
+    with its 1x128 scales): ``[shared, T, H]`` bf16. GEMM1 (float32 where cuBLASLt gives it, else bf16) and GEMM2
+    by :func:`block_fp8_mm`; SwiGLU and the FP8
+    quantization of h in one ``_quant_kernel`` launch (the slot's parameters through its column of ``ids``)."""
+    T = xq.shape[0]
+    NE, KS = experts.num_expert_slots, ids_c.shape[1]
+    # cuBLASLt reads 1x128 scales column-major; the grouped GEMM1 keeps the row-major ones (a token's scales in one
+    # cache line across its K steps). Column-major scales there cost 5-15% on the H200 at T = 4096 (DeepSeek-V3 7381
+    # against 7029 us, Kimi-K2 9080 against 7913: benchmarks/results/2026-12-04-h200-run{1,2}-tune.json).
+    xs = torch.empty_strided(xs.shape, (1, T), dtype=xs.dtype, device=xs.device).copy_(xs)
+    I = experts.intermediate_size  # noqa: E741
+    exact = not xq.is_cuda or _block_fp8_mm_float32(xq.device.index if xq.device.index is not None else
+                                                     torch.cuda.current_device())
+    outs = []
+    for j in range(shared):
+        slot = NE - shared + j
+        gate_up = block_fp8_mm(xq, xs, experts.gate_up[slot], experts.gate_up_scale[slot],  # [T, 2I]
+                               torch.float32 if exact else torch.bfloat16)
+        h, h_s = _quantize_rows(launch, gate_up, T, I, gate_up.stride(0), 1, swiglu_splits=1,
+                                slots=(ids_c[:, KS - shared + j], act, NE), post_clamp=experts.post_clamp,
+                                scales_by_column=True)
+        outs.append(block_fp8_mm(h, h_s, experts.down[slot], experts.down_scale[slot]))
+    return outs[0][None] if shared == 1 else torch.stack(outs)
+
+
+def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None, shared_slots=0):
     """Triton fused MoE: the same arguments, result and errors as :func:`runtime.moe.fused_moe` (which
     checks shapes and dtypes before calling this), with ``tile_config`` overriding the tuned tiles
-    (:func:`resolve_tile_config`)."""
+    (:func:`resolve_tile_config`). With ``shared_slots`` > 0 and the config's ``shared_dense``, the last
+    ``shared_slots`` slots run as dense block-FP8 GEMMs over every row and the grouped GEMMs skip them."""
     T, H = x.shape
     KS = ids.shape[1]
     num_slots, I = experts.num_expert_slots, experts.intermediate_size
@@ -555,6 +671,8 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if T == 0:
         return out
     cfg = resolve_tile_config(T, experts, KS, x.device, tile_config)
+    dense = cfg["shared_dense"] and shared_slots > 0
+    routed = num_slots - shared_slots if dense else num_slots  # the slots the grouped GEMMs run
     launch = _Launches(cfg["dependent_launch"])
     BM = cfg["block_m"]
     interp = interpreting()
@@ -568,7 +686,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if naive:
         sorted_ids, expert_ids, bound, num_pid_m = ids_c, ids_c, num_valid_tokens if has_nv else ids_c, numel
     else:
-        sorted_ids, expert_ids, bound, num_pid_m = _align(launch, ids_c, num_valid_tokens, numel, KS, num_slots, BM)
+        sorted_ids, expert_ids, bound, num_pid_m = _align(launch, ids_c, num_valid_tokens, numel, KS, routed, BM)
     prequant = fp8 and cfg["quantize_input_first"]
     act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     dot_dtype = _TL_DTYPES[experts.gate_up.dtype] if not fp8 else tl.float32
@@ -588,41 +706,51 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         h = _alloc((numel, I), FP8_DTYPE, x)
         h_s = _alloc((numel, gi), torch.float32, x)
     else:
-        h = _alloc((split1, numel, N1), torch.float32, x)
+        h = _alloc((split1, numel, N1), _OUTPUT_DTYPES[cfg["gemm1_output_dtype"]], x)
         h_s = h
-    BN1 = cfg["gemm1_block_n"]
+    BN1, BN2 = cfg["gemm1_block_n"], cfg["gemm2_block_n"]
+    # One token: GEMM2's last program of each column block adds the slots, no slot-sum launch; GEMM1 zeroes the counters.
+    fold_sum = cfg["sum_in_gemm2"] and naive and not dense
+    num_cnt = triton.cdiv(H, BN2)
+    cnt = _alloc((num_cnt,), torch.int32, x) if fold_sum else ids_c
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
     launch(_moe_gemm_kernel, grid1,
         a, a_s, _weight_tiles(w13, BN1, BK) if tma else w13, s13, h, h_s, sorted_ids, expert_ids, bound, w_c, *act,
-        N1, H, numel, num_pid_m, num_slots, I, gi, 0, numel * N1,
-        a.stride(0), a.stride(1), a_s.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), *sstr(s13),
+        N1, H, numel, num_pid_m, routed, I, gi, 0, numel * N1,
+        a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *sstr(s13),
         N1, h_s.stride(0) if quant_h else 0,
         A_DIV=KS, A_MODE=1 if prequant else 0, A_SPLITS=1, GATED=fused_act, QUANT_OUT=quant_h, MUL_W=False,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
         BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
         POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
+        cnt_ptr=cnt, ids_ptr=ids_c, out_ptr=out, num_cnt=num_cnt, CNT_P=next_pow2(num_cnt), ZERO_CNT=fold_sum,
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
         h, h_s = _quantize_rows(launch, h, numel, I, h.stride(1), 1, split_stride=numel * N1,
-                                swiglu_splits=0 if fused_act else split1, slots=(ids_c, act, num_slots),
+                                swiglu_splits=0 if fused_act else split1, slots=(ids_c.view(-1), act, num_slots),
                                 post_clamp=experts.post_clamp)
         h_quant_mode = 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
-    BN2 = cfg["gemm2_block_n"]
     grid2 = (num_pid_m * triton.cdiv(H, BN2), split2)
     launch(_moe_gemm_kernel, grid2,
         h, h_s, _weight_tiles(w2, BN2, BK) if tma else w2, s2, c, c, sorted_ids, expert_ids, bound, w_c, *act,
-        H, I, numel, num_pid_m, num_slots, H, 0, numel * N1, numel * H,
-        h.stride(-2), 1, h_s.stride(0) if h_quant_mode == 1 else 0, w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
+        H, I, numel, num_pid_m, routed, H, 0, numel * N1, numel * H,
+        h.stride(-2), 1, *(h_s.stride() if h_quant_mode == 1 else (0, 0)),
+        w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
         H, 0,
         A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
         W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
         BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
         POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
+        cnt_ptr=cnt, ids_ptr=ids_c, out_ptr=out, num_cnt=num_cnt, SUM_KS=KS if fold_sum else 0,
     )
+    if fold_sum:
+        return out
+    shared_out = _dense_shared_slots(launch, a, a_s, experts, ids_c, shared_slots, act) if dense else c
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
-    launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, H, num_slots,
-           numel * H, KS=KS, SPLITS=split2, HAS_NVALID=has_nv, BH=BH, INTERP=interp, num_warps=4)
+    launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, shared_out, H,
+           routed, numel * H, T * H, KS=KS, SPLITS=split2, HAS_NVALID=has_nv, BH=BH, INTERP=interp,
+           DENSE=shared_slots if dense else 0, num_warps=4)
     return out

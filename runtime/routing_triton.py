@@ -6,8 +6,10 @@ weights are renormalized as ``w / (sum + eps)`` or ``w / max(sum, eps)``. A hash
 
 One program per token row. The ``E`` experts are laid out as a ``[GP, GSP]`` tile
 (groups x experts per group, both padded to powers of two and masked), so any ``E <= 512``
-and any ``n_group`` dividing it work. Selection is iterative: each of the ``K`` steps takes the
-maximum and, among equal values, the lowest expert index (the same rule for groups).
+and any ``n_group`` dividing it work. Selection runs on int64 keys that pack the value above the
+index, so the largest key is the largest value and, among equal values, the lowest expert index
+(the same rule for groups). For up to 64 tokens, where Triton has ``tl.topk``, one bitonic top-k takes
+the K keys at once; otherwise (and in the other ``select_modes``) each of the K steps takes the maximum key.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _route_kernel(
     E: tl.constexpr, GS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GSP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, K: tl.constexpr, S: tl.constexpr, KSP: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM: tl.constexpr,
-    HASH: tl.constexpr, HAS_NVALID: tl.constexpr,
+    HASH: tl.constexpr, HAS_NVALID: tl.constexpr, SELECT: tl.constexpr = 0, TGP: tl.constexpr = 1,
+    KP: tl.constexpr = 1,
 ):
     # SCORING: 0 sigmoid, 1 softmax, 2 sqrtsoftplus. RENORM: 0 none, 1 w / (sum + eps), 2 w / max(sum, eps).
     row = tl.program_id(0).to(tl.int64)
@@ -114,19 +117,49 @@ def _route_kernel(
                 gscore = _unpack_value(p1)
             gvalid = offs_g < G
             gpacked = tl.where(gvalid, _pack(gscore, offs_g), NEG)
-            keep = offs_g < 0
-            for _i in tl.static_range(TOPK_GROUP):
-                gm = tl.max(gpacked, axis=0)
-                hit = gpacked == gm
-                keep = keep | hit
-                gpacked = tl.where(hit, NEG, gpacked)
-            minf = tl.full([GP, GSP], float("-inf"), tl.float32)
-            packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
+            if SELECT == 2:
+                # The kept groups' rows alone ([TGP, GSP]): the K steps below reduce over half the tile or less.
+                # (RoutingConfig ensures the kept groups hold at least K experts: no -inf expert is among the K.)
+                offs_t = tl.arange(0, TGP)
+                kept = tl.full([TGP, GSP], NEG, tl.int64)
+                for i in tl.static_range(TOPK_GROUP):
+                    gm = tl.max(gpacked, axis=0)
+                    gpacked = tl.where(gpacked == gm, NEG, gpacked)
+                    row = tl.max(tl.where(offs_g[:, None] == 1023 - (gm & 1023), packed, NEG), axis=0)
+                    kept = tl.where(offs_t[:, None] == i, row[None, :], kept)
+                packed = kept
+            else:
+                if SELECT >= 3:
+                    # A group is kept when fewer than TOPK_GROUP groups beat it: one [GP, GP] count, no serial steps.
+                    other = tl.reshape(gpacked, [1, GP])
+                    beaten_by = tl.sum((other > tl.reshape(gpacked, [GP, 1])).to(tl.int32), axis=1)
+                    keep = beaten_by < TOPK_GROUP
+                else:
+                    keep = offs_g < 0
+                    for _i in tl.static_range(TOPK_GROUP):
+                        gm = tl.max(gpacked, axis=0)
+                        hit = gpacked == gm
+                        keep = keep | hit
+                        gpacked = tl.where(hit, NEG, gpacked)
+                minf = tl.full([GP, GSP], float("-inf"), tl.float32)
+                packed = tl.where(keep[:, None] | (packed == NEG), packed, _pack(minf, e_idx))
         ids = tl.zeros([KSP], tl.int32)
-        for k in tl.static_range(K):
-            pk = tl.max(tl.max(packed, axis=1), axis=0)
-            packed = tl.where(packed == pk, NEG, packed)
-            ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+        if SELECT == 1 or SELECT == 3:  # one reduction over the flattened tile per step, not two nested ones
+            flat = tl.reshape(packed, [packed.shape[0] * packed.shape[1]])
+            for k in tl.static_range(K):
+                pk = tl.max(flat, axis=0)
+                flat = tl.where(flat == pk, NEG, flat)
+                ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
+        elif SELECT == 4:  # bitonic top-KP of the flattened tile (largest first): no serial reductions
+            top = tl.topk(tl.reshape(packed, [packed.shape[0] * packed.shape[1]]), KP)
+            if KSP == 2 * KP:  # laid out as the K+S slots: pad with NEG
+                top = tl.reshape(tl.permute(tl.join(top, tl.full([KP], NEG, tl.int64)), (1, 0)), [KSP])
+            ids = tl.where(offs_k < K, (1023 - (top & 1023)).to(tl.int32), 0)
+        else:
+            for k in tl.static_range(K):
+                pk = tl.max(tl.max(packed, axis=1), axis=0)
+                packed = tl.where(packed == pk, NEG, packed)
+                ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
     # Weights from the unbiased scores of the chosen experts, recomputed with the same operations.
     zk = tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32)
     if SCORING == 1:
@@ -155,21 +188,47 @@ _SCORING_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 
 @functools.lru_cache(maxsize=None)
 def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scoring: str, has_bias: bool,
-                   group_top2: bool, renorm: int, hash_routed: bool):
+                   group_top2: bool, renorm: int, hash_routed: bool, few_tokens: bool):
     """Kernel meta-parameters, keyed by everything that changes them (E+S included)."""
     if hash_routed:  # no selection: bias and groups play no part
         n_group, topk_group, has_bias, group_top2 = 1, 1, False, False
     GS = E // n_group
     GP, GSP = next_pow2(n_group), next_pow2(GS)
     tile = GP * GSP
-    num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
+    # H200, Triton 3.6, in a CUDA graph (docs/benchmarks.md, issue 24 routing): up to 64 tokens, the bitonic top-k
+    # (SELECT 4) with 2 warps for groups or <= 128 experts, else 4, took DeepSeek-V3 3.00 -> 2.15 us at T = 1,
+    # V4-Flash 2.50 -> 1.99 and V4-Pro 2.78 -> 2.37; at 512 and 4096 tokens it was up to 1.9x slower (a row's
+    # latency matters less there than the work per row), so more tokens keep the serial steps with one warp up to
+    # 256 experts, as timed before.
+    if few_tokens:
+        select = 4 if 4 in select_modes(n_group, K, S) else (2 if n_group > 1 else 1)
+    else:
+        select = 0
+    if select == 4 and not hash_routed:
+        num_warps = 2 if (n_group > 1 or tile <= 128) else 4
+    else:
+        num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
     return dict(E=E, GS=GS, G=n_group, GP=GP, GSP=GSP, TOPK_GROUP=topk_group, K=K, S=S,
                 KSP=next_pow2(K + S), SCORING=_SCORING_CODES[scoring], HAS_BIAS=has_bias,
-                GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps)
+                GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps,
+                SELECT=select, TGP=next_pow2(topk_group), KP=next_pow2(K))
 
 
-def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None):
-    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D)."""
+def select_modes(n_group: int, K: int, S: int) -> tuple[int, ...]:
+    """The selection schemes ``SELECT`` valid for a geometry (all give the same ids): 0 nested reductions over the
+    ``[GP, GSP]`` tile per step, 1 one reduction over the flattened tile, 2 (groups only) the kept groups' rows
+    gathered first (:class:`RoutingConfig` ensures they hold at least K experts), 3 (groups only) groups kept by a
+    rank count, then 1; 4 groups kept by a rank count, then Triton's bitonic ``tl.topk`` (where it exists and the
+    K+S slots fit in twice K rounded up to a power of two)."""
+    modes = (0, 1, 2, 3) if n_group > 1 else (0, 1)
+    if hasattr(tl, "topk") and next_pow2(K + S) <= 2 * next_pow2(K):
+        modes += (4,)
+    return modes
+
+
+def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None, launch=None):
+    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D). ``launch``
+    overrides the kernel's ``SELECT`` (one of :func:`select_modes`) or ``num_warps`` (benchmarks compare them)."""
     T, E = logits.shape
     KS = cfg.slots_per_token
     if out is not None:
@@ -184,7 +243,12 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
     hashed = cfg.hash_routed
     renorm = 0 if not (cfg.renormalize or hashed) else (2 if cfg.renormalize_form == "max" else 1)
     meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,
-                          cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed)
+                          cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed, T <= 64)
+    if launch:
+        if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(
+                cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts):
+            raise ValueError(f"launch overrides SELECT (one of the geometry's select_modes) and num_warps only: {launch}")
+        meta = dict(meta, **launch)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.to(torch.float32)
     _route_kernel[(T,)](

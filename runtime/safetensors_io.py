@@ -115,7 +115,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
     Raises CheckpointError naming the file for a truncated file, a header length past
     the end, corrupt JSON, unknown dtypes, sizes that disagree with shapes, and data
-    offsets that overlap or leave the file.
+    offsets that overlap, leave the file, or do not cover the data section exactly.
     """
     try:
         with open_regular(path, "a safetensors file") as f:
@@ -170,7 +170,25 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"data of {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap", file=path, tensor=n1)
+    _require_exact_cover(spans, data_size, n, path)
     return tensors, metadata
+
+
+def _require_exact_cover(spans: list[tuple[int, int, str]], data_size: int, header_len: int, path: Path) -> None:
+    """The tensors (sorted, not overlapping) must tile the data section with no gap and no tail, as the safetensors
+    library demands: a header length a few bytes short still parses (the JSON ends in padding spaces) but shifts every
+    tensor, and only the gap or tail it leaves gives it away."""
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise CheckpointError(f"data_offsets leave bytes [{end}, {begin}) of the data section unused before this "
+                                  f"tensor (header length {header_len} wrong, or a corrupt header)", file=path,
+                                  tensor=name)
+        end = stop
+    if end != data_size:
+        raise CheckpointError(f"the tensors cover {end} of the {data_size} bytes of the data section, which the "
+                              f"safetensors format does not allow (header length {header_len} wrong, or bytes appended "
+                              "to the file)", file=path)
 
 
 class _DuplicateKey(ValueError):

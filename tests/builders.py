@@ -94,6 +94,51 @@ NEW_FAMILIES = {
     "hy_v4": (lambda T, moe, I, E, W, L, over: T.HYV4Config(
         **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
         index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=0.3, hc_mult=2, **NO_SPECIAL_TOKENS, **over), "HYV4ForCausalLM"),
+    # DeepSeek-V3.2: V3's MoE with a DSA indexer in every attention layer (its own transformers class).
+    "deepseek_v32": (lambda T, moe, I, E, W, L, over: T.DeepseekV32Config(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16,
+        index_topk=4, **over), "DeepseekV32ForCausalLM"),
+    # Solar Open: DeepSeek-V3 routing (groups by top-2 sum, renormalized, rsf), every layer MoE, stacked experts.
+    "solar_open": (lambda T, moe, I, E, W, L, over: T.SolarOpenConfig(
+        **moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        head_dim=32, n_group=3, topk_group=2, routed_scaling_factor=1.7, **NO_SPECIAL_TOKENS, **over), "SolarOpenForCausalLM"),
+    # Laguna: sigmoid + bias (stored under mlp.experts), plain-sum renormalization, rsf on the routed sum; any shared width
+    # (48 over I = 32: the second slot half padding); per-head attention gates, full and sliding layers, per-layer heads.
+    "laguna": (lambda T, moe, I, E, W, L, over: T.LagunaConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
+        moe_routed_scaling_factor=2.5, layer_types=(["full_attention", "sliding_attention"] * L)[:L], sliding_window=8,
+        num_attention_heads_per_layer=([2, 4] * L)[:L], **NO_SPECIAL_TOKENS, **over), "LagunaForCausalLM"),
+    # EXAONE-MoE: DeepSeek-V3's router (2 groups by top-2 sum), bias stored as mlp.e_score_correction_bias, layer 0 dense.
+    "exaone_moe": (lambda T, moe, I, E, W, L, over: T.ExaoneMoeConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=8, sliding_window_pattern=2,
+        **NO_SPECIAL_TOKENS, **over), "ExaoneMoeForCausalLM"),
+    # A.X-K2 (Light: no groups): V3.2's MoE, MLA + DSA indexer with an output gate, gated RMSNorms; layer 0 dense.
+    "axk2": (lambda T, moe, I, E, W, L, over: T.AXK2Config(
+        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16, index_topk=4, gated_norm_rank=4,
+        **NO_SPECIAL_TOKENS, **over), "AXK2ForCausalLM"),
+    # MiniCPM-5 MoE: DeepSeek-V3's router (3 groups of 2, 2 kept), gated attention (q_proj holds query and gate).
+    "minicpm5_moe": (lambda T, moe, I, E, W, L, over: T.MiniCPM5MoeConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
+        first_k_dense_replace=1, n_group=3, topk_group=2, routed_scaling_factor=3.66, **NO_SPECIAL_TOKENS, **over),
+        "MiniCPM5MoeForCausalLM"),
+    # Flint: sigmoid top-k without bias, plain-sum renormalization; shared width 48 over I = 32; layer 0 dense
+    # (mlp_only_layers); attention sinks.
+    "flint": (lambda T, moe, I, E, W, L, over: T.FlintConfig(
+        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
+        mlp_only_layers=[0], sliding_window=8, **NO_SPECIAL_TOKENS, **over), "FlintForCausalLM"),
+    # GraniteMoE-SWA: GraniteMoE-Shared's MoE under its module names (stacked experts), shared width 48 over I = 32,
+    # sliding and global layers with attention sinks.
+    "granitemoe_swa": (lambda T, moe, I, E, W, L, over: T.GraniteMoeSWAConfig(
+        **moe, intermediate_size=I, num_local_experts=E, shared_intermediate_size=W or 48, residual_multiplier=0.7,
+        sliding_window=8, **over), "GraniteMoeSWAForCausalLM"),
+    # Cohere2-MoE: softmax of the top-k logits; two shared widths added in full ("sum"); layer 0 dense.
+    "cohere2_moe": (lambda T, moe, I, E, W, L, over: T.Cohere2MoeConfig(
+        **moe, head_dim=32, intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I,
+        shared_expert_combination_strategy="sum", mlp_layer_types=["dense"] + ["sparse"] * (L - 1), prefix_dense_intermediate_size=3 * I,
+        sliding_window=8, **NO_SPECIAL_TOKENS, **over), "Cohere2MoeForCausalLM"),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
     "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(
@@ -255,7 +300,7 @@ def add_mtp_layer(path: Path) -> None:
     _edit_config(path, lambda c: c.get("text_config", c).update(num_nextn_predict_layers=1))
 
 
-_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.layer\.weight$|eh_proj|shared_head|e_score_correction_bias|"
+_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.(layer\.)?weight$|eh_proj|shared_head|e_score_correction_bias|"
                        r"indexer\.weights_proj)")
 _DECODER = re.compile(r"(^|\.)layers\.")  # model.layers.L, or Mistral-native layers.L
 # 3-D expert stacks: gate_up (quantized per half), down, and Step-3.7's gate, up and down apart.

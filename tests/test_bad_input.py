@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from builders import build_checkpoint, load_all, rewrite, to_fp8_block
 from fuse_tool.cli import main
+from runtime.families import describe_model
 
 
 @pytest.fixture()
@@ -158,13 +159,53 @@ def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
     ("longcat_flash", "no shared expert"),
     ("mimo_v2_flash", "no shared expert"),
     ("gpt_oss", "no shared expert"),
-    ("mixtral", "not supported; supported: afmoe, bailing_hybrid, deepseek_v2, deepseek_v3"),
+    ("mixtral", "not supported; supported: afmoe, axk2, bailing_hybrid, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v32"),
+    # transformers 5.25's shared-expert families that are not fused (issue 22): each names what stands in the way.
+    ("qwen3_omni_moe", "per-token sigmoid gate"),
+    ("qwen3_omni_moe_thinker", "no shared expert"),
+    ("inkling_mm_model", "per-token router weight"),
+    ("ergo", "ungated MLP"),
+    ("kolibri1", "a choice rule the layout's routing cannot express"),
+    ("ernie4_5_vl_moe", "separate routed expert sets"),
+    ("axk1", "post_mlp_layernorm"),
+    ("step3p5", "convert the step3p7 checkpoint"),
 ])
 def test_refused_model_types(src, tmp_path, model_type, reason):
     cfg = json.loads((src / "config.json").read_text())
     cfg["model_type"] = model_type
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", reason)
+
+
+@pytest.mark.parametrize("model_type,fields,reason", [
+    ("cohere2_moe", {}, "no shared expert in this config"),  # transformers' default num_shared_experts 0
+    ("cohere2_moe", {"num_shared_experts": 1}, "averaged"),  # the default combination strategy halves both
+    ("granitemoe_swa", {}, "no shared expert in this config"),
+])
+def test_config_dependent_refusals(src, tmp_path, model_type, fields, reason):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(model_type=model_type, **fields)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", reason)
+
+
+def test_wrapper_of_a_refused_family_is_refused_with_its_reason(src, tmp_path):
+    """A vision or audio wrapper fuse-shared has never seen, around a known text family, is that family."""
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = "qwen2_moe"
+    (src / "config.json").write_text(json.dumps({"model_type": "some_future_vl", "text_config": text}))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "'some_future_vl' wraps a Qwen2-MoE",
+                   "per-token sigmoid gate")
+
+
+def test_wrapper_of_a_fused_family_is_described_as_that_family(src):
+    text = json.loads((src / "config.json").read_text())
+    arch = describe_model({"model_type": "some_future_vl", "text_config": text, "vision_config": {"depth": 1}})
+    plain = describe_model(text)
+    assert (arch.family, arch.model_type, arch.config_key) == (plain.family, "some_future_vl", "text_config")
+    assert arch.layer_prefix == "model.language_model.layers." and plain.layer_prefix == "model.layers."
+    assert (arch.moe_layers, arch.num_routed_experts, arch.shared_width, arch.routing) == (
+        plain.moe_layers, plain.num_routed_experts, plain.shared_width, plain.routing)
 
 
 def test_minimax_m3_without_shared_width_is_refused(tmp_path):
@@ -187,6 +228,19 @@ def test_latent_routed_experts_refused_in_any_family(src, tmp_path):
 def test_shared_mlp_with_biases_is_refused(tmp_path, family, flag):
     src = build_checkpoint(family, tmp_path / "src", experts=6, **{flag: True})
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", flag, "no bias terms")
+
+
+@pytest.mark.parametrize("family,fields,reason", [
+    ("laguna", {"moe_router_logit_softcapping": 30.0}, "tanh"),
+    ("laguna", {"moe_apply_router_weight_on_input": True}, "scales the expert input"),
+    ("exaone_moe", {"is_moe_layer": [False, False, True]}, "transformers builds MoE blocks in layers [1, 2]"),
+    ("axk2", {"n_group": 2, "topk_group": 1}, "score of 0.0, not -inf"),
+])
+def test_unfusable_variants_of_new_families_are_refused(tmp_path, family, fields, reason):
+    src = build_checkpoint(family, tmp_path / "src", experts=6)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **fields}))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", next(iter(fields)), reason)
 
 
 def test_granitemoeshared_without_shared_width_is_refused(tmp_path):
@@ -229,3 +283,30 @@ def test_step3p7_config_refusals(tmp_path, change, message):
     cfg["text_config"].update(change)
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", f"text_config.{next(iter(change))}", message)
+
+
+@pytest.mark.parametrize("model", ["examples/tiny-deepseek-v4x", "./tiny-x", "/nonexistent/tiny-x", "../tiny-x"])
+def test_mistyped_local_path_says_no_such_folder_without_asking_the_hub(model, tmp_path, monkeypatch):
+    """A name that looks like a path (``examples/`` exists here) is never sent to the Hub as a repo id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a Hub request would fail with "cannot reach"
+    for command in (["convert", model, str(tmp_path / "out"), "--quiet"], ["inspect", model]):
+        r = CliRunner().invoke(main, command)
+        assert r.exit_code == 1 and "no such folder" in r.output and "Hub is not asked" in r.output, r.output
+        assert "cannot reach" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_huge_model_argument_is_quoted_bounded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["inspect", "x" * 100_000])
+    assert r.exit_code == 1 and len(r.output) < 1200 and "characters cut" in r.output, r.output[:300]
+
+
+def test_huge_model_type_is_quoted_bounded(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "m" * 10_000_000
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, output = run_convert(src, tmp_path / "out")
+    assert code == 1 and len(output) < 1200 and "characters cut" in output and "Traceback" not in output, output[:300]

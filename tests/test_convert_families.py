@@ -49,6 +49,25 @@ CASES = {
                            v2=dict(group_score="top2_sum")),
     # Hunyuan 4 clamps its routed experts only: limit (routed, shared) = (swiglu_limit, inf).
     "hy_v4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)),
+    # DeepSeek-V3.2: V3's routing; the DSA indexer copied (weights_proj unquantized), loaded with DeepseekV32ForCausalLM.
+    "deepseek_v32": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
+    # Solar Open: DeepSeek-V3's router with 3 groups of 2 (top-2 sum, 2 kept), every layer MoE.
+    "solar_open": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 3, 2, True, 1.7, True)),
+    # Laguna: plain-sum renormalization (eps 0), rsf on the routed sum, shared width 48 over I = 32 (second slot padded).
+    "laguna": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
+                   v2={}),  # renormalize_eps 0 is a version 2 feature
+    # EXAONE-MoE: DeepSeek-V3's router, bias at mlp.e_score_correction_bias.
+    "exaone_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
+    # A.X-K2 Light: sigmoid + bias without groups, renormalized, rsf 2.5.
+    "axk2": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.5, True)),
+    # MiniCPM-5 MoE: DeepSeek-V3's router with 3 groups of 2, 2 kept.
+    "minicpm5_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 3, 2, True, 3.66, True)),
+    # Flint: sigmoid without bias or rsf, renormalized by the plain sum (eps 0); shared width 48 over I = 32.
+    "flint": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 1.0, False), v2={}),
+    # GraniteMoE-SWA: GraniteMoE-Shared's routing; experts stacked as transformers' gate_up_proj / down_proj.
+    "granitemoe_swa": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    # Cohere2-MoE ("sum"): softmax of the top-k logits (renormalized softmax), no bias, no rsf.
+    "cohere2_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, False)),
     # Step-3.7: per-layer (routed, shared) limits after the activation; a shared width of 1.5 I (the second slot half padding).
     "step3p7": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
                     limit={1: (0.3, math.inf), 2: (0.25, 0.2)}, activation="swiglu_post_clamp",

@@ -1,5 +1,6 @@
-"""numpy is not a dependency (issue 10): converting, FP8 passthrough with its NaN/Inf scan and BF16
-quantization alike, works in a process where ``import numpy`` fails."""
+"""fuse-shared never imports numpy (issue 10): converting, FP8 passthrough with its NaN/Inf scan and BF16
+quantization alike, works in a process where ``import numpy`` fails. It is declared all the same (issue 20), because
+torch warns "Failed to initialize NumPy" on every import without it."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def test_convert_without_numpy(tmp_path):
         r = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(out), *extra], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert (out / "config.json").is_file()
+
+
+def test_numpy_is_declared_so_torch_does_not_warn():
+    """Without numpy, torch prints `UserWarning: Failed to initialize NumPy` at import, before `fuse-shared --help`."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    start = text.index("dependencies = [")
+    deps = re.findall(r'^\s*"([A-Za-z0-9_.-]+)', text[start : text.index("]", start)], re.M)
+    assert "numpy" in deps, deps

@@ -94,6 +94,26 @@ def test_plan_of_real_layout(name, skeleton_root):
     assert all(s.nbytes <= 5 * 10**9 or len(s.tensors) <= 2 for s in plan.shards)
 
 
+def test_solar_open_plan_from_its_config_and_documented_names(skeleton_root):
+    """Solar-Open-100B: its verbatim config.json and the per-expert names its SOURCE.txt documents (no header listing
+    exists, so shapes come from the config): 48 MoE layers of 128 experts plus one shared slot of width 1280."""
+    path = build_skeleton("solar-open-100b", skeleton_root / "solar-open-100b")
+    plan = plan_conversion(path, ConvertOptions(precision="source"))
+    assert len(plan.source.tensors) == 18_963  # SOURCE.txt: 48 x (4 + 2 + 2 + 384 + 3) + 3
+    assert [lp.layer for lp in plan.layers] == list(range(48)) and not any(lp.is_mtp for lp in plan.layers)
+    assert (plan.block.num_routed_experts, plan.block.num_fused_shared_experts, plan.block.expert_intermediate_size) == (128, 1, 1280)
+    r = plan.block.routing
+    assert (r.scoring, r.top_k, r.n_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == ("sigmoid", 8, 1, True, 1.0, True)
+    out = {t.name: t for s in plan.shards for t in s.tensors}
+    assert out["model.layers.47.mlp.experts.128.down_proj.weight"].shape == (4096, 1280)
+    assert "model.layers.0.mlp.experts.129.up_proj.weight" not in out and not any(".shared_experts." in n for n in out)
+    assert plan.num_tensors == 18_963 + 3 * 48  # the shared trio becomes one slot; three SwiGLU parameter tensors per layer
+    fp8 = plan_conversion(path)
+    fp8_out = {t.name: t for s in fp8.shards for t in s.tensors}
+    assert fp8_out["model.layers.0.mlp.experts.128.gate_proj.weight"].dtype == "F8_E4M3"
+    assert fp8_out["model.layers.0.mlp.gate.weight"].dtype != "F8_E4M3", "the router is never FP8"
+
+
 def test_deepseek_v3_inspect_and_dry_run_cli(skeleton_root, tmp_path):
     path = build_skeleton("deepseek-v3", skeleton_root / "deepseek-v3-cli")
     r = CliRunner().invoke(main, ["inspect", str(path)])

@@ -345,6 +345,42 @@ def verify_remote(
     return problems, extra
 
 
+def check_push_access(repo_id: str, *, revision: str | None = None, token: str | None = None,
+                      endpoint: str | None = None) -> str:
+    """What ``push_checkpoint`` checks before it sends anything, without a folder: the repo id and revision are
+    well-formed, the Hub is reachable and the token is there and may write. ``convert --push-to`` calls it before
+    converting (hours at real size). Returns the full repo id (``owner/name``); raises HubError in one line."""
+    bound_hub_requests()
+    repo_id = _validate_repo_id(repo_id, need_namespace=False)
+    return _push_access(repo_id, _validate_revision(revision), token, endpoint)[1]
+
+
+def _push_access(repo_id: str, revision: str | None, token: str | None, endpoint: str | None):
+    """(api, full repo id, token, endpoint) for a push: offline mode, the token and its write role checked."""
+    ep = _endpoint(endpoint)
+    if _offline():
+        raise HubError(f"offline mode is on (HF_HUB_OFFLINE=1): pushing needs {ep}; unset HF_HUB_OFFLINE")
+
+    from huggingface_hub import HfApi, get_token
+
+    token = token or get_token()
+    if not token:
+        raise HubError(NO_TOKEN_MESSAGE)
+    api = HfApi(endpoint=ep, token=token)
+    try:
+        me = api.whoami()
+    except Exception as e:
+        raise _translate(e, action="check the token", endpoint=ep, repo_id=repo_id, revision=revision, writing=False,
+                         token=token) from None
+    role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise HubError(f"the token of {me.get('name', 'this user')} is read-only: pushing to {repo_id} needs a token "
+                       "with write access")
+    if "/" not in repo_id:
+        repo_id = f"{me['name']}/{repo_id}"
+    return api, repo_id, token, ep
+
+
 def push_checkpoint(
     out_dir: str | os.PathLike,
     repo_id: str,
@@ -376,29 +412,10 @@ def push_checkpoint(
         checked: CheckedOutput = check_output(root, require_manifest=False)
     except VerifyError as e:
         raise HubError(f"not pushing, OUT_DIR is not a complete converted checkpoint: {e}") from None
-    ep = _endpoint(endpoint)
-    if _offline():
-        raise HubError(f"offline mode is on (HF_HUB_OFFLINE=1): pushing needs {ep}; unset HF_HUB_OFFLINE")
-
-    from huggingface_hub import HfApi, get_token
-
-    token = token or get_token()
-    if not token:
-        raise HubError(NO_TOKEN_MESSAGE)
-    api = HfApi(endpoint=ep, token=token)
+    api, repo_id, token, ep = _push_access(repo_id, revision, token, endpoint)
 
     def fail(e: BaseException, action: str, writing: bool = True) -> HubError:
         return _translate(e, action=action, endpoint=ep, repo_id=repo_id, revision=revision, writing=writing, token=token)
-
-    try:
-        me = api.whoami()
-    except Exception as e:
-        raise fail(e, "check the token", writing=False) from None
-    role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
-    if role == "read":
-        raise HubError(f"the token of {me.get('name', 'this user')} is read-only: pushing to {repo_id} needs a token with write access")
-    if "/" not in repo_id:
-        repo_id = f"{me['name']}/{repo_id}"
 
     if write_card:
         card = render_model_card(checked, repo_id=repo_id, base_model=base_model, revision=revision)

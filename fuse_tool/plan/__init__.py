@@ -17,7 +17,7 @@ The executor (``fuse_tool.write.execute``) then streams the plan; ``inspect`` an
 from __future__ import annotations
 
 from runtime.errors import ModelError
-from runtime.families import describe_model, family_for
+from runtime.families import check_hidden_size, describe_model, family_for
 from runtime.formats import REGISTRY
 from runtime.formats.fp8_block import scale_fmt_of
 from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
@@ -89,6 +89,16 @@ def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[i
     return moe_layers, mtp_fused
 
 
+def _check_hidden_size(src: SourceCheckpoint, arch, layer_plans: list[LayerPlan]) -> None:
+    """config.json's hidden_size against every MoE layer's router width (the plan takes H from the tensors)."""
+    for lp in layer_plans:
+        router = src.tensors[f"{lp.block_prefix}.{arch.names.router}"]
+        try:
+            check_hidden_size(src.config, arch, router.name, router.shape)
+        except ModelError as e:
+            raise type(e)(e.detail, file=src.root / CONFIG_NAME, field=e.field) from None
+
+
 def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> ConversionPlan:
     """Plan a conversion from the checkpoint's config and headers; raises a FuseSharedError on bad input."""
     options = options or ConvertOptions()
@@ -113,6 +123,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
     if any(bias_seen) and not all(bias_seen):
         missing = [lp.layer for lp, b in zip((lp for lp in layer_plans if not lp.is_hash), bias_seen) if not b]
         raise inputs.error(f"some MoE layers have an e_score_correction_bias and layers {missing} do not")
+    _check_hidden_size(src, arch, layer_plans)
     hash_layers = tuple(lp.layer for lp in layer_plans if lp.is_hash)
     family = family_for(src.config)
     routing = family.planned_routing(arch, bool(bias_seen and all(bias_seen)), hash_layers)

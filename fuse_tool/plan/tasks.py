@@ -231,6 +231,15 @@ class ConversionPlan:
     modules_to_not_convert: list[str]
     notes: list[str] = field(default_factory=list)
 
+    def options_used(self) -> dict[str, object]:
+        """The options that shaped the output, as the summary and the manifest report them: ``--precision source``
+        writes no FP8, so the FP8 settings (``other_linear``, ``scale_fmt``) are not among them."""
+        used: dict[str, object] = {"precision": self.options.precision}
+        if self.options.precision == "fp8":
+            used.update(other_linear=self.options.other_linear, scale_fmt=self.scale_fmt)
+        used["max_shard_size"] = self.options.max_shard_size
+        return used
+
     def converted_weights(self) -> dict[str, int]:
         """How many weights the plan converts whole, per source format name (what the measurements should cover)."""
         out: dict[str, int] = {}

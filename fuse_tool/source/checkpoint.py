@@ -194,7 +194,9 @@ def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[li
             owner = weight_map.get(name)
             if owner is not None and owner != fname:
                 raise ConversionError(f"tensor is stored in {fname} too, but the index places it in {owner}: duplicate tensor names across shards", file=path, tensor=name)
-            if owner is None:
-                continue  # present in a shard but not indexed: loaders ignore it, so do we
+            if owner is None:  # loaders would drop it without a word: the model would lose a weight
+                raise ConversionError(f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a damaged or "
+                                      "stale index (expected every stored tensor in its weight_map)", file=path,
+                                      tensor=name)
             tensors[name] = info
     return shard_files, tensors

@@ -27,17 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 
-from runtime.families import router_tensor_names
+from runtime.errors import ModelError
+from runtime.families import MoEArchitecture, check_hidden_size, describe_model, family_for, router_tensor_names
 from runtime.layout import (
-    CONFIG_KEY, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor, converted_moe_layers, read_config_block, scale_grid,
+    CONFIG_KEY, WEIGHT_BLOCK, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor,
+    converted_moe_layers, read_config_block, scale_grid,
     selection_bias_shapes,
 )
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read_small_file
 
 from ..durable import sha256_file
 from ..manifest import Manifest, ManifestError, is_file_entry
+from ..progress import progress_bar
 from ..errors import FuseSharedError, VerifyError
 from ..source.checkpoint import Containment
 from ..write.out_dir import output_locked
@@ -356,13 +358,16 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
     if extra:
         raise _fail(f"{root}: layers {extra} have converted expert tensors but {CONFIG_KEY}.moe_layers does not list them")
 
+    arch = _check_config_fields(root, config)
+    _check_block_against_config(root, config, block, arch)
+    _check_config_against_tensors(root, config, block, arch, layers, tensors)
+
     manifest, entries, to_hash = None, {}, []
     if require_manifest or MANIFEST_NAME in files:
         manifest, entries, to_hash = _check_manifest(root, list(shards), checksums)
     hashed = 0
     if checksums:
-        bar = tqdm(total=sum(entries[n]["size"] for n in to_hash), unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
-                   disable=not progress)
+        bar = progress_bar(sum(entries[n]["size"] for n in to_hash), "verifying", progress)
         try:
             for name in to_hash:
                 got, want = sha256_file(root / name, "a safetensors file", on_chunk=bar.update), entries[name]["sha256"]
@@ -377,6 +382,68 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
         total_size=total, index_file=index_file, moe_layers=layers, manifest=manifest, files=files, tensors=tensors,
         files_checked=len(to_hash), bytes_hashed=hashed,
     )
+
+
+def _check_config_fields(root: Path, config: dict) -> MoEArchitecture:
+    """The top-level fields, read as the converter read the source's (integers that are integers, counts in range)."""
+    try:
+        return describe_model(config)
+    except ModelError as e:
+        raise _fail(f"{root / CONFIG_NAME}: " + (f"field {e.field!r}: " if e.field else "") + e.detail) from None
+
+
+# Routing fields of the block that the source's top-level fields decide (has_bias and hash_layers come from the
+# tensors).
+_ROUTING_FROM_CONFIG = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor",
+                        "group_score", "renormalize_form", "renormalize_eps")
+
+
+def _check_block_against_config(root: Path, config: dict, block: FusedSharedExperts, arch: MoEArchitecture) -> None:
+    """The block against the top-level fields it was derived from: an edited block loads and routes differently."""
+    path = root / CONFIG_NAME
+    counts = (("num_routed_experts", block.num_routed_experts, arch.num_routed_experts),
+              ("expert_intermediate_size", block.expert_intermediate_size, arch.expert_width),
+              ("source_shared_intermediate_size", block.source_shared_intermediate_size, arch.shared_width))
+    for name, got, want in counts:
+        if got != want:
+            raise _fail(f"{path}: {CONFIG_KEY}.{name} is {got}, but the model's own fields say {want}")
+    want = family_for(config).planned_routing(arch, block.routing.has_bias, block.routing.hash_layers)
+    for name in _ROUTING_FROM_CONFIG:
+        got, expected = getattr(block.routing, name), getattr(want, name)
+        if got != expected:
+            raise _fail(f"{path}: {CONFIG_KEY}.routing.{name} is {got!r}, but the model's own fields give {expected!r}")
+    wbs = block.weight_block_size
+    if wbs is not None and wbs != (WEIGHT_BLOCK, WEIGHT_BLOCK):
+        raise _fail(f"{path}: {CONFIG_KEY}.weight_block_size is {list(wbs)}, expected [{WEIGHT_BLOCK}, {WEIGHT_BLOCK}] "
+                    "(the layout's FP8 scales are of 128x128 blocks) or null")
+    qc = config.get("quantization_config")
+    declared = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if declared is not None and (wbs is None or list(declared) != list(wbs)):
+        raise _fail(f"{path}: quantization_config.weight_block_size is {json.dumps(declared)[:40]}, but "
+                    f"{CONFIG_KEY}.weight_block_size is {json.dumps(None if wbs is None else list(wbs))}")
+
+
+def _check_config_against_tensors(root: Path, config: dict, block: FusedSharedExperts, arch: MoEArchitecture,
+                                  layers: dict[int, ExpertTensorNames], tensors: dict[str, TensorInfo]) -> None:
+    """hidden_size against every router's width; FP8 experts exactly where the block declares a weight_block_size."""
+    fp8_layers = []
+    for layer in sorted(block.moe_layers):
+        router_name, _ = router_tensor_names(config, layers[layer].block_prefix)
+        router = tensors[router_name]
+        try:
+            check_hidden_size(config, arch, router.name, router.shape)
+        except ModelError as e:
+            raise _fail(f"{root / CONFIG_NAME}: field {e.field!r}: {e.detail}") from None
+        if any(tensors[n].dtype == FP8_DTYPE_CODE for n in _expert_weights(layers[layer], tensors)):
+            fp8_layers.append(layer)
+    if fp8_layers and block.weight_block_size is None:
+        raise _fail(f"{root / CONFIG_NAME}: {CONFIG_KEY}.weight_block_size is null, but MoE layer {fp8_layers[0]} has "
+                    "FP8 experts")
+
+
+def _expert_weights(names: ExpertTensorNames, tensors: dict[str, TensorInfo]) -> list[str]:
+    prefix = names.experts_prefix + "."
+    return [n for n in tensors if n.startswith(prefix) and n.endswith("weight")]
 
 
 def _check_format(metadata: dict, path: Path) -> None:

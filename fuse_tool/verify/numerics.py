@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.integrations.transformers.requires import TRANSFORMERS_EXTRA
 
 from ..errors import VerifyError
 
 # ``verify --against`` builds both models with transformers' own classes; the other commands do not need it.
 TRANSFORMERS_MIN = (5, 22)
-VERIFY_EXTRA = "pip install 'fuse-shared[verify]'"
+VERIFY_EXTRA = TRANSFORMERS_EXTRA
 
 
 def require_transformers() -> None:

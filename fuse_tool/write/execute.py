@@ -17,13 +17,14 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .. import __version__
 from ..errors import ConversionError, FuseSharedError
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, done_name, partial_name
 from ..manifest import Manifest
 from ..plan import ConversionPlan, PlannedShard
+from ..progress import progress_bar
+from ..source.license import read_source_license
 from .failures import is_transient, unexpected_error
 from .journal import Journal
 from .measurements import Measured, Measurements
@@ -82,7 +83,7 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
     that change a weight's number format measured (those of shards kept by --resume are not measured again)."""
     todo = [s for s in plan.shards if s.filename not in journal.completed]
     source_fds: dict[Path, int] = {}
-    bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", disable=not progress)
+    bar = progress_bar(plan.total_size, "converting", progress)
     bar.update(sum(s.nbytes for s in plan.shards if s.filename in journal.completed))
     journal.save()  # before the first shard: any .done in OUT_DIR belongs to this fingerprint
     pipeline = ShardPipeline(out_dir, journal)
@@ -133,7 +134,7 @@ def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: d
                             fd = source_fds[piece.file] = os.open(piece.file, os.O_RDONLY)
                         except OSError as e:
                             raise ConversionError(f"cannot read: {e.strerror or e}", file=piece.file) from None
-                    check = None if allow_non_finite else finite_checker(piece.source)
+                    check = None if allow_non_finite else finite_checker(piece.source, piece.block_scales)
                     n = writer.copy(piece.tensor, piece.offset, fd, piece.file_offset, piece.length, piece.file, check)
                 else:
                     n = writer.write(piece.tensor, piece.offset, piece.data)
@@ -182,10 +183,9 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
             manifest_files[p.name] = _file_entry(tmp.read_bytes())
         manifest_files[INDEX_NAME] = _file_entry(index_bytes)
         manifest_files[CONFIG_NAME] = _file_entry(config_bytes)
-        options = {"precision": plan.options.precision, "other_linear": plan.options.other_linear, "scale_fmt": plan.scale_fmt,
-                   "max_shard_size": plan.options.max_shard_size}
-        manifest = Manifest(manifest_files, __version__, source_id, options, journal.fingerprint,
-                            measurements=measurements.manifest_entries(plan.converted_weights()))  # the model card shows them
+        manifest = Manifest(manifest_files, __version__, source_id, plan.options_used(), journal.fingerprint,
+                            measurements=measurements.manifest_entries(plan.converted_weights()),  # the model card shows them
+                            extra=_source_license(plan))
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump()), out / MANIFEST_NAME))
         config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)
@@ -209,6 +209,12 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
         raise disk_error(e, out) from None
     fsync_dir(out)
     return [s.filename for s in plan.shards] + [p.name for p in others] + [INDEX_NAME, MANIFEST_NAME, CONFIG_NAME]
+
+def _source_license(plan: ConversionPlan) -> dict:
+    """The manifest's ``source_license`` field, when the source's card declares one (the card is not copied)."""
+    lic = read_source_license(plan.source.root)
+    return {"source_license": lic} if lic else {}
+
 
 def _file_entry(data: bytes) -> dict:
     return {"size": len(data), "sha256": sha256_bytes(data)}

@@ -49,6 +49,7 @@ class CopyRange:
     file_offset: int
     length: int
     source: TensorInfo | None = None  # the source tensor the bytes belong to (dtype, name for messages)
+    block_scales: bool = False  # FP8 block scales: every value must also be > 0
 
 
 Piece = Write | CopyRange
@@ -146,8 +147,9 @@ def count_non_finite(raw, dtype: str) -> int:
     return int((torch.bitwise_and(s, mask) >= limit).sum())
 
 
-def finite_checker(info: TensorInfo | None):
-    """A check for bytes of ``info`` copied unchanged (see ShardWriter.copy), or None when there is nothing to check."""
+def finite_checker(info: TensorInfo | None, block_scales: bool = False):
+    """A check for bytes of ``info`` copied unchanged (see ShardWriter.copy), or None when there is nothing to check;
+    ``block_scales``: FP8 block scales, which must also be > 0."""
     if info is None or not checks_finite(info.dtype):
         return None
 
@@ -155,8 +157,27 @@ def finite_checker(info: TensorInfo | None):
         bad = count_non_finite(raw, info.dtype)
         if bad:
             raise _non_finite_error(info, bad)
+        if block_scales and info.dtype in _FLOAT_VIEWS:
+            _check_positive(as_bytes_tensor(raw).view(_FLOAT_VIEWS[info.dtype]), info)
 
     return check
+
+
+def _check_positive(scales: torch.Tensor, info: TensorInfo) -> None:
+    """FP8 block scales (finite already) must be > 0: 0 wipes a block out, a negative one flips its sign. (F8_E8M0
+    scales are powers of two, positive by construction.)"""
+    bad = int((scales <= 0).sum())
+    if bad:
+        raise ConversionError(f"has {bad} FP8 block scales that are 0 or negative, expected every scale > 0 (a "
+                              "damaged checkpoint); pass --allow-non-finite to convert anyway", file=info.file,
+                              tensor=info.name)
+
+
+def _check_block_scales(scales: torch.Tensor, info: TensorInfo, allow: bool) -> None:
+    """FP8 block scales read as float32: finite and > 0, unless ``allow`` (``--allow-non-finite``)."""
+    if not allow:
+        _check_finite(scales, info, allow)
+        _check_positive(scales, info)
 
 
 def _dequantized_rows(sw: SourceWeight, r0: int, r1: int, scales: torch.Tensor | None) -> torch.Tensor:
@@ -180,7 +201,8 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
         yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes, w.info)
         if task.scale is not None:
             s = sw.scale
-            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes, s.info)
+            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes,
+                            s.info, block_scales=True)
         return
     if task.mode == "region":
         yield from _region(task, allow_non_finite)
@@ -210,7 +232,7 @@ def _region(task: ProjectionTask, allow_non_finite: bool = False) -> Iterator[Pi
         yield Write(task.weight.tensor, task.weight.offset + t0 * out_row_bytes, out)
     if task.scale is not None:
         grid = _read_matrix_f32(sw.scale)
-        _check_finite(grid, sw.scale.info, allow_non_finite)
+        _check_block_scales(grid, sw.scale.info, allow_non_finite)
         B = WEIGHT_BLOCK
         rb, cb = cut.r0 // B, cut.c0 // B
         nr, nc = math.ceil((cut.r1 - cut.r0) / B), math.ceil((cut.c1 - cut.c0) / B)
@@ -314,6 +336,8 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
     sw, cut = task.source, task.cut
     w = sw.weight
     scales = _read_matrix_f32(sw.scale) if sw.scale is not None else None
+    if scales is not None:
+        _check_block_scales(scales, sw.scale.info, allow_non_finite)
     plain = sw.scale is None and w.dtype in _PLAIN
     threaded = plain and device == "cpu"
     step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK, QUANTIZE_CHUNK_BYTES if threaded else CHUNK_BYTES)

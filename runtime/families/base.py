@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ModelError, UnsupportedModelError
@@ -267,12 +267,59 @@ def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[
     return f"{block_prefix}.{names.router}", tuple(f"{block_prefix}.{b}" for b in names.bias)
 
 
+def wrapped_text_family(config: Mapping) -> type[Family] | None:
+    """The family of a wrapper's text model: the config's own ``model_type`` is no family's, and its ``text_config``
+    names one (a vision or audio model around a known language model). None otherwise."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping) or config.get("model_type") is None or config.get("model_type") in REGISTRY:
+        return None
+    inner = text.get("model_type")
+    return REGISTRY.get(inner) if isinstance(inner, str) else None
+
+
+def describe_wrapped(config: Mapping, family: type[Family]) -> MoEArchitecture:
+    """A wrapper described as the family of its ``text_config``: refused with that family's reason, or its text model's
+    architecture under transformers' wrapper names (``model.language_model.layers.L``, the config in ``text_config``)."""
+    outer, text = config["model_type"], config["text_config"]
+    inner = text["model_type"]
+    if issubclass(family, RefusedFamily):
+        raise UnsupportedModelError(
+            f"model_type {outer!r} wraps a {family.family} text model (text_config.model_type {inner!r}), which cannot "
+            f"be converted: {family.refusal(text, inner)}", file="config.json", field="text_config.model_type")
+    refuse_latent_experts(config)
+    arch = family.describe(text, inner)
+    if arch.config_key is not None:
+        raise UnsupportedModelError(f"model_type {outer!r} wraps {inner!r}, itself a wrapper: no text model to describe",
+                                    file="config.json", field="text_config.model_type")
+    return replace(arch, model_type=outer, config_key="text_config",
+                   names=replace(arch.names, layer_prefix="model.language_model" + arch.names.layer_prefix[len("model"):]
+                                 if arch.names.layer_prefix.startswith("model.") else arch.names.layer_prefix))
+
+
 def describe_model(config: Mapping) -> MoEArchitecture:
-    """Pick the family for a config.json and let it describe the model (or refuse it)."""
+    """Pick the family for a config.json and let it describe the model (or refuse it); a wrapper around a known
+    family's text model is described as that family (:func:`describe_wrapped`)."""
+    wrapped = wrapped_text_family(config)
+    if wrapped is not None:
+        return describe_wrapped(config, wrapped)
     family = family_for(config)
     if not issubclass(family, RefusedFamily):
         refuse_latent_experts(config)
     return family.describe(config, model_type_of(config))
+
+
+def check_hidden_size(config: Mapping, arch: MoEArchitecture, router_name: str, router_shape: tuple[int, ...]) -> None:
+    """config.json's ``hidden_size`` (an integer, where present) against a router's width ``[E, H]``.
+
+    transformers builds every layer from ``hidden_size``: a value other than the tensors' width gives a
+    checkpoint it cannot load. Raises ModelError naming the field.
+    """
+    key = arch.config_key
+    cfg, where = (config[key], f"config.json {key}") if key else (config, "config.json")
+    hidden = optional_int(cfg, "hidden_size", 0, where, minimum=1)
+    if hidden and len(router_shape) == 2 and hidden != router_shape[1]:
+        raise ModelError(f"is {hidden}, but the router {router_name} is {list(router_shape)}: the tensors are "
+                         f"{router_shape[1]} wide", **_where(where, "hidden_size"))
 
 
 def refuse_latent_experts(config: Mapping) -> None:
@@ -326,6 +373,9 @@ def optional_int(cfg: Mapping, key: str, default: int, where: str = "config.json
 def _checked_int(value: Any, key: str, where: str, minimum: int, maximum: int) -> int:
     if not is_integral(value):
         raise ModelError(f"is {value!r}, expected an integer", **_where(where, key))
+    if isinstance(value, float):  # the output's config.json keeps it, and transformers cannot build a model from 8.0
+        raise ModelError(f"is {value!r}, expected an integer written without a decimal point (transformers builds the "
+                         "model from this field and cannot use a float)", **_where(where, key))
     value = int(value)
     if not minimum <= value <= maximum:
         raise ModelError(f"is {value}, expected an integer from {minimum} to {maximum}", **_where(where, key))

@@ -272,3 +272,17 @@ def test_cli_convert_from_repo_id_with_push_to(hub, src_repo, tmp_path):
 
     res = CliRunner().invoke(main, ["push", str(out), "alice/bad--name"])
     assert res.exit_code == 1 and "error: malformed repo id" in res.output
+
+
+def test_verify_against_accepts_a_hub_id(hub, src_repo, tmp_path):
+    """`verify OUT --against OWNER/NAME`: MODEL is a folder or a Hub id, as for convert."""
+    _convert_checkpoint()
+    from click.testing import CliRunner
+
+    from fuse_tool.cli import main
+
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["convert", SRC, str(out), "--quiet"]).exit_code == 0
+    res = CliRunner().invoke(main, ["verify", str(out), "--quiet", "--against", SRC, "--tokens", "1x8"])
+    assert res.exit_code == 0, res.output
+    assert "Traceback" not in res.output

@@ -32,9 +32,14 @@ def _rewrite_header(path: Path, fn) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     fn(header)
+    data, body = raw[8 + n :], bytearray()  # repack: the tensors must still cover the data section exactly
+    for entry in sorted((v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][0]):
+        b, e = entry["data_offsets"]
+        entry["data_offsets"] = [len(body), len(body) + e - b]
+        body += data[b:e]
     new = json.dumps(header).encode()
     new += b" " * ((8 - len(new) % 8) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+    path.write_bytes(struct.pack("<Q", len(new)) + new + bytes(body))
 
 
 def _expect(out: Path, *needles: str) -> str:

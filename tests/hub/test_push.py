@@ -66,7 +66,7 @@ def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys
     meta = _front_matter(card)
     assert meta["base_model"] == ["deepseek-ai/Tiny-MoE"]
     assert meta["base_model_relation"] == "quantized"
-    assert meta["library_name"] == "transformers"
+    assert "library_name" not in meta  # the Hub's transformers snippet (a stock from_pretrained) would not run
     assert {"fp8", "moe", "fused-shared-experts", "deepseek_v3"} <= set(meta["tags"])
     block = json.loads((converted / "config.json").read_text())["fused_shared_experts"]
     m = re.search(r"```json\n(.*?)\n```", card, re.S)
@@ -75,6 +75,7 @@ def test_push_uploads_byte_identical_files_and_model_card(hub, converted, capsys
     assert "from runtime.integrations.transformers import from_fused_pretrained" in card
     assert "FusedSharedMoE" in card
     assert "Stock `transformers` cannot load this checkpoint" in card
+    assert "fuse-shared serve" in card
     assert card in hub.validated_yaml  # huggingface_hub validated the card's metadata against the endpoint
 
     head = hub.head(REPO)
@@ -336,3 +337,26 @@ def test_verification_catches_a_corrupted_upload(hub, converted):
     # a rerun repairs it: the preupload oid differs, so the shard is sent again
     push_checkpoint(converted, REPO, progress=False)
     _assert_remote_equals_local(hub, REPO, converted)
+
+
+@pytest.mark.parametrize("problem", ["malformed_repo_id", "no_token", "read_only_token"])
+def test_convert_push_to_checks_the_repo_and_token_before_converting(hub, tmp_path, monkeypatch, problem):
+    """`convert --push-to` at real size converts for hours: a bad repo id or token is said first, nothing written."""
+    from click.testing import CliRunner
+
+    from builders import build_checkpoint
+    from fuse_tool.cli import main
+
+    src = build_checkpoint("deepseek_v3", tmp_path / "src")
+    fragments = {"no_token": NO_TOKEN_MESSAGE, "read_only_token": "read-only"}
+    repo, fragment = REPO, fragments.get(problem, "malformed repo id")
+    if problem == "malformed_repo_id":
+        repo = "alice/bad--name"
+    elif problem == "no_token":
+        monkeypatch.delenv("HF_TOKEN")
+    else:
+        monkeypatch.setenv("HF_TOKEN", READ_TOKEN)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--push-to", repo, "--quiet"])
+    assert r.exit_code == 1 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert not out.exists(), "converted before saying the push could not happen"

@@ -39,6 +39,15 @@ CASES = {
     "mistral4": dict(experts=6),  # 3 groups by their top-2 sum, 2 kept
     "mistral_large4": dict(experts=6),  # Mistral-native names, Pixtral vision tower (q/k permuted at load)
     "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not
+    "deepseek_v32": dict(experts=6),  # DSA indexer in every attention layer: loads with DeepseekV32ForCausalLM
+    "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
+    "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
+    "exaone_moe": dict(experts=6),  # DeepSeek-V3 router, bias beside the router, sliding and global layers
+    "axk2": dict(experts=6),  # per-expert release names; indexer, attention gate and gated norms copied
+    "minicpm5_moe": dict(experts=6),  # DeepSeek-V3 router; q_proj stored for the module q_gate_proj
+    "flint": dict(experts=6, shared_width=48),  # sigmoid without bias; padded second slot; attention sinks
+    "granitemoe_swa": dict(experts=6, shared_width=48),  # shared MLP beside the block; sinks and sliding layers
+    "cohere2_moe": dict(experts=6),  # shared_expert_combination_strategy "sum"
     "step3p7": dict(experts=6, shared_width=48),  # per-layer routed and shared limits after the activation; padded slot
 }
 

@@ -27,7 +27,7 @@ def _noisy_logits(model, ids, seed):
 
     # Every MoE block (its module holds the experts; GraniteMoE-Shared's shared MLP sits beside it, the noise is on the routed part).
     hs = [m.register_forward_hook(hook) for m in model.modules()
-          if hasattr(m, "experts") and (hasattr(m, "shared_experts") or hasattr(m, "shared_mlp") or hasattr(m, "router"))]
+          if hasattr(m, "experts") and any(hasattr(m, a) for a in ("shared_experts", "shared_expert", "shared_mlp", "router"))]
     assert len(hs) >= 2
     try:
         with torch.no_grad():

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from fuse_tool.verify.numerics import FP8_ALL, FP8_EXPERTS
 from ig_helpers import CASES, moe_blocks, num_main_moe_layers, reference_model, rel, tokens
 from runtime import FusedSharedMoE
+from runtime.errors import CheckpointError
 from runtime.families import supported_model_types
 from runtime.integrations.transformers import (
     LayoutError,
@@ -156,7 +157,8 @@ def test_unknown_and_missing_tensors_are_refused(converted, tmp_path):
     del index["weight_map"]["model.layers.0.self_attn.surprise.weight"]
     del index["weight_map"]["model.norm.weight"]
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(LayoutError, match="model.norm.weight"):
+    # still in its shard: refused by the reader, before transformers could leave the weight uninitialized
+    with pytest.raises(CheckpointError, match="'model.norm.weight': .* does not list it"):
         from_fused_pretrained(bad)
 
 
@@ -171,3 +173,52 @@ def test_integration_imports_transformers_lazily():
         "assert 'transformers' not in sys.modules and callable(t.from_fused_pretrained)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_loading_without_transformers_names_the_extra_to_install(tmp_path):
+    """The quick-start environment has no transformers: every loading entry point says which extra to install."""
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = None\n"
+        "from runtime.integrations.transformers import StreamedModel, build_config, from_fused_pretrained\n"
+        "for call in (lambda: from_fused_pretrained('x'), lambda: StreamedModel('x', kind='source'),\n"
+        "             lambda: build_config({'model_type': 'deepseek_v3'})):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ImportError as e:\n"
+        "        assert \"pip install 'fuse-shared[verify]'\" in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('no ImportError')\n"
+        "import runpy\n"
+        "sys.argv = ['generate_tiny.py']\n"
+        "try:\n"
+        "    runpy.run_path('examples/generate_tiny.py', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 1, e.code\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: examples/generate_tiny.py needs transformers, which is not installed: "
+        "pip install 'fuse-shared[verify]' (from a checkout: pip install -e '.[verify]')"], r.stderr
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_cohere2_moe_sigmoid_selection_is_exact(tmp_path, norm_topk_prob):
+    """Cohere2-MoE's other router (expert_selection_fn "sigmoid", divided by the plain sum or not): the fusion is exact."""
+    from builders import build_checkpoint
+    from fuse_tool.convert import convert_checkpoint
+    from fuse_tool.plan import ConvertOptions
+
+    src = build_checkpoint("cohere2_moe", tmp_path / "src", experts=6, expert_selection_fn="sigmoid", norm_topk_prob=norm_topk_prob)
+    convert_checkpoint(src, tmp_path / "out", ConvertOptions(precision="source"), progress=False)
+    with torch.no_grad():
+        want = reference_model("cohere2_moe", src)(tokens()).logits
+        got = from_fused_pretrained(tmp_path / "out", dtype=torch.float32)(tokens()).logits
+    assert rel(got, want) < 1e-5 and torch.equal(got.argmax(-1), want.argmax(-1))

@@ -24,6 +24,7 @@ INDEX = "model.safetensors.index.json"
 EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
 ROUTER = "model.layers.2.mlp.gate.weight"
 NORM = "model.layers.0.input_layernorm.weight"
+SHARED_DOWN = "model.layers.1.mlp.shared_experts.down_proj.weight"
 
 
 # ----------------------------------------------------------------------------- editing helpers
@@ -142,6 +143,14 @@ def _header_length(path: Path, n: int):
     path.write_bytes(bytes(data))
 
 
+def _header_length_short(path: Path, by: int):
+    """The header padded with spaces (as writers do) and its length ``by`` bytes short: the JSON still parses, and
+    every tensor would be read ``by`` bytes early."""
+    header, body = read_raw(path)
+    raw = json.dumps(header).encode() + b" " * 8
+    path.write_bytes(struct.pack("<Q", len(raw) - by) + raw + body)
+
+
 def _corrupt_json(path: Path):
     data = bytearray(path.read_bytes())
     data[8:20] = b'{"oops": [1,'
@@ -196,6 +205,12 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
                                lambda s: _header_length(shard_of(s, EXPERT), shard_of(s, EXPERT).stat().st_size), ("runs past the end of the file",), ()),
     "header_length_absurd": ("header length of 2**62",
                              lambda s: _header_length(shard_of(s, EXPERT), 2**62), ("over the safetensors limit",), ()),
+    "header_length_4_bytes_short": ("header length 4 bytes short (the JSON ends in padding spaces)",
+                                    lambda s: _header_length_short(shard_of(s, EXPERT), 4),
+                                    ("cover", "of the data section", "header length"), ()),
+    "header_length_1_byte_short": ("header length 1 byte short (the JSON ends in padding spaces)",
+                                   lambda s: _header_length_short(shard_of(s, EXPERT), 1),
+                                   ("cover", "of the data section", "header length"), ()),
     "header_json_corrupt": ("header JSON corrupt",
                             lambda s: _corrupt_json(shard_of(s, EXPERT)), ("header is not valid JSON",), ()),
     "header_not_an_object": ("header JSON is a list, not an object",
@@ -237,6 +252,9 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
     "index_names_missing_tensor": ("the index names a tensor its shard lacks",
                                    lambda s: edit_index(s, lambda i: i["weight_map"].__setitem__("model.layers.1.mlp.experts.99.up_proj.weight", i["weight_map"][EXPERT])),
                                    ("model.layers.1.mlp.experts.99.up_proj.weight", "whose header does not have it"), ()),
+    "index_omits_a_stored_tensor": ("the index leaves out a tensor that is in a shard",
+                                    lambda s: edit_index(s, lambda i: i["weight_map"].pop(EXPERT)),
+                                    ("model-00001-of-00002.safetensors", EXPERT, f"but {INDEX} does not list it"), ()),
     "index_corrupt": ("the index is not JSON",
                       lambda s: (s / INDEX).write_text("{ nope"), (INDEX, "not a valid safetensors index"), ()),
     "index_points_outside": ("the index names ../elsewhere.safetensors",
@@ -256,6 +274,17 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
                                   lambda s: edit_config(s, moe_intermediate_size=48), ("has shape [32, 64], expected [48, 64]",), ()),
     "config_dense_layer_has_experts": ("config makes a layer dense that has experts",
                                        lambda s: edit_config(s, first_k_dense_replace=2), ("layer 1 dense", "but it has expert tensors"), ()),
+    "config_hidden_size_not_the_width": ("config's hidden_size is not the tensors' width",
+                                         lambda s: edit_config(s, hidden_size=48),
+                                         ("config.json", "field 'hidden_size'", "is 48", "the tensors are 64 wide"),
+                                         ()),
+    "config_hidden_size_not_an_integer": ("config's hidden_size is 64.5",
+                                          lambda s: edit_config(s, hidden_size=64.5),
+                                          ("config.json", "field 'hidden_size'", "is 64.5, expected an integer"), ()),
+    "config_expert_count_written_as_float": ("config's expert count written 8.0",
+                                             lambda s: edit_config(s, n_routed_experts=8.0),
+                                             ("config.json", "field 'n_routed_experts'", "is 8.0",
+                                              "without a decimal point"), ()),
     "nan_in_expert": ("NaN in a BF16 expert weight (quantized)",
                       lambda s: mutate(s, _poison(EXPERT, float("nan"))), (EXPERT, "non-finite values", "--allow-non-finite"), ()),
     "inf_in_router": ("Inf in the router (upcast to float32)",
@@ -266,6 +295,15 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
                           _fp8(lambda s: mutate(s, _poison_fp8_byte(EXPERT))), (EXPERT, "non-finite values"), ()),
     "inf_in_fp8_scale": ("Inf in an FP8 weight's _scale_inv",
                          _fp8(lambda s: mutate(s, _poison(EXPERT + "_scale_inv", float("inf"), 0))), (EXPERT + "_scale_inv", "non-finite values"), ()),
+    "zero_fp8_scale": ("a 0 in an FP8 weight's _scale_inv (copied unchanged)",
+                       _fp8(lambda s: mutate(s, _poison(EXPERT + "_scale_inv", 0.0, 0))),
+                       (EXPERT + "_scale_inv", "1 FP8 block scales that are 0 or negative"), ()),
+    "negative_fp8_scale": ("a negative FP8 _scale_inv (copied unchanged)",
+                           _fp8(lambda s: mutate(s, _poison(EXPERT + "_scale_inv", -0.01, 0))),
+                           (EXPERT + "_scale_inv", "0 or negative"), ()),
+    "negative_fp8_scale_in_a_cut": ("a negative _scale_inv of the shared expert (cut into slots)",
+                                    _fp8(lambda s: mutate(s, _poison(SHARED_DOWN + "_scale_inv", -0.01, 0))),
+                                    (SHARED_DOWN + "_scale_inv", "0 or negative"), ()),
 }
 
 

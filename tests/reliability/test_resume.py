@@ -17,7 +17,9 @@ from fuse_tool.convert import convert_checkpoint
 from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
-from helpers import assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes
+from helpers import (
+    REPO, assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes,
+)
 
 SHARD = "20KB"
 OPTS = ConvertOptions(max_shard_size=20_000)
@@ -329,3 +331,41 @@ def test_read_only_model_folder_converts(tiny_source, tmp_path, reference):
         _same_output(out2, reference)
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(copy)], check=True)
+
+
+def _wait_for(cond, proc, timeout=60.0) -> None:
+    t0 = time.monotonic()
+    while not cond() and proc.poll() is None and time.monotonic() - t0 < timeout:
+        time.sleep(0.001)
+
+
+def test_sigterm_mid_run_is_handled_like_ctrl_c_and_resumes(big_source, tmp_path):
+    """SIGTERM (kill, a scheduler's stop): one line, no .partial left, the done shards and journal kept; --resume
+    finishes byte-identical to an uninterrupted run."""
+    import signal
+
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    proc = cli_subprocess("convert", big_source, out, "--max-shard-size", "1MB", "--quiet")
+    _wait_for(lambda: any(out.glob(".*.done")), proc)
+    assert proc.poll() is None, "the convert finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "interrupted" in err and "--resume" in err, err
+    assert not list(out.glob(".*.partial")) and (out / JOURNAL_NAME).exists() and final_named(out) == []
+    assert run_cli("convert", big_source, out, "--max-shard-size", "1MB", "--quiet", "--resume")[0] == 0
+    assert run_cli("convert", big_source, ref, "--max-shard-size", "1MB", "--quiet")[0] == 0
+    assert_identical(out, ref)
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    """SIGINT while torch is still importing: `error: interrupted`, no traceback of the imports."""
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal, threading\n"
+                             "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+                             "import runpy; runpy.run_module('fuse_tool.cli', run_name='__main__')\n", "--help"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert "Traceback" not in err and err.strip() == "error: interrupted", err
+    assert proc.returncode == 130

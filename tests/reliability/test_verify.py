@@ -138,10 +138,19 @@ def _damage(kind):
         f.write_bytes(bytes(data))
         return f.name, "header"
 
+    def header_length_short(out):  # the JSON still parses (padding spaces); every tensor would be read 4 bytes off
+        f = shard_of(out, f"{X}.2.up_proj.weight")
+        data = f.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        raw = data[8 : 8 + n].rstrip() + b" " * 8
+        f.write_bytes(struct.pack("<Q", len(raw) - 4) + raw + data[8 + n :])
+        return f.name, "of the data section"
+
     return locals()[kind]
 
 
-@pytest.mark.parametrize("kind", ["truncated", "header", "missing", "no_manifest", "manifest_size", "leftover_partial", "journal", "no_config", "header_length"])
+@pytest.mark.parametrize("kind", ["truncated", "header", "missing", "no_manifest", "manifest_size", "leftover_partial", "journal", "no_config", "header_length",
+                                  "header_length_short"])
 def test_damaged_output_fails_verify(out, kind):
     where, what = _damage(kind)(out)
     code, _, err = verify(out, "--checksums")
@@ -177,3 +186,56 @@ def test_verify_against_is_not_swallowed(out):
     (out / MANIFEST).unlink()
     code, _, err = verify(out, "--against", str(out))
     assert code == 1 and "no fuse_shared_manifest.json" in err
+
+
+def test_verify_against_a_source_whose_index_omits_a_stored_tensor_fails(out, tiny_source, tmp_path):
+    """The runtime's reader refuses a stored tensor the index leaves out, as convert does: loaders would drop it."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_source, src)
+    index = json.loads((src / INDEX).read_text())
+    gone = f"{X}.3.gate_proj.weight"
+    shard = index["weight_map"].pop(gone)
+    (src / INDEX).write_text(json.dumps(index))
+    code, _, err = verify(out, "--against", src)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert shard in err and gone in err and "does not list it" in err, err
+
+
+def _edit_config_keeping_manifest(out, fn):
+    """Edit config.json as a hand-written checkpoint would, with its manifest entry updated: only the content checks
+    can object."""
+    cfg = json.loads((out / "config.json").read_text())
+    fn(cfg)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    data = (out / "config.json").read_bytes()
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"]["config.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _block(fn):
+    return lambda c: fn(c["fused_shared_experts"])
+
+
+@pytest.mark.parametrize("edit,fragments", [
+    (lambda c: c.update(hidden_size=48), ("field 'hidden_size'", "is 48", "the tensors are 64 wide")),
+    (lambda c: c.update(hidden_size=64.5), ("field 'hidden_size'", "is 64.5, expected an integer")),
+    (lambda c: c.update(n_routed_experts=8.0), ("field 'n_routed_experts'", "is 8.0", "without a decimal point")),
+    (_block(lambda b: b["routing"].update(top_k=b["routing"]["top_k"] + 1)), ("routing.top_k is 3", "give 2")),
+    (_block(lambda b: b["routing"].update(scoring="softmax")), ("routing.scoring is 'softmax'", "give 'sigmoid'")),
+    (_block(lambda b: b["routing"].update(renormalize=not b["routing"]["renormalize"])), ("routing.renormalize",)),
+    (_block(lambda b: b["routing"].update(routed_scaling_factor=b["routing"]["routed_scaling_factor"] * 2)),
+     ("routing.routed_scaling_factor",)),
+    (_block(lambda b: b.update(weight_block_size=[64, 64])), ("weight_block_size is [64, 64]", "128x128")),
+    (_block(lambda b: b.update(weight_block_size=None)), ("weight_block_size is", "null")),
+], ids=["hidden_size_not_the_width", "hidden_size_not_integer", "expert_count_float", "block_top_k", "block_scoring",
+        "block_renormalize", "block_routed_scaling_factor", "block_weight_block_size", "block_weight_block_size_null"])
+def test_config_damage_fails_verify_even_when_written_by_hand(out, edit, fragments):
+    _edit_config_keeping_manifest(out, edit)
+    code, _, err = verify(out)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "config.json" in err, err
+    for f in fragments:
+        assert f in err, err

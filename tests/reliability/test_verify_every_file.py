@@ -64,8 +64,9 @@ def test_edited_routing_field_in_config_is_caught(out):
     k = cfg["num_experts_per_tok"]
     assert k < 9
     _same_size_edit(out / "config.json", f'"num_experts_per_tok": {k}', f'"num_experts_per_tok": {k + 1}')
-    assert _verify(out)[0] == 0  # same size: only the hash can tell
-    _fails(out, "config.json: sha256", "--checksums")
+    # same size, but the fused block's top_k no longer matches the field it came from: caught without the hash too
+    _fails(out, f"routing.top_k is {k}, but the model's own fields give {k + 1}")
+    _fails(out, f"routing.top_k is {k}", "--checksums")
 
 
 @pytest.mark.parametrize("name,old,new", [
@@ -136,3 +137,17 @@ def test_unknown_manifest_version_is_refused(out):
     m["manifest_version"] = 99
     (out / MANIFEST).write_text(json.dumps(m))
     _fails(out, "manifest_version 99")
+
+
+def test_precision_source_reports_no_fp8_settings(src, tmp_path):
+    """--precision source writes no FP8: neither the summary nor the manifest names FP8 settings it did not use."""
+    out = tmp_path / "out-source"
+    code, stdout, err = run_cli("convert", src, out, "--quiet", "--precision", "source")
+    assert code == 0, err
+    summary = next(line for line in stdout.splitlines() if line.startswith("output "))
+    assert summary.endswith("; precision source"), summary
+    assert _manifest(out)["options"] == {"precision": "source", "max_shard_size": 5_000_000_000}
+    out = tmp_path / "out-fp8"
+    code, stdout, err = run_cli("convert", src, out, "--quiet")
+    assert code == 0 and "precision fp8, other linear fp8, scale format float" in stdout, err
+    assert _manifest(out)["options"]["other_linear"] == "fp8"

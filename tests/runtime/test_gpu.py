@@ -69,6 +69,35 @@ def test_fused_moe_real_shapes(name, T):
     assert_as_exact_as_reference(out, ref, exact_moe(x, ew, ids, w))
 
 
+@pytest.mark.parametrize("name,T", [("DeepSeek-V3", 4096), ("MiniMax-M3", 600), ("GLM-4.5", 8)])
+def test_shared_slots_as_dense_gemms_real_shapes(name, T):
+    """The shared slot through cuBLASLt's block-FP8 GEMMs (``shared_dense``) while the routed slots take the grouped
+    GEMMs: as close to exact math as the reference, eagerly and replayed in a CUDA graph with padding rows."""
+    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=T + 11)
+    gen = torch.Generator(device="cuda").manual_seed(T + 12)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids, w = route(torch.randn(T, E, device="cuda", generator=gen), None, _cfg(name))
+    tiles = dict(shared_dense=True)
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, ew, ids, w, tile_config=tiles, out=out, shared_slots=S)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert_as_exact_as_reference(out, ref, exact_moe(x, ew, ids, w))
+    nv = torch.tensor([T], dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out, shared_slots=S)
+    nv.fill_(T - T // 3)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    n = T - T // 3
+    assert torch.all(out[n:] == 0)
+    assert_as_exact_as_reference(out[:n], ref[:n], exact_moe(x[:n], ew, ids[:n], w[:n]))
+
+
 @pytest.mark.parametrize("T", [16, 600])  # 600 x 9 pairs: the many-program alignment
 def test_cuda_graph_with_padding_rows(T):
     H, I, E, S, K, G, TG, rsf, oai = MODELS["DeepSeek-V3"]
@@ -160,6 +189,32 @@ def test_activation_quantization_bit_for_bit(K):
     q_ref, s_ref = quantize_activations(x)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "GLM-4.5"])
+def test_slot_sum_in_gemm2_changes_no_bit(name):
+    """One token: the slot sum done by GEMM2's last program per column block gives the slot-sum launch's bytes,
+    eagerly and replayed in a CUDA graph (num_valid_tokens 1, then 0: zeros), with the table's tiles otherwise."""
+    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=11)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids, w = route(torch.randn(1, E, device="cuda", generator=gen), None, _cfg(name))
+    ids[0, 1] = -1  # a skipped slot still counts for its column blocks
+    nv = torch.tensor([1], dtype=torch.int32, device="cuda")
+    apart = fused_moe(x, ew, ids, w, nv, tile_config=dict(sum_in_gemm2=False))
+    folded = fused_moe(x, ew, ids, w, nv, tile_config=dict(sum_in_gemm2=True))
+    assert torch.equal(apart, folded)
+    out = torch.full_like(x, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ew, ids, w, nv, tile_config=dict(sum_in_gemm2=True), out=out)
+    for n in (1, 0, 1):
+        nv.fill_(n)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, apart) if n else torch.all(out == 0)
 
 
 @pytest.mark.parametrize("T", [1, 64, 4096])

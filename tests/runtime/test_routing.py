@@ -137,6 +137,28 @@ def test_triton_matches_reference(case, rule, T, ties):
 
 
 @needs_triton
+@pytest.mark.parametrize("E,K,G,TG,scoring", [(256, 8, 8, 4, "sigmoid"), (96, 8, 4, 2, "sigmoid"), (64, 6, 8, 1, "softmax"),
+                                              (384, 6, 1, 1, "sqrtsoftplus")])
+def test_every_selection_scheme_matches_reference(E, K, G, TG, scoring):
+    """Each of the kernel's selection schemes (the benchmarks pick one per geometry) gives the reference's ids and
+    weights, exact ties included."""
+    from runtime.routing_triton import route_triton, select_modes
+
+    cfg = RoutingConfig(E, K, 1, scoring, G, TG, renormalize=True, routed_scaling_factor=2.5)
+    modes = select_modes(G, K, 1)
+    assert modes[:4 if G > 1 else 2] == ((0, 1, 2, 3) if G > 1 else (0, 1))
+    for ties in (False, True):
+        logits, bias = make_inputs(cfg, 6, scoring == "sigmoid", ties, seed=E + ties)
+        ref_ids, ref_w = route(logits, bias, cfg, backend="torch")
+        for mode in modes:
+            ids, w = route_triton(logits, bias, cfg, launch=dict(SELECT=mode))
+            assert torch.equal(ids, ref_ids), mode
+            torch.testing.assert_close(w, ref_w, rtol=2e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="SELECT"):
+        route_triton(logits, bias, cfg, launch=dict(SELECT=9))
+
+
+@needs_triton
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_num_valid_tokens_skips_padding(backend):
     cfg = RoutingConfig(256, 8, 1, "sigmoid", 8, 4)

@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import replace
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
+from ...fp8_linear import FP8BlockLinear
+from ...formats.base import recognise
+from ...formats.fp8_block import FP8Block, read_block_scales
 from ...layout import LayoutError, converted_moe_layers, read_config_block
 from ...moe import FusedSharedMoE
 from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
+from .placement import DeviceMap, align_inputs, auto_device_map, default_max_memory
 from .reading import ShardReader
+from .requires import import_transformers
 
 
 def _fp32_patterns(model) -> list[str]:
@@ -37,14 +42,25 @@ class StreamedModel:
 
     ``kind="fused"``: a converted checkpoint; MoE layers become :class:`FusedSharedMoE`.
     ``kind="source"``: an original checkpoint, loaded with transformers' own modules.
+
+    ``device_map`` (:mod:`.placement`): ``{module path: device}``, or ``"auto"`` to fill the devices of
+    ``max_memory`` (default: every GPU's free memory, then the host's) in order; each tensor is read from its shard
+    straight to its module's device. ``keep_fp8``: every non-expert linear whose weight is FP8 with 128x128 block
+    scales becomes a :class:`runtime.fp8_linear.FP8BlockLinear` holding it as FP8 (else it is dequantized at load).
+    ``expert_parallel``: True (the default process group) or a ``torch.distributed`` group: each MoE block becomes this
+    rank's :class:`runtime.expert_parallel.ExpertParallelMoE` as soon as it is loaded.
     """
 
     def __init__(self, path: str | os.PathLike, kind: str = "fused", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", backend: str | None = None):
+                 device: str | torch.device = "cpu", backend: str | None = None,
+                 device_map: Mapping[str, Any] | str | None = None, max_memory: Mapping[Any, Any] | None = None,
+                 keep_fp8: bool = False, expert_parallel: Any = False):
         if kind not in ("fused", "source"):
             raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
+        import_transformers("loading a checkpoint into transformers (from_fused_pretrained, StreamedModel)")
         self.path, self.kind, self.backend = os.fspath(path), kind, backend
         self.device = torch.device(device)
+        self.keep_fp8, self.expert_parallel = keep_fp8, expert_parallel
         self.reader = ShardReader(self.path)
         self.family = transformers_classes_for(self.reader.config)
         self.config = build_config(self.reader.config)
@@ -74,15 +90,102 @@ class StreamedModel:
                 raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
             if self.family.shared_module:  # its shared MLP is in the fused block's slots; the layer runs none beside it
                 setattr(self.layers[layer], self.family.shared_module, None)
+        if max_memory is not None and device_map != "auto":
+            raise ValueError("max_memory is for device_map='auto'")
+        if device_map == "auto":
+            auto = auto_device_map(self.placement_units(), max_memory or default_max_memory())
+            device_map = {"": next(iter(auto.values()))} | auto  # modules holding no checkpoint tensor: the first device
+        elif isinstance(device_map, str) or (device_map is not None and not isinstance(device_map, Mapping)):
+            raise ValueError(f"device_map must be 'auto' or a {{module path: device}} dict, got {device_map!r}")
+        self.device_map = DeviceMap(device_map if device_map is not None else {"": self.device})
+        if device_map is not None:
+            self.device = self.device_map.device_of("") if "" in self.device_map.entries else self.device_map.devices[0]
+
+    # -- placement
+    def device_of(self, module_path: str, computed_only: bool = False) -> torch.device:
+        """The device of the module at ``module_path`` (its own entry or its nearest parent's in the device map);
+        ``computed_only`` (a module holding only computed buffers, e.g. a rotary embedding): the map's first device
+        when the map does not name it."""
+        try:
+            return self.device_map.device_of(module_path)
+        except LayoutError:
+            if computed_only:
+                return self.device
+            raise
+
+    def _fp8_block_weight(self, name: str) -> tuple[str, str] | None:
+        """``(source, scale)`` when ``name`` is a linear's weight copied from one FP8 weight with a 128x128 block scale
+        grid (float32 ``_scale_inv`` or V4's E8M0 ``.scale``) that ``keep_fp8`` keeps as FP8; else None."""
+        r = self.plan.recipes.get(name)
+        if not self.keep_fp8 or r is None or r.op != "copy" or r.rope_heads is not None or not name.endswith(".weight"):
+            return None
+        src, rd = r.sources[0], self.reader
+        fmt = recognise(rd.tensors, src)
+        if fmt is None or fmt.name != FP8Block.name or len(rd.tensors[src].shape) != 2:
+            return None
+        path = name[: -len(".weight")]
+        # a plain nn.Linear only (or one this loader made FP8 before): subclasses with their own forward (DeepSeek-V4's
+        # grouped o_a_proj) use the weight otherwise, and keep it dequantized
+        if type(self.model.get_submodule(path)) not in (torch.nn.Linear, FP8BlockLinear):
+            return None
+        rows, cols = rd.tensors[src].shape
+        grid = (-(-rows // 128), -(-cols // 128))
+        scale = fmt.stored(rd.tensors, src).scale
+        return (src, scale.name) if scale is not None and tuple(scale.shape) == grid else None
+
+    def placement_units(self) -> list[tuple[str, int]]:
+        """``(module path, bytes once loaded)`` of every unit :func:`.placement.auto_device_map` places, in the
+        model's module order: each decoder layer (its fused MoE block's shard bytes included) and each module outside
+        the layers that owns checkpoint tensors."""
+        sizes: dict[str, int] = {}
+        layers_path = self.family.layers_path
+        layer_of = {name: i for i, names in self.plan.by_layer.items() for name in names}
+        tensors = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        for name in self.plan.recipes:
+            layer = layer_of.get(name)
+            path = f"{layers_path}.{layer}" if layer is not None else name.rpartition(".")[0]
+            fp8 = self._fp8_block_weight(name)
+            if fp8:
+                n = sum(self.reader.tensors[s].nbytes for s in fp8)
+            else:
+                n = tensors[name].numel() * tensors[name].element_size()
+            sizes[path] = sizes.get(path, 0) + n
+        if self.kind == "fused":
+            moe = converted_moe_layers(self.reader.names(), self.reader.config)
+            for layer in self.plan.fused_moe_layers:
+                prefix = moe[layer].block_prefix + "."
+                key = f"{layers_path}.{layer}"
+                sizes[key] = sizes.get(key, 0) + sum(i.nbytes for n, i in self.reader.tensors.items() if n.startswith(prefix))
+        order = {p: k for k, (p, _) in enumerate(self.model.named_modules())}
+        return sorted(sizes.items(), key=lambda kv: order.get(kv[0], len(order)))
+
+    def _align(self) -> None:
+        """Hooks that carry activations across devices: each placed unit's inputs to its device, the model's logits
+        back to the device of its input ids (as accelerate's hooks do)."""
+        if len(self.device_map.devices) < 2:
+            return
+        units = [p for p, _ in self.placement_units()] + [n for n, m in self.model.named_modules()
+                                                           if getattr(m, "_non_persistent_buffers_set", None)]
+        for path in dict.fromkeys(units):
+            align_inputs(self.model.get_submodule(path), self.device_of(path, computed_only=True))
+
+        def logits_to_input_device(model, args, kwargs, output):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(ids, torch.Tensor) and getattr(output, "logits", None) is not None:
+                output.logits = output.logits.to(ids.device)
+            return output
+
+        self.model.register_forward_hook(logits_to_input_device, with_kwargs=True)
 
     # -- loading
     def _make(self, name: str, plan: TensorPlan | None = None) -> torch.Tensor:
         r = (plan or self.plan).recipes[name]
         rd = self.reader
+        device = self.device_of(name.rpartition(".")[0]) if plan is None else self.device
         if not rd.is_float(r.sources[0]):
-            return rd.get(r.sources[0]).to(self.device)
+            return rd.get(r.sources[0]).to(device)
         dt = torch.float32 if any(p in name for p in self._fp32) else self.dtype
-        get = lambda n: rd.read_float(n, dt, self.device)  # noqa: E731
+        get = lambda n: rd.read_float(n, dt, device)  # noqa: E731
         if r.op == "copy":
             t = get(r.sources[0])
         elif r.op == "cat":
@@ -100,22 +203,33 @@ class StreamedModel:
 
     def _load_names(self, names: Iterable[str]) -> None:
         for name in names:
-            _set_tensor(self.model, name, self._make(name))
+            fp8 = self._fp8_block_weight(name)
+            if fp8 is None:
+                _set_tensor(self.model, name, self._make(name))
+                continue
+            path = name[: -len(".weight")]
+            device, (src, scale) = self.device_of(path), fp8
+            linear = self.model.get_submodule(path)
+            s = read_block_scales(self.reader.tensors[scale], device)
+            parent, _, leaf = path.rpartition(".")
+            setattr(self.model.get_submodule(parent), leaf, FP8BlockLinear(self.reader.get(src, device), s, linear.bias))
 
     def load_rest(self) -> None:
         """Everything outside the decoder layers (embeddings, final norm, lm_head, vision tower), rotary buffers included."""
-        self._init_buffers(self.model)
+        self._init_buffers(self.model, "")
         self._load_names(self.plan.by_layer.get(None, []))
         self._tie()
 
-    def _init_buffers(self, root: torch.nn.Module) -> None:
+    def _init_buffers(self, root: torch.nn.Module, root_path: str) -> None:
         """Computed (non-persistent) buffers still on the meta device under ``root``: rotary ``inv_freq``, as
         from_pretrained computes it. Model-level ones at load_rest; per-layer ones (DeepSeek-V4's compressors carry
         their own rotary embedding) again at each load_layer, since release_layer sends the layer back to meta."""
-        for mod in root.modules():
+        for sub, mod in root.named_modules():
             nonpersistent = getattr(mod, "_non_persistent_buffers_set", ())
             if any(mod._buffers.get(b) is not None and mod._buffers[b].is_meta for b in nonpersistent):
-                mod.to_empty(device=self.device, recurse=False)
+                path = ".".join(p for p in (root_path, sub) if p)
+                mod.to_empty(device=self.device_of(path, computed_only=not any(True for _ in mod.parameters(False))),
+                             recurse=False)
                 # the model class's own _init_weights: DeepseekV4's rotary keeps per-type main_/compress_inv_freq,
                 # which only its override fills (PreTrainedModel's knows the single inv_freq)
                 self.model._init_weights(mod)
@@ -130,7 +244,9 @@ class StreamedModel:
 
     def moe_module(self, layer: int) -> FusedSharedMoE:
         """The converted MoE block of ``layer`` (any fused layer, MTP ones included), in this model's dtype."""
-        moe = FusedSharedMoE.from_checkpoint(self.path, layer, device=self.device, backend=self.backend)
+        path = self.plan.fused_moe_layers.get(layer)
+        device = self.device_of(path) if path is not None else self.device  # MTP blocks: not in the model
+        moe = FusedSharedMoE.from_checkpoint(self.path, layer, device=device, backend=self.backend)
         ex = moe.experts
         if not ex.is_fp8 and ex.gate_up.dtype != self.dtype:
             moe.experts = replace(ex, gate_up=ex.gate_up.to(self.dtype), down=ex.down.to(self.dtype))
@@ -141,11 +257,16 @@ class StreamedModel:
         """Materialize decoder layer ``i`` (its fused MoE block included) and return it."""
         layer = self.layers[i]
         self._load_names(self.plan.by_layer.get(i, []))
-        self._init_buffers(layer)
+        self._init_buffers(layer, f"{self.family.layers_path}.{i}")
         if i in self.plan.fused_moe_layers:
             path = self.plan.fused_moe_layers[i]
             parent, _, leaf = path.rpartition(".")
-            setattr(self.model.get_submodule(parent), leaf, self.moe_module(i))
+            moe = self.moe_module(i)
+            if self.expert_parallel:  # this rank's share at once: never more than one layer's full experts held
+                from ...expert_parallel import ExpertParallelMoE
+
+                moe = ExpertParallelMoE(moe, None if self.expert_parallel is True else self.expert_parallel)
+            setattr(self.model.get_submodule(parent), leaf, moe)
         return layer
 
     def release_layer(self, i: int) -> None:
@@ -155,7 +276,7 @@ class StreamedModel:
             path = self.plan.fused_moe_layers[i]
             parent, _, leaf = path.rpartition(".")
             mod = self.model.get_submodule(parent)
-            if isinstance(getattr(mod, leaf), FusedSharedMoE):
+            if hasattr(getattr(mod, leaf), "experts"):  # FusedSharedMoE or its ExpertParallelMoE share
                 getattr(mod, leaf).experts = None
                 setattr(mod, leaf, torch.nn.Identity())
         layer.to("meta")
@@ -166,6 +287,7 @@ class StreamedModel:
         for i in range(self.num_layers):
             self.load_layer(i)
         self.reader.close()
+        self._align()
         return self.model
 
     def source_moe_module(self, layer: int, like: torch.nn.Module) -> torch.nn.Module:
@@ -220,15 +342,21 @@ def _moe_block_like(like: torch.nn.Module, text_config, index: int | None = None
 
 
 def from_fused_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                          backend: str | None = None):
+                          backend: str | None = None, device_map: Mapping[str, Any] | str | None = None,
+                          max_memory: Mapping[Any, Any] | None = None, keep_fp8: bool = False,
+                          expert_parallel: Any = False):
     """Build the source architecture's transformers model from a converted checkpoint folder.
 
     Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts
     are cast to ``dtype``); every other weight is loaded from the shards (FP8 ones dequantized
-    into ``dtype``). ``dtype`` defaults to the config's. Returns an eval-mode model ready for
-    ``generate()``, with the folder's generation_config.json when it has one.
+    into ``dtype``, or kept FP8 in :class:`runtime.fp8_linear.FP8BlockLinear` with ``keep_fp8=True``). ``dtype``
+    defaults to the config's. ``device_map`` / ``max_memory`` place modules over devices as in transformers
+    (:class:`StreamedModel`), each tensor read from its shard straight to its device; ``expert_parallel=True`` keeps
+    this rank's share of every MoE block (:mod:`runtime.expert_parallel`). Returns an eval-mode model
+    ready for ``generate()``, with the folder's generation_config.json when it has one.
     """
-    sm = StreamedModel(path, kind="fused", dtype=dtype, device=device, backend=backend)
+    sm = StreamedModel(path, kind="fused", dtype=dtype, device=device, backend=backend, device_map=device_map,
+                       max_memory=max_memory, keep_fp8=keep_fp8, expert_parallel=expert_parallel)
     model = sm.load_all()
     _attach_generation_config(model, path)
     return model

@@ -14,6 +14,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ...families import TransformersClasses, family_for
 from ...layout import SCALE_SUFFIX, LayoutError
+from .requires import import_transformers
 
 
 def transformers_classes_for(config: Mapping[str, Any]) -> TransformersClasses:
@@ -33,6 +34,7 @@ def build_config(config: Mapping[str, Any]):
     ``quantization_config`` is dropped (weights are dequantized here, not by transformers'
     FP8 path) and ``model_type`` is the family's own (Kimi-K2 builds as DeepSeek-V3).
     """
+    import_transformers("build_config")
     fam = transformers_classes_for(config)
     config_cls, _ = fam.classes()
     d = json.loads(json.dumps(dict(config)))
