@@ -55,13 +55,30 @@ def synth(path: Path, experts: int, fp8: bool, distinct: bool = False, per_shard
     """A DeepSeek-V3-shaped source with one MoE layer; experts share one expert's bytes unless ``distinct``."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
-        "moe_intermediate_size": I, "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "n_group": 8, "topk_group": 4, "num_hidden_layers": 1, "first_k_dense_replace": 0, "moe_layer_freq": 1,
-        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": H,
+        "moe_intermediate_size": I,
+        "n_routed_experts": experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "num_nextn_predict_layers": 0,
     }
     if fp8:
-        cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+        cfg["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        }
     (path / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
     P = "model.layers.0.mlp"
@@ -93,7 +110,9 @@ def synth(path: Path, experts: int, fp8: bool, distinct: bool = False, per_shard
             weight_map.update(dict.fromkeys(shard, fname))
             total += sum(t.numel() * t.element_size() for t in shard.values())
             shard = {}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -154,12 +173,20 @@ def bench_passthrough(wd: Path, sizes: list[int], repeats: int, shard_size: str)
             t, peak = timed(convert_cmd(src, wd / "out", "--max-shard-size", shard_size))
             conv.append(t)
             rss.append(peak)
-            unchecked.append(timed(convert_cmd(src, wd / "out", "--allow-non-finite", "--max-shard-size", shard_size))[0])
+            unchecked.append(
+                timed(convert_cmd(src, wd / "out", "--allow-non-finite", "--max-shard-size", shard_size))[0]
+            )
         res[f"{n}_experts"] = {
-            "source_bytes": size, "cp_sync_s": cp, "convert_s": conv, "allow_non_finite_s": unchecked, "peak_rss_bytes": max(rss),
-            "ratio_of_medians": med(conv) / med(cp), "ratio_per_round": [c / p for c, p in zip(conv, cp)],
+            "source_bytes": size,
+            "cp_sync_s": cp,
+            "convert_s": conv,
+            "allow_non_finite_s": unchecked,
+            "peak_rss_bytes": max(rss),
+            "ratio_of_medians": med(conv) / med(cp),
+            "ratio_per_round": [c / p for c, p in zip(conv, cp)],
             "allow_non_finite_ratio_of_medians": med(unchecked) / med(cp),
-            "convert_GBps": size / med(conv) / 1e9, "cp_sync_GBps": size / med(cp) / 1e9,
+            "convert_GBps": size / med(conv) / 1e9,
+            "cp_sync_GBps": size / med(cp) / 1e9,
         }
         print(json.dumps({f"passthrough {n}": res[f"{n}_experts"]}), flush=True)
         shutil.rmtree(wd / "out", ignore_errors=True)
@@ -169,8 +196,11 @@ def bench_passthrough(wd: Path, sizes: list[int], repeats: int, shard_size: str)
         ys = [med(res[f"{n}_experts"]["convert_s"]) for n in sizes]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        res["linear_fit"] = {"fixed_s": my - slope * mx, "s_per_GB": slope * 1e9,
-                             "max_residual_s": max(abs(y - (my + slope * (x - mx))) for x, y in zip(xs, ys))}
+        res["linear_fit"] = {
+            "fixed_s": my - slope * mx,
+            "s_per_GB": slope * 1e9,
+            "max_residual_s": max(abs(y - (my + slope * (x - mx))) for x, y in zip(xs, ys)),
+        }
     return res
 
 
@@ -180,8 +210,15 @@ def llmc_python(venv: Path) -> Path:
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(py), "-m", "pip", "install", "-q", LLMC], check=True)
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torch"], check=True)  # use ours: the same build for both
-        site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+        subprocess.run(
+            [str(py), "-m", "pip", "uninstall", "-y", "-q", "torch"], check=True
+        )  # use ours: the same build for both
+        site = subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         (Path(site) / "zz_fuse_shared_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
     return py
 
@@ -202,8 +239,20 @@ def bench_quantize(wd: Path, experts: int, repeats: int, llmc_venv: Path | None)
     py = llmc_python(llmc_venv) if llmc_venv else None
     versions = None
     if py:
-        versions = json.loads(subprocess.run([str(py), "-c", "import json, llmcompressor, compressed_tensors, torch, transformers; print(json.dumps({'llmcompressor': llmcompressor.__version__, 'compressed_tensors': compressed_tensors.__version__, 'torch': torch.__version__, 'transformers': transformers.__version__}))"],
-                                             capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        versions = json.loads(
+            subprocess.run(
+                [
+                    str(py),
+                    "-c",
+                    "import json, llmcompressor, compressed_tensors, torch, transformers; print(json.dumps({'llmcompressor': llmcompressor.__version__, 'compressed_tensors': compressed_tensors.__version__, 'torch': torch.__version__, 'transformers': transformers.__version__}))",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
     env = dict(os.environ, TQDM_DISABLE="1", LOGURU_LEVEL="WARNING")
     for _ in range(repeats):
         t, peak = timed(convert_cmd(src, wd / "out"))
@@ -214,12 +263,25 @@ def bench_quantize(wd: Path, experts: int, repeats: int, llmc_venv: Path | None)
             t, peak = timed(["sh", "-c", f"'{py}' -c '{LLMC_SCRIPT}' '{src}' '{wd / 'llmc'}' {cores} && sync"], env=env)
             theirs.append(t)
             theirs_rss.append(peak)
-    res = {"source_bytes": size, "cores": cores, "convert_s": ours, "convert_peak_rss_bytes": max(ours_rss),
-           "convert_GBps": size / med(ours) / 1e9}
+    res = {
+        "source_bytes": size,
+        "cores": cores,
+        "convert_s": ours,
+        "convert_peak_rss_bytes": max(ours_rss),
+        "convert_GBps": size / med(ours) / 1e9,
+    }
     if py:
-        res.update({"llmc_versions": versions, "llmc_max_workers": cores, "llmc_s": theirs, "llmc_peak_rss_bytes": max(theirs_rss),
-                    "llmc_GBps": size / med(theirs) / 1e9, "speedup_of_medians": med(theirs) / med(ours),
-                    "speedup_per_round": [b / a for a, b in zip(ours, theirs)]})
+        res.update(
+            {
+                "llmc_versions": versions,
+                "llmc_max_workers": cores,
+                "llmc_s": theirs,
+                "llmc_peak_rss_bytes": max(theirs_rss),
+                "llmc_GBps": size / med(theirs) / 1e9,
+                "speedup_of_medians": med(theirs) / med(ours),
+                "speedup_per_round": [b / a for a, b in zip(ours, theirs)],
+            }
+        )
     print(json.dumps({"quantize": res}), flush=True)
     shutil.rmtree(wd / "out", ignore_errors=True)
     shutil.rmtree(wd / "llmc", ignore_errors=True)
@@ -244,8 +306,13 @@ def bench_planning(wd: Path, repeats: int) -> dict:
             t = time.perf_counter()
             plan = build_plan(SourceCheckpoint.open(path))
             inproc.append(time.perf_counter() - t)
-        res[name] = {"apparent_bytes": apparent, "tensors": plan.num_tensors, "shards": len(plan.shards),
-                     "dry_run_process_s": cli, "build_plan_s": inproc}
+        res[name] = {
+            "apparent_bytes": apparent,
+            "tensors": plan.num_tensors,
+            "shards": len(plan.shards),
+            "dry_run_process_s": cli,
+            "build_plan_s": inproc,
+        }
         print(json.dumps({f"plan {name}": res[name]}), flush=True)
     shutil.rmtree(wd / "skel", ignore_errors=True)
     return res
@@ -261,8 +328,17 @@ def synth_v4(path: Path, experts: int) -> int:
     from v4_checkpoint import RELEASE_CONFIG, quantize_fp8_e8m0, quantize_mxfp4, write_safetensors
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(RELEASE_CONFIG, hidden_size=V4_H, moe_intermediate_size=V4_I, n_routed_experts=experts, num_experts_per_tok=6,
-               num_hidden_layers=1, num_hash_layers=0, num_nextn_predict_layers=0, compress_ratios=[0])
+    cfg = dict(
+        RELEASE_CONFIG,
+        hidden_size=V4_H,
+        moe_intermediate_size=V4_I,
+        n_routed_experts=experts,
+        num_experts_per_tok=6,
+        num_hidden_layers=1,
+        num_hash_layers=0,
+        num_nextn_predict_layers=0,
+        compress_ratios=[0],
+    )
     (path / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
 
@@ -294,7 +370,9 @@ def synth_v4(path: Path, experts: int) -> int:
             weight_map.update(dict.fromkeys(shard, fname))
             total += sum(t.numel() * t.element_size() for _, t in shard.values())
             shard = {}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -312,10 +390,19 @@ def bench_v4(wd: Path, experts: int, repeats: int) -> dict:
         cp.append(timed(["sh", "-c", f"cp -r {src} {dst} && sync"])[0])
     out_bytes = sum(f.stat().st_size for f in out.iterdir())
     summary = json.loads((out / "fuse_shared_manifest.json").read_text())
-    res = {"source_bytes": size, "output_bytes": out_bytes, "experts": experts, "convert_s": conv, "cp_sync_s": cp,
-           "convert_GBps_in": size / med(conv) / 1e9, "cp_GBps": size / med(cp) / 1e9,
-           "ratio_of_medians": med(conv) / med(cp), "ratio_per_round": [a / b for a, b in zip(conv, cp)], "peak_rss_bytes": peak,
-           "manifest_keys": sorted(summary)}
+    res = {
+        "source_bytes": size,
+        "output_bytes": out_bytes,
+        "experts": experts,
+        "convert_s": conv,
+        "cp_sync_s": cp,
+        "convert_GBps_in": size / med(conv) / 1e9,
+        "cp_GBps": size / med(cp) / 1e9,
+        "ratio_of_medians": med(conv) / med(cp),
+        "ratio_per_round": [a / b for a, b in zip(conv, cp)],
+        "peak_rss_bytes": peak,
+        "manifest_keys": sorted(summary),
+    }
     print(json.dumps({"v4": res}), flush=True)
     for p in (src, out, dst):
         shutil.rmtree(p, ignore_errors=True)
@@ -346,10 +433,17 @@ def bench_cuda(wd: Path, experts: int, repeats: int) -> dict:
                         while b := fh.read(64 << 20):
                             h.update(b)
                     digests[dev][f.name] = h.hexdigest()
-    res = {"source_bytes": size, "device": torch.cuda.get_device_name(0), "cpu_s": times["cpu"], "cuda_s": times["cuda"],
-           "cpu_GBps": size / med(times["cpu"]) / 1e9, "cuda_GBps": size / med(times["cuda"]) / 1e9,
-           "identical": digests["cpu"] == digests["cuda"], "files": len(digests["cpu"]),
-           "differing": sorted(k for k in digests["cpu"] if digests["cpu"][k] != digests["cuda"].get(k))}
+    res = {
+        "source_bytes": size,
+        "device": torch.cuda.get_device_name(0),
+        "cpu_s": times["cpu"],
+        "cuda_s": times["cuda"],
+        "cpu_GBps": size / med(times["cpu"]) / 1e9,
+        "cuda_GBps": size / med(times["cuda"]) / 1e9,
+        "identical": digests["cpu"] == digests["cuda"],
+        "files": len(digests["cpu"]),
+        "differing": sorted(k for k in digests["cpu"] if digests["cpu"][k] != digests["cuda"].get(k)),
+    }
     res["profile_cuda_in_process"] = _profile(src, wd / "out-prof", "cuda")
     res["profile_cpu_in_process"] = _profile(src, wd / "out-prof", "cpu")
     print(json.dumps({"cuda": res}), flush=True)
@@ -378,7 +472,7 @@ def _profile(src: Path, out: Path, device: str, top: int = 12) -> list[str]:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
     shutil.rmtree(out, ignore_errors=True)
-    return [f"wall {wall:.2f} s"] + [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    return [f"wall {wall:.2f} s"] + [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
 
 
 def main() -> None:
@@ -388,11 +482,29 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,64,128", help="routed experts of the FP8 sources (44 MB each)")
     ap.add_argument("--bf16-experts", type=int, default=16, help="routed experts of the BF16 source (88 MB each)")
     ap.add_argument("--cuda-experts", type=int, default=32)
-    ap.add_argument("--v4-experts", type=int, default=32, help="routed experts of the DeepSeek-V4-Flash-shaped MXFP4 source (13 MB each)")
+    ap.add_argument(
+        "--v4-experts",
+        type=int,
+        default=32,
+        help="routed experts of the DeepSeek-V4-Flash-shaped MXFP4 source (13 MB each)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--shard-size", default="1GB", help="output shard size of the passthrough (DeepSeek-V3's release shards are ~4.3 GB)")
-    ap.add_argument("--llmc-venv", type=Path, default=Path("/work/llmc-venv"), help="llm-compressor's environment (created if missing)")
-    ap.add_argument("--only", default="passthrough,quantize,llmc,planning", help="sections: passthrough, quantize, llmc, planning, v4, cuda")
+    ap.add_argument(
+        "--shard-size",
+        default="1GB",
+        help="output shard size of the passthrough (DeepSeek-V3's release shards are ~4.3 GB)",
+    )
+    ap.add_argument(
+        "--llmc-venv",
+        type=Path,
+        default=Path("/work/llmc-venv"),
+        help="llm-compressor's environment (created if missing)",
+    )
+    ap.add_argument(
+        "--only",
+        default="passthrough,quantize,llmc,planning",
+        help="sections: passthrough, quantize, llmc, planning, v4, cuda",
+    )
     args = ap.parse_args()
     only = set(args.only.split(","))
     wd = args.workdir
@@ -400,20 +512,33 @@ def main() -> None:
     wd.mkdir(parents=True)
     results = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu_model": _cpu_model(), "mem_GB": _mem_gb(), "kernel": platform.release(),
-                    "python": platform.python_version(), "torch": torch.__version__, "load_avg_at_start": os.getloadavg()},
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "cpu_model": _cpu_model(),
+            "mem_GB": _mem_gb(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "load_avg_at_start": os.getloadavg(),
+        },
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     if "passthrough" in only:
-        results["passthrough"] = bench_passthrough(wd, [int(x) for x in args.sizes.split(",")], args.repeats, args.shard_size)
+        results["passthrough"] = bench_passthrough(
+            wd, [int(x) for x in args.sizes.split(",")], args.repeats, args.shard_size
+        )
     if "quantize" in only:
-        results["quantize"] = bench_quantize(wd, args.bf16_experts, args.repeats, args.llmc_venv if "llmc" in only else None)
+        results["quantize"] = bench_quantize(
+            wd, args.bf16_experts, args.repeats, args.llmc_venv if "llmc" in only else None
+        )
     if "planning" in only:
         results["planning"] = bench_planning(wd, args.repeats)
     if "v4" in only:
         results["v4"] = bench_v4(wd, args.v4_experts, args.repeats)
     if "cuda" in only:
-        results["cuda"] = bench_cuda(wd, args.cuda_experts, args.repeats) if torch.cuda.is_available() else "no CUDA device"
+        results["cuda"] = (
+            bench_cuda(wd, args.cuda_experts, args.repeats) if torch.cuda.is_available() else "no CUDA device"
+        )
     results["machine"]["load_avg_at_end"] = os.getloadavg()
     shutil.rmtree(wd, ignore_errors=True)
     text = json.dumps(results, indent=2)

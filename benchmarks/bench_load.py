@@ -40,9 +40,24 @@ if str(ROOT) not in sys.path:
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "checkpoints" / "deepseek-v3"
 FIXTURE_CANDIDATES = (FIXTURE, Path("/work/shared/fixtures/checkpoints/deepseek-v3"))
 BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
-TOY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
-           num_experts_per_tok=2, n_group=2, topk_group=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
-           kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, vocab_size=512)
+TOY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    vocab_size=512,
+)
 
 
 def fixture_dir() -> Path | None:
@@ -54,15 +69,42 @@ def base_config(toy: bool) -> dict:
     if fx is not None:
         cfg = json.loads((fx / "config.json").read_text())
     else:  # the release's config, the fields this benchmark uses
-        cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-               "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-               "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "num_attention_heads": 128,
-               "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-               "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "first_k_dense_replace": 3,
-               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-               "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000, "tie_word_embeddings": False,
-               "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                                                   "quant_method": "fp8", "weight_block_size": [128, 128]}}
+        cfg = {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "n_group": 8,
+            "topk_group": 4,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "vocab_size": 129280,
+            "first_k_dense_replace": 3,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 163840,
+            "rope_theta": 10000,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "quantization_config": {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+            },
+        }
     if toy:
         cfg.update(TOY)
         cfg.pop("rope_scaling", None)
@@ -76,8 +118,11 @@ def release_tensors(cfg: dict, layers: int) -> list[tuple[str, str, tuple[int, .
     nh, qr, kr = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     E, I, ID = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
-    out: list[tuple[str, str, tuple[int, ...]]] = [("lm_head.weight", "BF16", (V, H)), ("model.embed_tokens.weight", "BF16", (V, H)),
-                                                   ("model.norm.weight", "BF16", (H,))]
+    out: list[tuple[str, str, tuple[int, ...]]] = [
+        ("lm_head.weight", "BF16", (V, H)),
+        ("model.embed_tokens.weight", "BF16", (V, H)),
+        ("model.norm.weight", "BF16", (H,)),
+    ]
 
     def fp8(name, rows, cols):
         out.append((name + ".weight", "F8_E4M3", (rows, cols)))
@@ -90,8 +135,12 @@ def release_tensors(cfg: dict, layers: int) -> list[tuple[str, str, tuple[int, .
 
     for i in range(layers):
         p = f"model.layers.{i}"
-        out += [(f"{p}.input_layernorm.weight", "BF16", (H,)), (f"{p}.post_attention_layernorm.weight", "BF16", (H,)),
-                (f"{p}.self_attn.q_a_layernorm.weight", "BF16", (qr,)), (f"{p}.self_attn.kv_a_layernorm.weight", "BF16", (kr,))]
+        out += [
+            (f"{p}.input_layernorm.weight", "BF16", (H,)),
+            (f"{p}.post_attention_layernorm.weight", "BF16", (H,)),
+            (f"{p}.self_attn.q_a_layernorm.weight", "BF16", (qr,)),
+            (f"{p}.self_attn.kv_a_layernorm.weight", "BF16", (kr,)),
+        ]
         fp8(f"{p}.self_attn.q_a_proj", qr, H)
         fp8(f"{p}.self_attn.q_b_proj", nh * (nope + rope), qr)
         fp8(f"{p}.self_attn.kv_a_proj_with_mqa", kr + rope, H)
@@ -112,7 +161,9 @@ def check_against_inventory(tensors, layers: int) -> bool:
     fx = fixture_dir()
     if fx is None:
         return False
-    keep = re.compile(rf"^(?:lm_head|model\.embed_tokens|model\.norm)\.|^model\.layers\.({'|'.join(map(str, range(layers)))})\.")
+    keep = re.compile(
+        rf"^(?:lm_head|model\.embed_tokens|model\.norm)\.|^model\.layers\.({'|'.join(map(str, range(layers)))})\."
+    )
     with gzip.open(fx / "tensors.tsv.gz", "rt") as f:
         rows = [line.rstrip("\n").split("\t") for line in f][1:]
     want = {(n, d, tuple(int(x) for x in s.split(","))) for n, d, s in rows if keep.match(n)}
@@ -129,7 +180,11 @@ def _random(dtype: str, shape: tuple[int, ...], g: torch.Generator, device) -> t
         sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8, device=device) << 7
         return (mag | sign).view(torch.float8_e4m3fn).reshape(shape).cpu()
     if len(shape) == 1:  # norms at 1 (as released models are near), the router's selection bias small
-        return torch.ones(shape, dtype=torch.bfloat16) if dtype == "BF16" else torch.randn(shape, generator=g, device=device).cpu() * 1e-3
+        return (
+            torch.ones(shape, dtype=torch.bfloat16)
+            if dtype == "BF16"
+            else torch.randn(shape, generator=g, device=device).cpu() * 1e-3
+        )
     if dtype == "F32":  # block scales: codes of magnitude ~4 times these give weights of ~1/sqrt(width)
         return (torch.rand(shape, generator=g, device=device) * 2e-3 + 1e-3).cpu()
     return (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
@@ -153,7 +208,9 @@ def write_source(out: Path, cfg: dict, tensors, device) -> int:
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map |= {name: fname for name in shard}
         del shard
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return total
 
@@ -194,24 +251,36 @@ def run_placement(label: str, out_dir: Path, shard_bytes: int, device: str, prom
     if cuda:
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    res = {"placement": label, "load_s": round(load_s, 3), "load_gbps": round(shard_bytes / load_s / 1e9, 3),
-           "bytes_by_device": _device_bytes(model)}
+    res = {
+        "placement": label,
+        "load_s": round(load_s, 3),
+        "load_gbps": round(shard_bytes / load_s / 1e9, 3),
+        "bytes_by_device": _device_bytes(model),
+    }
     if cuda:
         res["gpu_allocated"] = torch.cuda.memory_allocated() - base
         res["gpu_peak_during_load"] = torch.cuda.max_memory_allocated() - base
         res["gpu_over_shard_bytes"] = round(res["gpu_allocated"] / shard_bytes, 3)
     x = prompt.to(device)
     with torch.no_grad():
-        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False, pad_token_id=0
+        )  # warm-up
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                             min_new_tokens=new_tokens, pad_token_id=0)
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-    res["tokens"] = out[0, x.shape[1]:].tolist()
+    res["tokens"] = out[0, x.shape[1] :].tolist()
     res["decode_tokens_per_s"] = round(new_tokens / dt, 3)
     del model
     return res
@@ -236,7 +305,13 @@ def plan_8gpu() -> dict:
         if name.startswith("model.layers.61."):  # the MTP layer: on disk, not loaded by from_fused_pretrained
             size["mtp"] += b
             continue
-        kind = "routed" if _re.search(r"\.mlp\.experts\.\d+\.", name) else "shared" if ".shared_experts." in name else "other"
+        kind = (
+            "routed"
+            if _re.search(r"\.mlp\.experts\.\d+\.", name)
+            else "shared"
+            if ".shared_experts." in name
+            else "other"
+        )
         size[kind] += b
         if kind == "other" and dtype == "F8_E4M3":
             fp8_other_elems += n
@@ -245,20 +320,32 @@ def plan_8gpu() -> dict:
     loaded = size["routed"] + size["shared"] + size["other"]
     from runtime.integrations.transformers.placement import auto_device_map
 
-    order = sorted(per_layer, key=lambda u: (u != "model.embed_tokens", u.startswith(("model.norm", "lm_head")),
-                                             int(u.split(".")[2]) if u.startswith("model.layers.") else 0))
+    order = sorted(
+        per_layer,
+        key=lambda u: (
+            u != "model.embed_tokens",
+            u.startswith(("model.norm", "lm_head")),
+            int(u.split(".")[2]) if u.startswith("model.layers.") else 0,
+        ),
+    )
     budget = 90 * 2**30
     plan = auto_device_map([(u, per_layer[u]) for u in order], {i: budget for i in range(8)})
     per_gpu = {}
     for u, dev in plan.items():
         per_gpu[str(dev)] = per_gpu.get(str(dev), 0) + per_layer[u]
     gb = lambda b: round(b / 1e9, 2)  # noqa: E731
-    return {"checkpoint_gb": gb(sum(size.values())), "mtp_gb_not_loaded": gb(size["mtp"]), "loaded_gb": gb(loaded),
-            "routed_gb": gb(size["routed"]), "shared_gb": gb(size["shared"]), "non_expert_gb": gb(size["other"]),
-            "device_map_auto_90GiB_per_gpu_gb": {k: gb(v) for k, v in per_gpu.items()},
-            "device_map_mean_per_gpu_gb": gb(loaded / 8),
-            "device_map_mean_per_gpu_gb_without_keep_fp8": gb((loaded + fp8_other_elems) / 8),
-            "expert_parallel_per_rank_gb": gb(size["other"] + size["shared"] + size["routed"] / 8)}
+    return {
+        "checkpoint_gb": gb(sum(size.values())),
+        "mtp_gb_not_loaded": gb(size["mtp"]),
+        "loaded_gb": gb(loaded),
+        "routed_gb": gb(size["routed"]),
+        "shared_gb": gb(size["shared"]),
+        "non_expert_gb": gb(size["other"]),
+        "device_map_auto_90GiB_per_gpu_gb": {k: gb(v) for k, v in per_gpu.items()},
+        "device_map_mean_per_gpu_gb": gb(loaded / 8),
+        "device_map_mean_per_gpu_gb_without_keep_fp8": gb((loaded + fp8_other_elems) / 8),
+        "expert_parallel_per_rank_gb": gb(size["other"] + size["shared"] + size["routed"] / 8),
+    }
 
 
 def main(argv=None) -> dict:
@@ -295,19 +382,50 @@ def main(argv=None) -> dict:
     plain_read_gbps(out)  # warm the page cache: the loads below and the timed read all read from it
     read_gbps, shard_bytes = plain_read_gbps(out)
     prompt = torch.randint(0, cfg["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
-    res = {"device": a.device, "toy": a.toy, "moe_layers": a.moe_layers, "checked_against_inventory": checked,
-           "source_bytes": src_bytes, "shard_bytes": shard_bytes, "write_s": round(write_s, 2),
-           "convert_s": round(convert_s, 2), "plain_read_gbps": round(read_gbps, 3), "runs": []}
+    res = {
+        "device": a.device,
+        "toy": a.toy,
+        "moe_layers": a.moe_layers,
+        "checked_against_inventory": checked,
+        "source_bytes": src_bytes,
+        "shard_bytes": shard_bytes,
+        "write_s": round(write_s, 2),
+        "convert_s": round(convert_s, 2),
+        "plain_read_gbps": round(read_gbps, 3),
+        "runs": [],
+    }
     runs = res["runs"]
     runs.append(run_placement("before (FP8 linears dequantized)", out, shard_bytes, a.device, prompt, a.new_tokens))
     runs.append(run_placement("after (keep_fp8)", out, shard_bytes, a.device, prompt, a.new_tokens, keep_fp8=True))
     if a.device.startswith("cuda"):
         half = runs[-1]["gpu_allocated"] // 2
-        runs.append(run_placement("split (max_memory GPU = half)", out, shard_bytes, a.device, prompt, a.new_tokens,
-                                  keep_fp8=True, device_map="auto", max_memory={0: half, "cpu": 8 * shard_bytes}))
+        runs.append(
+            run_placement(
+                "split (max_memory GPU = half)",
+                out,
+                shard_bytes,
+                a.device,
+                prompt,
+                a.new_tokens,
+                keep_fp8=True,
+                device_map="auto",
+                max_memory={0: half, "cpu": 8 * shard_bytes},
+            )
+        )
     else:  # one CPU: the same auto planner and loader, one device
-        runs.append(run_placement("auto (cpu only)", out, shard_bytes, a.device, prompt, a.new_tokens, keep_fp8=True,
-                                  device_map="auto", max_memory={"cpu": 8 * shard_bytes}))
+        runs.append(
+            run_placement(
+                "auto (cpu only)",
+                out,
+                shard_bytes,
+                a.device,
+                prompt,
+                a.new_tokens,
+                keep_fp8=True,
+                device_map="auto",
+                max_memory={"cpu": 8 * shard_bytes},
+            )
+        )
     res["same_tokens"] = all(r["tokens"] == runs[0]["tokens"] for r in runs)
     text = json.dumps(res, indent=1)
     print(text)

@@ -29,8 +29,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (MODELS, TOKENS, block_fp8_anchor, copy_bandwidth, exact_moe, find_peer_dir,  # noqa: E402
-                    graph_time_us, load_peer, random_fp8_experts, versions)
+from common import (
+    MODELS,
+    TOKENS,
+    block_fp8_anchor,
+    copy_bandwidth,
+    exact_moe,
+    find_peer_dir,  # noqa: E402
+    graph_time_us,
+    load_peer,
+    random_fp8_experts,
+    versions,
+)
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.moe_triton import resolve_tile_config  # noqa: E402
@@ -67,8 +77,12 @@ def main():
     ap.add_argument("--unfused", action="store_true")
     ap.add_argument("--anchors", action="store_true", help="time the block-FP8 cuBLASLt anchors too")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="ours and the peer's best timed alternately this many times; medians reported (default 3)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="ours and the peer's best timed alternately this many times; medians reported (default 3)",
+    )
     args = ap.parse_args()
     override = json.loads(args.tile_config) if args.tile_config else None
     peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
@@ -81,8 +95,12 @@ def main():
     info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     copies = copy_bandwidth()
     bw = max(copies.values())
-    print(f"{info}; copy bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items())
-          + f"; using the best, {bw / 1e12:.2f}; peer: {'yes' if peer_mod else 'no'}", flush=True)
+    print(
+        f"{info}; copy bandwidth (TB/s): "
+        + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items())
+        + f"; using the best, {bw / 1e12:.2f}; peer: {'yes' if peer_mod else 'no'}",
+        flush=True,
+    )
     anchors = []
     if args.anchors:
         for dt in (torch.bfloat16, torch.float32):
@@ -93,7 +111,9 @@ def main():
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
         cfg = RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
         ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
-        per_expert = ew.gate_up[0].numel() + ew.down[0].numel() + 4 * (ew.gate_up_scale[0].numel() + ew.down_scale[0].numel())
+        per_expert = (
+            ew.gate_up[0].numel() + ew.down[0].numel() + 4 * (ew.gate_up_scale[0].numel() + ew.down_scale[0].numel())
+        )
         for T in map(int, args.tokens.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(1000 + T)
             x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -106,15 +126,24 @@ def main():
             fused_moe(x, ew, ids0, w0, tile_config=override, out=y, shared_slots=S)
             torch.cuda.synchronize()
             err = rel(y, ref)
-            r = dict(model=name, T=T, rel_ours=err, ok=bool(err < TOL_OURS and not torch.isnan(y).any()),
-                     tiles=resolve_tile_config(T, ew, K + S, x.device, override))
+            r = dict(
+                model=name,
+                T=T,
+                rel_ours=err,
+                ok=bool(err < TOL_OURS and not torch.isnan(y).any()),
+                tiles=resolve_tile_config(T, ew, K + S, x.device, override),
+            )
             if args.exact:
                 exact = exact_moe(x, ew, ids0, w0)
                 r.update(rel_exact_ours=rel(y, exact), rel_exact_ref=rel(ref, exact))
                 del exact
             if args.anchors and T >= 512:
-                shapes = dict(gemm1_pairs=(T * (K + S), 2 * I, H), gemm2_pairs=(T * (K + S), H, I),
-                              gemm1_shared=(T, 2 * I, H), gemm2_shared=(T, H, I))
+                shapes = dict(
+                    gemm1_pairs=(T * (K + S), 2 * I, H),
+                    gemm2_pairs=(T * (K + S), H, I),
+                    gemm1_shared=(T, 2 * I, H),
+                    gemm2_shared=(T, H, I),
+                )
                 for what, (m, n, k) in shapes.items():
                     anchors.append(dict(block_fp8_anchor(m, n, k), what=what, model=name, T=T))
                     print(f"anchor {anchors[-1]}", flush=True)
@@ -127,8 +156,14 @@ def main():
             experts = sum(torch.unique(i).numel() for i, _ in sets) / ROT
             nbytes = experts * per_expert + 2 * x.numel() * x.element_size()
             flops = 2 * T * (K + S) * 3 * H * I
-            r.update(ours_us=tf, experts=experts, bytes=nbytes, floor_us=nbytes / bw * 1e6,
-                     pct_copy=100 * nbytes / (tf * 1e-6) / bw, tflops=flops / (tf * 1e-6) / 1e12)
+            r.update(
+                ours_us=tf,
+                experts=experts,
+                bytes=nbytes,
+                floor_us=nbytes / bw * 1e6,
+                pct_copy=100 * nbytes / (tf * 1e-6) / bw,
+                tflops=flops / (tf * 1e-6) / 1e12,
+            )
             if args.unfused:
                 routed, shared = ew.subset(0, E), ew.subset(E, E + S)
                 sh_ids = torch.arange(S, device="cuda", dtype=torch.int32).repeat(T, 1)
@@ -141,8 +176,11 @@ def main():
 
                 r["unfused_us"] = graph_time_us(unfused, ROT, args.trials)
             if peer_mod is not None:
+
                 def time_peer(peer, config):
-                    return graph_time_us(lambda: [peer(x, i, w, out=out, config=config) for i, w in sets], ROT, args.trials)
+                    return graph_time_us(
+                        lambda: [peer(x, i, w, out=out, config=config) for i, w in sets], ROT, args.trials
+                    )
 
                 peer_times = {}  # "act label" -> (us, rel, peer, config) of each candidate that passed its check
                 for act, label, c in peer_candidates(peer_mod, ew, T, K + S, recorded.get((name, T))):
@@ -163,30 +201,50 @@ def main():
                         ours_rounds.append(graph_time_us(ours, ROT, args.trials))
                         peer_rounds.append(time_peer(peer, c))
                     tf, tp = statistics.median(ours_rounds), statistics.median(peer_rounds)
-                    r.update(ours_us=tf, ours_rounds=ours_rounds, pct_copy=100 * nbytes / (tf * 1e-6) / bw,
-                             tflops=flops / (tf * 1e-6) / 1e12)
-                    r.update(peer_us=tp, peer_rounds=peer_rounds, peer_config=best, rel_peer=best_rel,
-                             peer_over_ours=tp / tf, peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw,
-                             peer_all={k: v[0] for k, v in peer_times.items()})
+                    r.update(
+                        ours_us=tf,
+                        ours_rounds=ours_rounds,
+                        pct_copy=100 * nbytes / (tf * 1e-6) / bw,
+                        tflops=flops / (tf * 1e-6) / 1e12,
+                    )
+                    r.update(
+                        peer_us=tp,
+                        peer_rounds=peer_rounds,
+                        peer_config=best,
+                        rel_peer=best_rel,
+                        peer_over_ours=tp / tf,
+                        peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw,
+                        peer_all={k: v[0] for k, v in peer_times.items()},
+                    )
             rows.append(r)
             if args.out:  # after every cell, so a run cut short keeps what it measured
                 with open(args.out, "w") as f:
-                    json.dump(dict(info=info, copy_bw=bw, copies=copies, anchors=anchors, rows=rows), f, indent=1,
-                              default=str)
-            print(f"{name:12} {T:5d} | ours {tf:8.1f} us ({r['pct_copy']:5.1f}% copy, {r['tflops']:6.1f} TFLOP/s, "
-                  f"rel {err:.1e}{'' if r['ok'] else ' CHECK FAILED'})"
-                  + (f" | peer {r['peer_us']:8.1f} us ({r['peer_pct_copy']:5.1f}% copy) peer/ours {r['peer_over_ours']:.3f}"
-                     f" [{r['peer_config']}]" if "peer_us" in r else "")
-                  + (f" | unfused {r['unfused_us']:8.1f} us" if "unfused_us" in r else "")
-                  + f" | floor {r['floor_us']:.1f} us", flush=True)
+                    json.dump(
+                        dict(info=info, copy_bw=bw, copies=copies, anchors=anchors, rows=rows), f, indent=1, default=str
+                    )
+            print(
+                f"{name:12} {T:5d} | ours {tf:8.1f} us ({r['pct_copy']:5.1f}% copy, {r['tflops']:6.1f} TFLOP/s, "
+                f"rel {err:.1e}{'' if r['ok'] else ' CHECK FAILED'})"
+                + (
+                    f" | peer {r['peer_us']:8.1f} us ({r['peer_pct_copy']:5.1f}% copy) peer/ours {r['peer_over_ours']:.3f}"
+                    f" [{r['peer_config']}]"
+                    if "peer_us" in r
+                    else ""
+                )
+                + (f" | unfused {r['unfused_us']:8.1f} us" if "unfused_us" in r else "")
+                + f" | floor {r['floor_us']:.1f} us",
+                flush=True,
+            )
         del ew
         torch.cuda.empty_cache()
     print("\n| model | T | ours us | peer us | peer/ours | ours % copy | peer % copy | TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['T']} | {r['ours_us']:.1f} | {r.get('peer_us', float('nan')):.1f} | "
-              f"{r.get('peer_over_ours', float('nan')):.3f} | {r['pct_copy']:.1f} | {r.get('peer_pct_copy', float('nan')):.1f} "
-              f"| {r['tflops']:.1f} |")
+        print(
+            f"| {r['model']} | {r['T']} | {r['ours_us']:.1f} | {r.get('peer_us', float('nan')):.1f} | "
+            f"{r.get('peer_over_ours', float('nan')):.3f} | {r['pct_copy']:.1f} | {r.get('peer_pct_copy', float('nan')):.1f} "
+            f"| {r['tflops']:.1f} |"
+        )
     fails = [f"{r['model']} T={r['T']}" for r in rows if not r["ok"]]
     print(f"checks: {len(rows) - len(fails)} passed, {len(fails)} failed {fails if fails else ''}")
     if args.out:

@@ -59,15 +59,19 @@ def main():
     ap.add_argument("--warps", default="1,2,4", help="with --variants: the num_warps to try")
     args = ap.parse_args()
     if args.variants:
-        rows = variant_rows(selects=args.select and {int(v) for v in args.select.split(",")},
-                            warps=tuple(int(v) for v in args.warps.split(",")))
+        rows = variant_rows(
+            selects=args.select and {int(v) for v in args.select.split(",")},
+            warps=tuple(int(v) for v in args.warps.split(",")),
+        )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(info=versions(), variants=rows), f, indent=1)
         return
     rows = []
     print(versions())
-    print(f"{'model':12} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5} | {'triton eager':>12} {'torch eager':>11} {'x':>5}")
+    print(
+        f"{'model':12} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5} | {'triton eager':>12} {'torch eager':>11} {'x':>5}"
+    )
     for name, cfg in MODELS.items():
         for T in TOKENS:
             logits = torch.randn(T, cfg.num_experts, device="cuda")
@@ -76,12 +80,21 @@ def main():
             w = torch.empty(T, cfg.slots_per_token, dtype=torch.float32, device="cuda")
             f_tr = lambda: route(logits, bias, cfg, out=(ids, w))  # noqa: E731
             f_pt = lambda: transformers_route(logits, bias, cfg)  # noqa: E731
-            r = dict(model=name, T=T, triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1), torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1),
-                     triton_eager_us=eager_time_us(f_tr, REPS), torch_eager_us=eager_time_us(f_pt, REPS))
+            r = dict(
+                model=name,
+                T=T,
+                triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1),
+                torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1),
+                triton_eager_us=eager_time_us(f_tr, REPS),
+                torch_eager_us=eager_time_us(f_pt, REPS),
+            )
             rows.append(r)
-            print(f"{name:12} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
-                  f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f} | {r['triton_eager_us']:12.2f} "
-                  f"{r['torch_eager_us']:11.2f} {r['torch_eager_us'] / r['triton_eager_us']:5.1f}", flush=True)
+            print(
+                f"{name:12} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
+                f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f} | {r['triton_eager_us']:12.2f} "
+                f"{r['torch_eager_us']:11.2f} {r['torch_eager_us'] / r['triton_eager_us']:5.1f}",
+                flush=True,
+            )
     rows += v4_rows()
     if args.out:
         with open(args.out, "w") as f:
@@ -143,15 +156,26 @@ def v4_rows(vocab: int = 129280):
                 got = route(logits, bias, cfg, out=(ids, w), **kw)
                 order_got, order_ref = got[0].argsort(dim=1), ref[0].argsort(dim=1)  # the same slots, in any order
                 assert torch.equal(got[0].gather(1, order_got), ref[0].gather(1, order_ref)), (name, hashed, T)
-                assert torch.allclose(got[1].gather(1, order_got), ref[1].gather(1, order_ref), rtol=1e-5, atol=1e-6), (name, hashed, T)
+                assert torch.allclose(got[1].gather(1, order_got), ref[1].gather(1, order_ref), rtol=1e-5, atol=1e-6), (
+                    name,
+                    hashed,
+                    T,
+                )
                 f_tr = lambda: route(logits, bias, cfg, out=(ids, w), **kw)  # noqa: E731
                 f_pt = lambda: route(logits, bias, cfg, backend="torch", **kw)  # noqa: E731
-                r = dict(model=name, layer="hash" if hashed else "score", T=T,
-                         triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1),
-                         torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1))
+                r = dict(
+                    model=name,
+                    layer="hash" if hashed else "score",
+                    T=T,
+                    triton_graph_us=graph_time_us(lambda: [f_tr() for _ in range(REPS)], REPS, 5, 1),
+                    torch_graph_us=graph_time_us(lambda: [f_pt() for _ in range(REPS)], REPS, 5, 1),
+                )
                 rows.append(r)
-                print(f"{name:18} {r['layer']:5} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
-                      f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f}", flush=True)
+                print(
+                    f"{name:18} {r['layer']:5} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
+                    f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f}",
+                    flush=True,
+                )
     return rows
 
 

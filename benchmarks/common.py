@@ -91,8 +91,15 @@ def copy_bandwidth() -> dict:
 
 def find_peer_dir(explicit: str | None = None) -> str | None:
     """The peer harness folder, if any: ``explicit``, else ``.peers`` or ``../shared/peers`` beside the project."""
-    for d in ([explicit] if explicit else [os.path.join(ROOT, ".peers"), os.path.join(ROOT, "..", ".peers"),
-                                           os.path.join(ROOT, "..", "shared", "peers")]):
+    for d in (
+        [explicit]
+        if explicit
+        else [
+            os.path.join(ROOT, ".peers"),
+            os.path.join(ROOT, "..", ".peers"),
+            os.path.join(ROOT, "..", "shared", "peers"),
+        ]
+    ):
         if d and os.path.exists(os.path.join(d, "bench_peer_moe.py")):
             return os.path.abspath(d)
     return None
@@ -110,8 +117,12 @@ def load_peer(peer_dir: str | None):
 def versions() -> dict:
     import triton
 
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                driver=torch.version.cuda)
+    return dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        driver=torch.version.cuda,
+    )
 
 
 def block_fp8_anchor(M: int, N: int, K: int, out_dtype=torch.bfloat16, trials: int = 10) -> dict:
@@ -142,5 +153,12 @@ def block_fp8_anchor(M: int, N: int, K: int, out_dtype=torch.bfloat16, trials: i
     us = graph_time_us(lambda: [block_fp8_mm(*s, out_dtype) for s in sets], 4, trials)
     del sets, af, wf, ref
     torch.cuda.empty_cache()
-    return dict(M=M, N=N, K=K, out_dtype=str(out_dtype).replace("torch.", ""), us=us,
-                tflops=2 * M * N * K / (us * 1e-6) / 1e12, rel=err)
+    return dict(
+        M=M,
+        N=N,
+        K=K,
+        out_dtype=str(out_dtype).replace("torch.", ""),
+        us=us,
+        tflops=2 * M * N * K / (us * 1e-6) / 1e12,
+        rel=err,
+    )

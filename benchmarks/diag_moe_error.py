@@ -7,6 +7,7 @@ activations to FP8 (the reference with quant-dequant in float32), so each differ
 rounding of x and h. Printed per (model, T) and per tile variant: rel(triton, exact), rel(ref, exact),
 rel(triton, ref).
 """
+
 import os
 import sys
 
@@ -22,8 +23,14 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-PLAIN = dict(quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,
-             gemm1_swap_ab=False, gemm2_swap_ab=False, down_output_dtype="float32")
+PLAIN = dict(
+    quantize_input_first=False,
+    quantize_in_epilogue=False,
+    quantize_hidden_first=False,
+    gemm1_swap_ab=False,
+    gemm2_swap_ab=False,
+    down_output_dtype="float32",
+)
 VARIANTS = {
     "table": {},
     "plain (no swap, f32 h, f32 out)": PLAIN,
@@ -44,8 +51,10 @@ for name in () if "--gap-only" in sys.argv else ("DeepSeek-V3", "GLM-4.5"):
         ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg)
         ex = exact(x, ew, ids, w)
         ref = fused_moe(x, ew, ids, w, backend="torch")
-        print(f"{name} T={T}: ref vs exact {rel(ref, ex):.4f}  table tiles {resolve_tile_config(T, ew, K + S, x.device)}",
-              flush=True)
+        print(
+            f"{name} T={T}: ref vs exact {rel(ref, ex):.4f}  table tiles {resolve_tile_config(T, ew, K + S, x.device)}",
+            flush=True,
+        )
         for label, variant in VARIANTS.items():
             try:
                 y = fused_moe(x, ew, ids, w, tile_config=variant or None)
@@ -70,8 +79,12 @@ def reference64(x, ew, ids, w):
     return exact(x, ew, ids, w, round_activations=qdq64)
 
 
-print("torch matmul precision:", torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
-      getattr(torch.backends.cuda.matmul, "fp32_precision", None))
+print(
+    "torch matmul precision:",
+    torch.backends.cuda.matmul.allow_tf32,
+    torch.get_float32_matmul_precision(),
+    getattr(torch.backends.cuda.matmul, "fp32_precision", None),
+)
 from runtime.fp8 import quantize_activations  # noqa: E402
 from runtime.moe_triton import quantize_activations_triton  # noqa: E402
 
@@ -82,13 +95,17 @@ for T in (1, 64):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     q_t, s_t = quantize_activations(x)
     q_k, s_k = quantize_activations_triton(x)
-    print(f"T={T}: x codes differing {(q_t.view(torch.uint8) != q_k.view(torch.uint8)).sum().item()} of {q_t.numel()}, "
-          f"scales differing {(s_t != s_k).sum().item()} of {s_t.numel()}")
+    print(
+        f"T={T}: x codes differing {(q_t.view(torch.uint8) != q_k.view(torch.uint8)).sum().item()} of {q_t.numel()}, "
+        f"scales differing {(s_t != s_k).sum().item()} of {s_t.numel()}"
+    )
     ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.05, cfg)
     ex, r64 = exact(x, ew, ids, w), reference64(x, ew, ids, w)
     ref, tri = fused_moe(x, ew, ids, w, backend="torch"), fused_moe(x, ew, ids, w)
-    print(f"   ref32 vs ref64 {rel(ref, r64):.4f}  triton vs ref64 {rel(tri, r64):.4f}  ref64 vs exact {rel(r64, ex):.4f}"
-          f"  triton vs ref32 {rel(tri, ref):.4f}")
+    print(
+        f"   ref32 vs ref64 {rel(ref, r64):.4f}  triton vs ref64 {rel(tri, r64):.4f}  ref64 vs exact {rel(r64, ex):.4f}"
+        f"  triton vs ref32 {rel(tri, ref):.4f}"
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     ref_hi = fused_moe(x, ew, ids, w, backend="torch")
@@ -118,8 +135,10 @@ for T in (1, 64, 512):
     mt._moe_gemm_kernel = _Precise(fast_kernel)
     try:
         precise = fused_moe(x, ew, ids, w)
-        print(f"T={T}: imprecise acc: vs ref64 {rel(fast, r64):.4f} vs exact {rel(fast, ex):.4f} | precise acc: vs ref64 "
-              f"{rel(precise, r64):.4f} vs exact {rel(precise, ex):.4f}")
+        print(
+            f"T={T}: imprecise acc: vs ref64 {rel(fast, r64):.4f} vs exact {rel(fast, ex):.4f} | precise acc: vs ref64 "
+            f"{rel(precise, r64):.4f} vs exact {rel(precise, ex):.4f}"
+        )
     except Exception as e:  # noqa: BLE001
         print("precise launch failed:", str(e)[:300])
     mt._moe_gemm_kernel = fast_kernel

@@ -81,12 +81,22 @@ def measure(model, ids, device, new_tokens: int) -> dict:
         _sync(device)
         prefill = ids.numel() / (time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         _sync(device)
         decode = new_tokens * ids.shape[0] / (time.perf_counter() - t0)
-    return {"logits": logits.float().cpu(), "prefill_tok_s": round(prefill, 2), "decode_tok_s": round(decode, 2),
-            "tokens": out[:, ids.shape[1]:].tolist()}
+    return {
+        "logits": logits.float().cpu(),
+        "prefill_tok_s": round(prefill, 2),
+        "decode_tok_s": round(decode, 2),
+        "tokens": out[:, ids.shape[1] :].tolist(),
+    }
 
 
 def main(argv=None) -> dict | None:
@@ -108,14 +118,21 @@ def main(argv=None) -> dict | None:
 
     dist.init_process_group(a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}") if a.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}") if a.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, a.dtype)
     vocab = json.loads((a.checkpoint / "config.json").read_text()).get("vocab_size", 32000)
     ids = torch.randint(0, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    res: dict = {"world": world, "backend": a.backend, "device": str(device), "shared_replica": not a.no_shared_replica,
-                 "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_NVLSTREE_ENABLE")}}
+    res: dict = {
+        "world": world,
+        "backend": a.backend,
+        "device": str(device),
+        "shared_replica": not a.no_shared_replica,
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_NVLSTREE_ENABLE")},
+    }
 
     t0 = time.perf_counter()
     model = from_fused_pretrained(a.checkpoint, device=device, dtype=dtype, keep_fp8=True, expert_parallel=True)
@@ -130,8 +147,12 @@ def main(argv=None) -> dict | None:
         res["ep_gpu_allocated_gb"] = round(torch.cuda.memory_allocated(device) / 1e9, 2)
     with CollectiveTimer(device) as timer:
         ep = measure(model, ids, device, a.new_tokens)
-    res.update(ep_prefill_tok_s=ep["prefill_tok_s"], ep_decode_tok_s=ep["decode_tok_s"],
-               all_reduce_s=round(timer.seconds, 4), all_reduce_calls=timer.calls)
+    res.update(
+        ep_prefill_tok_s=ep["prefill_tok_s"],
+        ep_decode_tok_s=ep["decode_tok_s"],
+        all_reduce_s=round(timer.seconds, 4),
+        all_reduce_calls=timer.calls,
+    )
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -140,9 +161,13 @@ def main(argv=None) -> dict | None:
         single = from_fused_pretrained(a.checkpoint, device=device, dtype=dtype, keep_fp8=True)
         one = measure(single, ids, device, a.new_tokens)
         diff = (ep["logits"] - one["logits"]).abs().max().item()
-        res.update(single_prefill_tok_s=one["prefill_tok_s"], single_decode_tok_s=one["decode_tok_s"],
-                   max_abs_logit_diff=diff, max_abs_logit=one["logits"].abs().max().item(),
-                   same_greedy_tokens=ep["tokens"] == one["tokens"])
+        res.update(
+            single_prefill_tok_s=one["prefill_tok_s"],
+            single_decode_tok_s=one["decode_tok_s"],
+            max_abs_logit_diff=diff,
+            max_abs_logit=one["logits"].abs().max().item(),
+            same_greedy_tokens=ep["tokens"] == one["tokens"],
+        )
         del single
     dist.barrier()
     dist.destroy_process_group()

@@ -40,7 +40,10 @@ def launches(fn, iters: int) -> list[tuple[str, float]]:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
     kernels.sort(key=lambda e: e.time_range.start)
     per = len(kernels) // iters
-    return [(kernels[i].name[:60], statistics.median(kernels[i + j * per].device_time for j in range(iters))) for i in range(per)]
+    return [
+        (kernels[i].name[:60], statistics.median(kernels[i + j * per].device_time for j in range(iters)))
+        for i in range(per)
+    ]
 
 
 def show(label: str, rows: list[tuple[str, float]]) -> None:
@@ -66,13 +69,19 @@ def main():
         for T in map(int, args.tokens.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(1000 + T)
             x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-            ids, w = route(torch.randn(T, E, device="cuda", generator=gen), torch.randn(E, device="cuda", generator=gen) * 0.05, cfg)
+            ids, w = route(
+                torch.randn(T, E, device="cuda", generator=gen),
+                torch.randn(E, device="cuda", generator=gen) * 0.05,
+                cfg,
+            )
             out = torch.empty_like(x)
             print(f"{name} T={T}")
             for over in args.tile_config or [None]:
                 tiles = json.loads(over) if over else None
-                show(f"ours {json.dumps(resolve_tile_config(T, ew, K + S, x.device, tiles), sort_keys=True)}",
-                     launches(lambda: fused_moe(x, ew, ids, w, tile_config=tiles, out=out, shared_slots=S), args.iters))
+                show(
+                    f"ours {json.dumps(resolve_tile_config(T, ew, K + S, x.device, tiles), sort_keys=True)}",
+                    launches(lambda: fused_moe(x, ew, ids, w, tile_config=tiles, out=out, shared_slots=S), args.iters),
+                )
             if peer_mod is not None:
                 peer = peer_mod.Peer(ew, "fused")
                 pc = json.loads(args.peer_config) if args.peer_config else None

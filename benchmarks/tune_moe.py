@@ -27,25 +27,67 @@ from common import MODELS, TOKENS, find_peer_dir, graph_time_us, load_peer, rand
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.moe_triton import resolve_tile_config  # noqa: E402
-from runtime.moe_tiles import (builtin_tile_config, check_tile_config, dtype_tag, shape_key,  # noqa: E402
-                               table_file_name)
+from runtime.moe_tiles import (
+    builtin_tile_config,
+    check_tile_config,
+    dtype_tag,
+    shape_key,  # noqa: E402
+    table_file_name,
+)
 
 ROT = 4
 TOL = 1e-2
 _PQ = dict(quantize_input_first=True)
 _SWAP1 = dict(_PQ, block_m=16, gemm1_swap_ab=True, gemm1_stages=4)
-_EPQ = dict(gemm1_fused_activation=True, gemm1_block_n=128, quantize_in_epilogue=True, quantize_input_first=True,
-            down_output_dtype="bfloat16", group_m=8)
-_EPQ_SWAP = dict(_EPQ, block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=64, gemm1_stages=4,
-                 gemm2_stages=4, group_m=1, down_output_dtype="float32")
-_PLAIN_SPLIT_HQ = dict(_SWAP1, gemm1_fused_activation=False, gemm1_block_n=64, gemm1_split_k=2, quantize_hidden_first=True,
-                       gemm2_block_n=64, gemm2_swap_ab=True, gemm2_stages=4)
+_EPQ = dict(
+    gemm1_fused_activation=True,
+    gemm1_block_n=128,
+    quantize_in_epilogue=True,
+    quantize_input_first=True,
+    down_output_dtype="bfloat16",
+    group_m=8,
+)
+_EPQ_SWAP = dict(
+    _EPQ,
+    block_m=16,
+    gemm1_swap_ab=True,
+    gemm2_swap_ab=True,
+    gemm2_block_n=64,
+    gemm1_stages=4,
+    gemm2_stages=4,
+    group_m=1,
+    down_output_dtype="float32",
+)
+_PLAIN_SPLIT_HQ = dict(
+    _SWAP1,
+    gemm1_fused_activation=False,
+    gemm1_block_n=64,
+    gemm1_split_k=2,
+    quantize_hidden_first=True,
+    gemm2_block_n=64,
+    gemm2_swap_ab=True,
+    gemm2_stages=4,
+)
 # Prefill as the peer's GEMMs run: plain GEMM1 (one 64x128 float32 accumulator per program, 4 warps) writing float32
 # gate | up sums, then SwiGLU + FP8 quantization of h in their own launch; GEMM2 reads FP8 h.
-_PLAIN_HQ_M64 = dict(block_m=64, gemm1_fused_activation=False, gemm1_block_n=128, gemm1_split_k=1, gemm1_swap_ab=False,
-                     gemm1_warps=4, gemm1_stages=3, quantize_input_first=True, quantize_in_epilogue=False,
-                     quantize_hidden_first=True, gemm2_block_n=128, gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3,
-                     group_m=32, down_output_dtype="bfloat16")
+_PLAIN_HQ_M64 = dict(
+    block_m=64,
+    gemm1_fused_activation=False,
+    gemm1_block_n=128,
+    gemm1_split_k=1,
+    gemm1_swap_ab=False,
+    gemm1_warps=4,
+    gemm1_stages=3,
+    quantize_input_first=True,
+    quantize_in_epilogue=False,
+    quantize_hidden_first=True,
+    gemm2_block_n=128,
+    gemm2_swap_ab=False,
+    gemm2_warps=4,
+    gemm2_stages=3,
+    group_m=32,
+    down_output_dtype="bfloat16",
+)
 # Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
 # quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
 # 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower. Dropped after
@@ -71,24 +113,36 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "plain-split2-hq": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3),
     },
     "mid": {
-        "m32-epq-swap-g32": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
-                                 group_m=32),
-        "m32-epq-swap-g32-tma": dict(_EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128,
-                                     group_m=32, **_TMA),
+        "m32-epq-swap-g32": dict(
+            _EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128, group_m=32
+        ),
+        "m32-epq-swap-g32-tma": dict(
+            _EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128, group_m=32, **_TMA
+        ),
         "m32-plain-hq-swap-tma": dict(_PLAIN_HQ_M64, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, **_TMA),
         "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
     },
     "prefill": {
-        "m64-epq-n2x256-s4": dict(_EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8,
-                                  group_m=16),
+        "m64-epq-n2x256-s4": dict(
+            _EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8, group_m=16
+        ),
         "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
         "m64-plain-hq-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, **_TMA),
         "m64-plain-hq-g8-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, **_TMA),
-        "m64-plain-hq-s4-tma-n2x256": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8,
-                                           **_TMA),
+        "m64-plain-hq-s4-tma-n2x256": dict(
+            _PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8, **_TMA
+        ),
         # One 128x128 accumulator per program in two warpgroups (the gated 128-row tiles spilled); shared slot dense.
-        "m128-plain-hq-tma-dense": dict(_PLAIN_HQ_M64, block_m=128, gemm1_warps=8, gemm2_warps=8, gemm1_stages=3,
-                                        gemm2_stages=3, shared_dense=True, **_TMA),
+        "m128-plain-hq-tma-dense": dict(
+            _PLAIN_HQ_M64,
+            block_m=128,
+            gemm1_warps=8,
+            gemm2_warps=8,
+            gemm1_stages=3,
+            gemm2_stages=3,
+            shared_dense=True,
+            **_TMA,
+        ),
     },
 }
 
@@ -146,8 +200,11 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
                 log(f"  {name} T={T} ours {label}: CHECK FAILED rel {err:.2e}")
                 row["ours"][label] = dict(ok=False, rel=err)
                 continue
-            t = graph_time_us(lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out, shared_slots=shared)
-                                       for i, w in sets], ROT, trials)
+            t = graph_time_us(
+                lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out, shared_slots=shared) for i, w in sets],
+                ROT,
+                trials,
+            )
             row["ours"][label] = dict(ok=True, rel=err, us=t, config=full)
             log(f"  {name} T={T} ours {label}: {t:.1f} us (rel {err:.1e})")
         except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
@@ -169,7 +226,11 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
                     torch.cuda.synchronize()
                     err = rel(y, ref)
                     ok = err < peer_mod.TOL_PEER and not torch.isnan(y).any()
-                    t = graph_time_us(lambda: [peer(x, i, w, out=out, config=c) for i, w in sets], ROT, trials) if ok else None
+                    t = (
+                        graph_time_us(lambda: [peer(x, i, w, out=out, config=c) for i, w in sets], ROT, trials)
+                        if ok
+                        else None
+                    )
                     row["peer"][key] = dict(ok=bool(ok), rel=err, us=t, config=c, label=label, act=act)
                     log(f"  {name} T={T} peer {key}: {t if t is None else round(t, 1)} us (rel {err:.1e})")
                 except Exception as e:  # noqa: BLE001
@@ -193,8 +254,16 @@ def read_table(table_dir, device):
 
 def write_table(table_dir, info, shapes, log):
     first = shapes.get(shape_key(257, 7168, 2048, 9)) or next(iter(shapes.values()), {})
-    doc = dict(device=info["device"], dtype=dtype_tag(True), triton=info["triton"], torch=info["torch"],
-               date=info["date"], generated_by="benchmarks/tune_moe.py", shapes=shapes, default=first)
+    doc = dict(
+        device=info["device"],
+        dtype=dtype_tag(True),
+        triton=info["triton"],
+        torch=info["torch"],
+        date=info["date"],
+        generated_by="benchmarks/tune_moe.py",
+        shapes=shapes,
+        default=first,
+    )
     os.makedirs(table_dir, exist_ok=True)
     path = os.path.join(table_dir, table_file_name(info["device"], dtype_tag(True)))
     with open(path, "w") as f:
@@ -207,16 +276,21 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--table-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runtime", "configs"))
+    ap.add_argument(
+        "--table-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runtime", "configs")
+    )
     ap.add_argument("--results-out", default=None)
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--peer-dir", default=None)
     ap.add_argument("--fresh", action="store_true", help="start a new table instead of updating the existing one")
     ap.add_argument("--from-results", default=None, help="only write the table from an earlier --results-out file")
     ap.add_argument("--only", default=None, help="comma-separated candidate names to time (e.g. current,current-dense)")
-    ap.add_argument("--variants", default=None,
-                    help="JSON {name: overrides} timed on top of the table's entry, "
-                         "e.g. '{\"bf16gu\": {\"gemm1_output_dtype\": \"bfloat16\"}}'")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="JSON {name: overrides} timed on top of the table's entry, "
+        'e.g. \'{"bf16gu": {"gemm1_output_dtype": "bfloat16"}}\'',
+    )
     args = ap.parse_args()
     if args.from_results:
         return from_results(args.from_results, args.table_out)
@@ -232,9 +306,17 @@ def main():
         table = shapes.setdefault(shape_key(E + S, H, I, K + S), {})
         for T in map(int, args.tokens.split(",")):
             try:
-                row = tune_cell(name, T, ew, cfg, peer_mod, args.trials, log,
-                                set(args.only.split(",")) if args.only else None,
-                                json.loads(args.variants) if args.variants else None)
+                row = tune_cell(
+                    name,
+                    T,
+                    ew,
+                    cfg,
+                    peer_mod,
+                    args.trials,
+                    log,
+                    set(args.only.split(",")) if args.only else None,
+                    json.loads(args.variants) if args.variants else None,
+                )
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 continue
@@ -243,15 +325,16 @@ def main():
                 table[str(T)] = row["ours"][row["best"]]["config"]
                 po = row["peer"].get(row["peer_best"], {}).get("us") if row["peer_best"] else None
                 ours = row["ours"][row["best"]]["us"]
-                log(f"{name} T={T}: best {row['best']} {ours:.1f} us; peer best {row['peer_best']} "
-                    f"{po if po is None else round(po, 1)} us" + (f"; peer/ours {po / ours:.3f}" if po else ""))
+                log(
+                    f"{name} T={T}: best {row['best']} {ours:.1f} us; peer best {row['peer_best']} "
+                    f"{po if po is None else round(po, 1)} us" + (f"; peer/ours {po / ours:.3f}" if po else "")
+                )
             if args.results_out:
                 with open(args.results_out, "w") as f:
                     json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
         del ew
         torch.cuda.empty_cache()
         write_table(args.table_out, info, shapes, log)
-
 
 
 if __name__ == "__main__":

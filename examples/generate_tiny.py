@@ -44,7 +44,7 @@ def ensure_checkpoint(path: Path) -> Path:
 def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, prompt.shape[1]:].tolist()
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

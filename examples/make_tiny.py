@@ -21,12 +21,32 @@ OUT = Path(__file__).resolve().parent / "tiny-deepseek-v3"
 
 def main() -> None:
     cfg = DeepseekV3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=256, tie_word_embeddings=False, num_nextn_predict_layers=1,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     )
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
@@ -47,7 +67,7 @@ def main() -> None:
     n, H = cfg.num_hidden_layers, cfg.hidden_size
     for k, v in list(tensors.items()):
         if k.startswith(f"model.layers.{n - 1}."):
-            tensors[f"model.layers.{n}." + k[len(f"model.layers.{n - 1}."):]] = v.clone()
+            tensors[f"model.layers.{n}." + k[len(f"model.layers.{n - 1}.") :]] = v.clone()
     tensors[f"model.layers.{n}.eh_proj.weight"] = (torch.randn(H, 2 * H, generator=g) / math.sqrt(2 * H)).bfloat16()
     for glue in ("enorm", "hnorm", "shared_head.norm"):
         tensors[f"model.layers.{n}.{glue}.weight"] = torch.ones(H, dtype=torch.bfloat16)

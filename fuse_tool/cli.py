@@ -18,7 +18,18 @@ except KeyboardInterrupt:
     sys.stderr.write("error: interrupted\n")
     raise SystemExit(130) from None
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 # --max-shard-size bounds. Below one file-system page a shard costs more in header and inode than it
@@ -44,8 +55,10 @@ def _shard_size(ctx, param, value: str) -> int:
         hint = f"; a bare number counts bytes: {value.strip()}GB?" if value.strip().isdigit() else ""
         raise click.BadParameter(f"{value!r} is {size} bytes, expected at least 4KiB{hint}")
     if size > MAX_SHARD_SIZE:
-        raise click.BadParameter(f"{value!r} is {size} bytes, expected at most 50GB (the largest file huggingface_hub uploads "
-                                 "and downloads over plain HTTP)")
+        raise click.BadParameter(
+            f"{value!r} is {size} bytes, expected at most 50GB (the largest file huggingface_hub uploads "
+            "and downloads over plain HTTP)"
+        )
     return size
 
 
@@ -87,7 +100,9 @@ class _OneLineGroup(click.Group):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
-            hint = f" (see {e.ctx.command_path} --help)" if isinstance(e, click.UsageError) and e.ctx is not None else ""
+            hint = (
+                f" (see {e.ctx.command_path} --help)" if isinstance(e, click.UsageError) and e.ctx is not None else ""
+            )
             click.echo(f"error: {' '.join(e.format_message().split())}{hint}", err=True)
             sys.exit(e.exit_code)
         except click.Abort as e:  # click's word for Ctrl-C (or SIGTERM) outside a conversion, which says what it kept
@@ -150,8 +165,9 @@ def _resolve_source(model: str) -> tuple[Path, str]:
     if Path(model).exists():
         return Path(model), model
     if _looks_like_a_path(model):
-        raise ConversionError("no such folder (a local path, so the Hub is not asked; a Hub repo id is owner/name)",
-                              file=_bounded(model))
+        raise ConversionError(
+            "no such folder (a local path, so the Hub is not asked; a Hub repo id is owner/name)", file=_bounded(model)
+        )
     from . import hub  # only when a Hub id is given
 
     if not hub.is_hub_reference(model):
@@ -166,14 +182,33 @@ def main() -> None:
 
 
 _convert_options = [
-    click.option("--precision", type=click.Choice(["fp8", "source"]), default="fp8", show_default=True,
-                 help="fp8: experts as FP8 e4m3 128x128 blocks; source: no FP8 anywhere, the fusion alone in the source's precision."),
-    click.option("--other-linear", type=click.Choice(["fp8", "keep"]), default="fp8", show_default=True,
-                 help="Non-expert linear layers: FP8 like the DeepSeek-V3 release, or kept in the source dtype (listed in modules_to_not_convert)."),
-    click.option("--scale-fmt", type=click.Choice(["float", "ue8m0"]), default=None,
-                 help="Block scales as any float32, or rounded up to powers of two (DeepSeek-V3.1). Default: the source's."),
-    click.option("--max-shard-size", default="5GB", show_default=True, callback=_shard_size,
-                 help="Largest output shard (SI units: 5GB = 5e9 bytes), 4KiB to 50GB."),
+    click.option(
+        "--precision",
+        type=click.Choice(["fp8", "source"]),
+        default="fp8",
+        show_default=True,
+        help="fp8: experts as FP8 e4m3 128x128 blocks; source: no FP8 anywhere, the fusion alone in the source's precision.",
+    ),
+    click.option(
+        "--other-linear",
+        type=click.Choice(["fp8", "keep"]),
+        default="fp8",
+        show_default=True,
+        help="Non-expert linear layers: FP8 like the DeepSeek-V3 release, or kept in the source dtype (listed in modules_to_not_convert).",
+    ),
+    click.option(
+        "--scale-fmt",
+        type=click.Choice(["float", "ue8m0"]),
+        default=None,
+        help="Block scales as any float32, or rounded up to powers of two (DeepSeek-V3.1). Default: the source's.",
+    ),
+    click.option(
+        "--max-shard-size",
+        default="5GB",
+        show_default=True,
+        callback=_shard_size,
+        help="Largest output shard (SI units: 5GB = 5e9 bytes), 4KiB to 50GB.",
+    ),
 ]
 
 
@@ -184,8 +219,12 @@ def _with_convert_options(f):
 
 
 def _options(precision, other_linear, scale_fmt, max_shard_size) -> ConvertOptions:
-    return ConvertOptions(precision=precision, other_linear=other_linear, scale_fmt=scale_fmt,
-                          max_shard_size=max_shard_size if isinstance(max_shard_size, int) else DEFAULT_MAX_SHARD_SIZE)
+    return ConvertOptions(
+        precision=precision,
+        other_linear=other_linear,
+        scale_fmt=scale_fmt,
+        max_shard_size=max_shard_size if isinstance(max_shard_size, int) else DEFAULT_MAX_SHARD_SIZE,
+    )
 
 
 @main.command()
@@ -209,13 +248,31 @@ def inspect(model, precision, other_linear, scale_fmt, max_shard_size):
 @_with_convert_options
 @click.option("--device", default="cpu", show_default=True, help="Where the FP8 math runs: cpu or cuda.")
 @click.option("--overwrite", is_flag=True, help="Replace a previous conversion in OUT_DIR.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted or failed conversion into OUT_DIR (same model and options); "
-              "completed shards are kept, the rest redone. With nothing to resume, an ordinary run.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted or failed conversion into OUT_DIR (same model and options); "
+    "completed shards are kept, the rest redone. With nothing to resume, an ordinary run.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--allow-non-finite", is_flag=True, help="Convert weights that hold NaN or Inf instead of refusing them.")
 @click.option("--push-to", metavar="REPO_ID", default=None, help="Push the result to this Hub repo when done.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, device, overwrite, resume, dry_run, allow_non_finite, push_to, quiet):
+def convert(
+    model,
+    out_dir,
+    precision,
+    other_linear,
+    scale_fmt,
+    max_shard_size,
+    device,
+    overwrite,
+    resume,
+    dry_run,
+    allow_non_finite,
+    push_to,
+    quiet,
+):
     """Convert MODEL (a folder or Hub repo id[@revision]) into OUT_DIR in the fused-shared layout."""
     from .convert import convert_checkpoint, plan_conversion
 
@@ -230,15 +287,26 @@ def convert(model, out_dir, precision, other_linear, scale_fmt, max_shard_size, 
             click.echo(describe_plan(plan_conversion(path, options)))
             click.echo("dry run: nothing written")
             return
-        result = convert_checkpoint(path, out_dir, options, overwrite=overwrite, resume=resume, device=device, progress=not quiet,
-                                    allow_non_finite=allow_non_finite, source_id=source_id)
+        result = convert_checkpoint(
+            path,
+            out_dir,
+            options,
+            overwrite=overwrite,
+            resume=resume,
+            device=device,
+            progress=not quiet,
+            allow_non_finite=allow_non_finite,
+            source_id=source_id,
+        )
     except Exception as e:  # noqa: BLE001
         _fail(e)
     click.echo(describe_plan(result.plan, result.measurements))
     if resume:
         click.echo(f"resumed        {result.resumed_shards} of {len(result.plan.shards)} shards were complete and kept")
     rate = result.plan.total_size / result.seconds / 1e9 if result.seconds else 0.0
-    click.echo(f"wrote          {len(result.files)} files to {result.out_dir} in {result.seconds:.1f} s ({rate:.2f} GB/s)")
+    click.echo(
+        f"wrote          {len(result.files)} files to {result.out_dir} in {result.seconds:.1f} s ({rate:.2f} GB/s)"
+    )
     if push_to:
         _push(out_dir, push_to, private=False, revision=None, commit_message=None, quiet=quiet)
 
@@ -247,7 +315,9 @@ def _push(out_dir, repo_id, *, private, revision, commit_message, quiet) -> None
     from . import hub
 
     try:
-        url = hub.push_checkpoint(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, progress=not quiet)
+        url = hub.push_checkpoint(
+            out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, progress=not quiet
+        )
     except Exception as e:  # noqa: BLE001
         _fail(e)
     click.echo(f"pushed         {out_dir} to {url}")
@@ -267,22 +337,60 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
 
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json.")
-@click.option("--against", metavar="MODEL", default=None,
-              help="Also run OUT_DIR and its source MODEL (a folder or Hub repo id[@revision]) on the same tokens, "
-                   "one layer at a time; compare MoE outputs and logits.")
-@click.option("--tokens", default="4x32", show_default=True, callback=_token_shape,
-              help="--against: BATCHxSEQ deterministic token ids (at most 4096 tokens).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1), help="--against: seed of the token ids.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="--against: compute dtype of both models.")
+@click.option(
+    "--checksums", is_flag=True, help="Re-read every shard and compare its sha256 with fuse_shared_manifest.json."
+)
+@click.option(
+    "--against",
+    metavar="MODEL",
+    default=None,
+    help="Also run OUT_DIR and its source MODEL (a folder or Hub repo id[@revision]) on the same tokens, "
+    "one layer at a time; compare MoE outputs and logits.",
+)
+@click.option(
+    "--tokens",
+    default="4x32",
+    show_default=True,
+    callback=_token_shape,
+    help="--against: BATCHxSEQ deterministic token ids (at most 4096 tokens).",
+)
+@click.option(
+    "--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1), help="--against: seed of the token ids."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="--against: compute dtype of both models.",
+)
 @click.option("--device", default="cpu", show_default=True, help="--against: where both models run (cpu or cuda).")
-@click.option("--backend", type=click.Choice(["auto", "torch", "triton"]), default="auto", show_default=True,
-              help="--against: the runtime's MoE path (Triton's float32 dots are TF32: use torch for the exact check on CUDA).")
-@click.option("--max-moe-err", type=_Bound(0.0, math.inf), default=None, help="--against: override the per-MoE-layer relative error bound.")
-@click.option("--max-logits-err", type=_Bound(0.0, math.inf), default=None, help="--against: override the final-logits relative error bound.")
-@click.option("--min-top1", type=_Bound(0.0, 1.0), default=None, help="--against: override the top-1 agreement bound (0 to 1).")
+@click.option(
+    "--backend",
+    type=click.Choice(["auto", "torch", "triton"]),
+    default="auto",
+    show_default=True,
+    help="--against: the runtime's MoE path (Triton's float32 dots are TF32: use torch for the exact check on CUDA).",
+)
+@click.option(
+    "--max-moe-err",
+    type=_Bound(0.0, math.inf),
+    default=None,
+    help="--against: override the per-MoE-layer relative error bound.",
+)
+@click.option(
+    "--max-logits-err",
+    type=_Bound(0.0, math.inf),
+    default=None,
+    help="--against: override the final-logits relative error bound.",
+)
+@click.option(
+    "--min-top1", type=_Bound(0.0, 1.0), default=None, help="--against: override the top-1 agreement bound (0 to 1)."
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, max_moe_err, max_logits_err, min_top1, quiet):
+def verify(
+    out_dir, checksums, against, tokens, seed, dtype, device, backend, max_moe_err, max_logits_err, min_top1, quiet
+):
     """Check that OUT_DIR is a complete converted checkpoint: headers against the index and the layout, sizes (and with --checksums sha256) against the manifest; with --against, numerically against its source."""
     from .verify.integrity import check_output
 
@@ -298,14 +406,30 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
     from .progress import human_size
 
     shards = f"{len(r.shards)} shards, {human_size(r.shard_bytes)}"
-    what = f"sha256 of {r.files_checked} files ({shards}) matches the manifest" if checksums else \
-        "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
+    what = (
+        f"sha256 of {r.files_checked} files ({shards}) matches the manifest"
+        if checksums
+        else "headers, index, layout and sizes are consistent (pass --checksums to re-read every shard)"
+    )
     click.echo(f"ok: {out_dir}: {len(r.tensors)} tensors in {len(r.shards)} shards; {what}")
     if against is not None:
         from .verify.numerics import run_verify_cli
 
-        sys.exit(run_verify_cli(out_dir, against, tokens, seed, dtype, device, max_moe_err, max_logits_err, min_top1, echo=click.echo,
-                                backend=None if backend == "auto" else backend))
+        sys.exit(
+            run_verify_cli(
+                out_dir,
+                against,
+                tokens,
+                seed,
+                dtype,
+                device,
+                max_moe_err,
+                max_logits_err,
+                min_top1,
+                echo=click.echo,
+                backend=None if backend == "auto" else backend,
+            )
+        )
 
 
 @main.command()
@@ -313,9 +437,20 @@ def verify(out_dir, checksums, against, tokens, seed, dtype, device, backend, ma
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda, cuda:1).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None, help="Compute dtype (default: the config's).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    default=None,
+    help="Compute dtype (default: the config's).",
+)
 @click.option("--model-name", default=None, help="The model id the API reports and accepts (default: OUT_DIR's name).")
-@click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(1, 1 << 20), help="Largest max_tokens a request may ask.")
+@click.option(
+    "--max-tokens-limit",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(1, 1 << 20),
+    help="Largest max_tokens a request may ask.",
+)
 def serve(out_dir, host, port, device, dtype, model_name, max_tokens_limit):
     """Serve the converted checkpoint in OUT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     try:

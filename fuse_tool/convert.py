@@ -19,9 +19,19 @@ from .write.execute import execute
 from .write.journal import conversion_inputs
 from .write.measurements import Measurements
 from .write.failures import unexpected_error
-from .write.out_dir import (OutputLock, bytes_still_needed, check_free_space, check_name_lengths, check_out_dir_name, check_paths, make_out_dir,
-                            prepare_out_dir, remove_if_empty)
+from .write.out_dir import (
+    OutputLock,
+    bytes_still_needed,
+    check_free_space,
+    check_name_lengths,
+    check_out_dir_name,
+    check_paths,
+    make_out_dir,
+    prepare_out_dir,
+    remove_if_empty,
+)
 from .write.writer import planned_header
+
 
 @dataclass
 class ConversionResult:
@@ -32,9 +42,11 @@ class ConversionResult:
     resumed_shards: int = 0  # shards found complete and kept by --resume
     measurements: Measurements = field(default_factory=Measurements)  # what the format conversions measured
 
+
 def plan_conversion(model_dir: str | Path, options: ConvertOptions | None = None) -> ConversionPlan:
     """Read headers and config, check them, and plan; nothing is written."""
     return build_plan(SourceCheckpoint.open(model_dir), options)
+
 
 def convert_checkpoint(
     model_dir: str | Path,
@@ -74,8 +86,9 @@ def convert_checkpoint(
         with OutputLock(out_dir):
             journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
             check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
-            files, measurements = execute(plan, headers, journal, out_dir, device, progress, allow_non_finite,
-                                          source_id or str(model_dir))
+            files, measurements = execute(
+                plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir)
+            )
     except BaseException as e:
         if created:
             remove_if_empty(out_dir)
@@ -85,6 +98,7 @@ def convert_checkpoint(
             raise unexpected_error(e, where=out_dir) from None  # one line naming where, never a bare Python message
         raise
     return ConversionResult(out_dir, plan, time.perf_counter() - started, files, kept, measurements)
+
 
 def _check_device(device: str) -> None:
     if device == "cpu":

@@ -27,7 +27,9 @@ READ_CHUNK = 16 << 20
 def disk_error(e: OSError, path: Path) -> ConversionError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         what = "no space left on the device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        return ConversionError(f"{what}; free some space and rerun with --resume (completed shards are kept)", file=path)
+        return ConversionError(
+            f"{what}; free some space and rerun with --resume (completed shards are kept)", file=path
+        )
     if e.errno == errno.EROFS:
         return ConversionError("the output folder is on a read-only file system", file=path)
     return ConversionError(f"write failed: {e.strerror or e}", file=path)
@@ -36,7 +38,7 @@ def disk_error(e: OSError, path: Path) -> ConversionError:
 def write_all(fd: int, data) -> None:
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def stage_bytes(path: Path, data: bytes) -> Path:
@@ -121,8 +123,13 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str | os.PathLike, what: str = "a file of the checkpoint", *, fsync: bool = False,
-                on_chunk: Callable[[int], object] | None = None) -> str:
+def sha256_file(
+    path: str | os.PathLike,
+    what: str = "a file of the checkpoint",
+    *,
+    fsync: bool = False,
+    on_chunk: Callable[[int], object] | None = None,
+) -> str:
     """The sha256 of a regular file (anything else is refused in one line, never waited on); ``fsync``: flush it to
     disk first (a shard just written); ``on_chunk(n)`` after each chunk read (a progress bar)."""
     h = hashlib.sha256()

@@ -17,5 +17,13 @@ class HubError(FuseSharedError):
     """A Hugging Face Hub operation failed (network, permissions, a missing repository)."""
 
 
-__all__ = ["CheckpointError", "ConversionError", "FuseSharedError", "HubError", "LayoutError", "ModelError",
-           "UnsupportedModelError", "VerifyError"]
+__all__ = [
+    "CheckpointError",
+    "ConversionError",
+    "FuseSharedError",
+    "HubError",
+    "LayoutError",
+    "ModelError",
+    "UnsupportedModelError",
+    "VerifyError",
+]

@@ -41,5 +41,18 @@ def is_unfinished_write_name(name: str) -> bool:
     return is_temporary_name(base) or base == LOCK_NAME or hub_download
 
 
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "MANIFEST_NAME", "MANIFEST_VERSION", "JOURNAL_NAME", "LOCK_NAME", "MODEL_CARD_NAME",
-           "SKIPPED_FILES", "partial_name", "done_name", "is_temporary_name", "is_unfinished_write_name"]
+__all__ = [
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "JOURNAL_NAME",
+    "LOCK_NAME",
+    "MODEL_CARD_NAME",
+    "SKIPPED_FILES",
+    "partial_name",
+    "done_name",
+    "is_temporary_name",
+    "is_unfinished_write_name",
+]

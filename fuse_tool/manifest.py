@@ -49,9 +49,16 @@ class Manifest:
 
     def dump(self) -> bytes:
         """The file's bytes: JSON, two-space indent, a final newline."""
-        d = {"manifest_version": self.version, "converter_version": self.converter_version, "source": self.source,
-             "options": self.options, "inputs_fingerprint": self.inputs_fingerprint, "files": self.files,
-             **self.measurements, **self.extra}
+        d = {
+            "manifest_version": self.version,
+            "converter_version": self.converter_version,
+            "source": self.source,
+            "options": self.options,
+            "inputs_fingerprint": self.inputs_fingerprint,
+            "files": self.files,
+            **self.measurements,
+            **self.extra,
+        }
         return (json.dumps(d, indent=2) + "\n").encode()
 
     @classmethod
@@ -65,8 +72,16 @@ class Manifest:
             raise ManifestError("files is not an object")
         rest = {k: v for k, v in raw.items() if k not in _FIELDS}
         measured = {k: rest.pop(k) for k in ("requantization",) if k in rest}
-        return cls(raw["files"], raw.get("converter_version"), raw.get("source"), raw.get("options"),
-                   raw.get("inputs_fingerprint"), raw.get("manifest_version", 1), measured, rest)
+        return cls(
+            raw["files"],
+            raw.get("converter_version"),
+            raw.get("source"),
+            raw.get("options"),
+            raw.get("inputs_fingerprint"),
+            raw.get("manifest_version", 1),
+            measured,
+            rest,
+        )
 
     @classmethod
     def load(cls, folder: str | Path) -> "Manifest":

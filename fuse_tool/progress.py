@@ -18,5 +18,11 @@ def human_size(n: int) -> str:
 def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
     """A byte-counting bar in the same units as :func:`human_size`, drawn only when stderr is a terminal (a log file or
     a pipe would get every redraw as a line)."""
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
-                disable=not (enabled and sys.stderr.isatty()))
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        desc=desc,
+        disable=not (enabled and sys.stderr.isatty()),
+    )

@@ -34,13 +34,20 @@ def _activation(plan: ConversionPlan) -> str:
     for lp in plan.layers:
         by_pair.setdefault(a.slot_activation(lp.layer), []).append(lp.layer)
     if len(by_pair) > 1:
-        return b.activation + "; " + "; ".join(
-            f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: routed {_params(r)}, shared {_params(s)}"
-            for (r, s), layers in by_pair.items())
+        return (
+            b.activation
+            + "; "
+            + "; ".join(
+                f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: routed {_params(r)}, shared {_params(s)}"
+                for (r, s), layers in by_pair.items()
+            )
+        )
     routed, shared = next(iter(by_pair)) if by_pair else (a.activation_params, a.activation_params)
     if routed != shared:
         return f"{b.activation} (routed: {_params(routed)}; shared: {_params(shared)})"
-    return b.activation + (f" ({_params(routed)})" if b.activation == "swiglu_oai" or math.isfinite(routed.clamp_limit) else "")
+    return b.activation + (
+        f" ({_params(routed)})" if b.activation == "swiglu_oai" or math.isfinite(routed.clamp_limit) else ""
+    )
 
 
 _size = human_size
@@ -73,7 +80,9 @@ def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None
         f"shared slots   {', '.join(shared_modes)}",
     ]
     if plan.modules_to_not_convert and plan.options.precision == "fp8":
-        lines.append(f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)")
+        lines.append(
+            f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)"
+        )
     lines += [f"note           {n}" for n in plan.notes]
     lines += [f"not copied     {name}: {why}" for name, why in plan.source.skipped]
     lines += (measurements or Measurements()).describe(plan.converted_weights())

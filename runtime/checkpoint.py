@@ -60,13 +60,19 @@ class ModelFolder:
                 if weight_map is None or weight_map.get(name) == fname:
                     self.tensors[name] = info
                 elif name not in weight_map:  # loaders would drop it without a word: the model would lose a weight
-                    raise CheckpointError(f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a "
-                                          "damaged or stale index (expected every stored tensor in its weight_map)",
-                                          file=self.path / fname, tensor=name)
+                    raise CheckpointError(
+                        f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a "
+                        "damaged or stale index (expected every stored tensor in its weight_map)",
+                        file=self.path / fname,
+                        tensor=name,
+                    )
         if weight_map is not None:
             missing = [n for n in weight_map if n not in self.tensors]
             if missing:
-                raise CheckpointError(f"the index places {len(missing)} tensors (e.g. {missing[0]!r}) in shards that do not hold them", file=index)
+                raise CheckpointError(
+                    f"the index places {len(missing)} tensors (e.g. {missing[0]!r}) in shards that do not hold them",
+                    file=index,
+                )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -13,8 +13,14 @@ import os
 class FuseSharedError(Exception):
     """Base class: ``message`` prefixed by where it happened (file, tensor, config field)."""
 
-    def __init__(self, message: str, *, file: str | os.PathLike | None = None, tensor: str | None = None,
-                 field: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | os.PathLike | None = None,
+        tensor: str | None = None,
+        field: str | None = None,
+    ):
         self.file = os.fspath(file) if file is not None else None
         self.tensor = tensor
         self.field = field

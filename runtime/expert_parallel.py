@@ -64,9 +64,16 @@ class ExpertParallelMoE(torch.nn.Module):
         # local slots: this rank's routed experts, then the shared replica (copies: the full layer can be freed)
         parts = (routed, shared)
         cat = lambda f: None if f(routed) is None else torch.cat([f(p) for p in parts]).contiguous()  # noqa: E731
-        self.experts = ExpertWeights(cat(lambda e: e.gate_up), cat(lambda e: e.down), cat(lambda e: e.gate_up_scale),
-                                     cat(lambda e: e.down_scale), cat(lambda e: e.gemm1_alpha),
-                                     cat(lambda e: e.gemm1_beta), cat(lambda e: e.gemm1_clamp_limit), ex.activation)
+        self.experts = ExpertWeights(
+            cat(lambda e: e.gate_up),
+            cat(lambda e: e.down),
+            cat(lambda e: e.gate_up_scale),
+            cat(lambda e: e.down_scale),
+            cat(lambda e: e.gemm1_alpha),
+            cat(lambda e: e.gemm1_beta),
+            cat(lambda e: e.gemm1_clamp_limit),
+            ex.activation,
+        )
         self.num_local_routed = self.stop - self.start
         self.num_shared = shared.num_expert_slots
         self.register_buffer("router_weight", moe.router_weight)
@@ -81,8 +88,9 @@ class ExpertParallelMoE(torch.nn.Module):
             self.experts = self.experts.to(self.router_weight.device)
         return self
 
-    def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         import torch.distributed as dist
 
         h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)

@@ -51,7 +51,9 @@ def block_scales(amax: torch.Tensor, scale_fmt: str = "float") -> torch.Tensor:
     return ue8m0_round_up(s) if scale_fmt == "ue8m0" else s
 
 
-def quantize_blocks_(wp: torch.Tensor, scale_fmt: str = "float", block: int = WEIGHT_BLOCK, absbuf: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_blocks_(
+    wp: torch.Tensor, scale_fmt: str = "float", block: int = WEIGHT_BLOCK, absbuf: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scale a float32 ``wp [..., R*block, C*block]`` in place to FP8 range, block by block; returns its scales.
 
     ``wp`` then holds ``W / scale`` within +-448 (true division, so exact on every
@@ -93,7 +95,9 @@ def dequantize_block_fp8(wq: torch.Tensor, scale_inv: torch.Tensor, block: int =
     rows, cols = wq.shape[-2:]
     expected = (-(-rows // block), -(-cols // block))
     if tuple(scale_inv.shape[-2:]) != expected:
-        raise ValueError(f"block scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(wq.shape)} (expected [..., {expected[0]}, {expected[1]}])")
+        raise ValueError(
+            f"block scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(wq.shape)} (expected [..., {expected[0]}, {expected[1]}])"
+        )
     return wq.to(torch.float32) * expand_block_scales(scale_inv.to(torch.float32), rows, cols, block)
 
 

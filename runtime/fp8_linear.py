@@ -34,7 +34,9 @@ class FP8BlockLinear(torch.nn.Module):
         N, K = weight.shape
         grid = (-(-N // WEIGHT_BLOCK), -(-K // WEIGHT_BLOCK))
         if tuple(weight_scale_inv.shape) != grid:
-            raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not fit weight {(N, K)} (expected {grid})")
+            raise ValueError(
+                f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not fit weight {(N, K)} (expected {grid})"
+            )
         if bias is not None and tuple(bias.shape) != (N,):
             raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {(N, K)}")
         self.in_features, self.out_features = K, N
@@ -49,7 +51,9 @@ class FP8BlockLinear(torch.nn.Module):
         outs = []
         for r0 in range(0, self.out_features, ROWS_PER_SLAB):  # ROWS_PER_SLAB is whole blocks: grids line up
             r1 = min(r0 + ROWS_PER_SLAB, self.out_features)
-            w = dequantize_block_fp8(self.weight[r0:r1], self.weight_scale_inv[r0 // WEIGHT_BLOCK: -(-r1 // WEIGHT_BLOCK)])
+            w = dequantize_block_fp8(
+                self.weight[r0:r1], self.weight_scale_inv[r0 // WEIGHT_BLOCK : -(-r1 // WEIGHT_BLOCK)]
+            )
             b = None if self.bias is None else self.bias[r0:r1].to(x.dtype)
             outs.append(torch.nn.functional.linear(x, w.to(x.dtype), b))
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)

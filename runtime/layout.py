@@ -34,8 +34,19 @@ _V1_SCORING_FUNCS = ("sigmoid", "softmax")
 _V1_ACTIVATIONS = ("swiglu", "swiglu_oai")
 _ROUTING_V1_KEYS = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "has_bias")
 _ROUTING_V2_KEYS = ("group_score", "renormalize_form", "renormalize_eps", "hash_layers")
-_ROUTING_V2_ORDER = ("scoring", "top_k", "n_group", "topk_group", "group_score", "renormalize", "renormalize_form",
-                     "renormalize_eps", "routed_scaling_factor", "has_bias", "hash_layers")
+_ROUTING_V2_ORDER = (
+    "scoring",
+    "top_k",
+    "n_group",
+    "topk_group",
+    "group_score",
+    "renormalize",
+    "renormalize_form",
+    "renormalize_eps",
+    "routed_scaling_factor",
+    "has_bias",
+    "hash_layers",
+)
 
 GEMM1_ALPHA = "gemm1_alpha"
 GEMM1_BETA = "gemm1_beta"
@@ -51,7 +62,10 @@ STACKED_GATE_UP = "gate_up_proj"  # [E, 2I, H], gate rows first
 STACKED_DOWN = "down_proj"  # [E, H, I]
 # Stacked storage forms: (gate_up [E, 2I, H] with gate rows first, down [E, H, I]) relative to the MoE block.
 STACKED_FORMS = {
-    "experts": (f"experts.{STACKED_GATE_UP}", f"experts.{STACKED_DOWN}"),  # transformers 5 (MiniMax-M3 text, Mistral Small 4)
+    "experts": (
+        f"experts.{STACKED_GATE_UP}",
+        f"experts.{STACKED_DOWN}",
+    ),  # transformers 5 (MiniMax-M3 text, Mistral Small 4)
     "linear": ("input_linear.weight", "output_linear.weight"),  # GraniteMoE-Shared release names
 }
 # (v2) Stacked with gate and up apart (Step-3.7 ``moe.{gate,up,down}_proj.weight``): [E, I, H], [E, I, H], [E, H, I].
@@ -159,7 +173,11 @@ class RoutingSpec:
         put(self, "n_group", check_int("routing.n_group", self.n_group, lo=1))
         put(self, "topk_group", check_int("routing.topk_group", self.topk_group, lo=1, hi=self.n_group))
         check_bool("routing.renormalize", self.renormalize)
-        put(self, "routed_scaling_factor", check_float("routing.routed_scaling_factor", self.routed_scaling_factor, positive=True))
+        put(
+            self,
+            "routed_scaling_factor",
+            check_float("routing.routed_scaling_factor", self.routed_scaling_factor, positive=True),
+        )
         check_bool("routing.has_bias", self.has_bias)
         if self.group_score is None:
             put(self, "group_score", implied_group_score(self.has_bias))
@@ -263,13 +281,27 @@ class FusedSharedExperts:
     def __post_init__(self) -> None:
         put = object.__setattr__
         if self.version is not None:
-            if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version not in LAYOUT_VERSIONS:
-                raise LayoutError(f"{CONFIG_KEY} version {self.version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})")
+            if (
+                isinstance(self.version, bool)
+                or not isinstance(self.version, int)
+                or self.version not in LAYOUT_VERSIONS
+            ):
+                raise LayoutError(
+                    f"{CONFIG_KEY} version {self.version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})"
+                )
         E = check_int("num_routed_experts", self.num_routed_experts, lo=1)
         put(self, "num_routed_experts", E)
-        put(self, "num_fused_shared_experts", check_int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
-        put(self, "expert_intermediate_size", check_int("expert_intermediate_size", self.expert_intermediate_size, lo=1))
-        put(self, "source_shared_intermediate_size", check_int("source_shared_intermediate_size", self.source_shared_intermediate_size, lo=0))
+        put(
+            self, "num_fused_shared_experts", check_int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0)
+        )
+        put(
+            self, "expert_intermediate_size", check_int("expert_intermediate_size", self.expert_intermediate_size, lo=1)
+        )
+        put(
+            self,
+            "source_shared_intermediate_size",
+            check_int("source_shared_intermediate_size", self.source_shared_intermediate_size, lo=0),
+        )
         layers = check_layer_list("moe_layers", self.moe_layers)
         if not layers:
             raise LayoutError("moe_layers is empty: a fused checkpoint has at least one MoE layer")
@@ -281,7 +313,11 @@ class FusedSharedExperts:
             wbs = self.weight_block_size
             if isinstance(wbs, (str, bytes)) or not isinstance(wbs, Iterable) or len(tuple(wbs)) != 2:
                 raise LayoutError(f"weight_block_size must be [rows, cols] or null, got {wbs!r}")
-            put(self, "weight_block_size", tuple(check_int(f"weight_block_size[{i}]", x, lo=1) for i, x in enumerate(wbs)))
+            put(
+                self,
+                "weight_block_size",
+                tuple(check_int(f"weight_block_size[{i}]", x, lo=1) for i, x in enumerate(wbs)),
+            )
         if not isinstance(self.source, Mapping):
             raise LayoutError(f"source must be a JSON object, got {self.source!r}")
         expected = num_shared_slots(self.source_shared_intermediate_size, self.expert_intermediate_size)
@@ -296,8 +332,10 @@ class FusedSharedExperts:
         if r.n_group > 1 and E % r.n_group:
             raise LayoutError(f"n_group={r.n_group} does not divide {E} routed experts")
         if r.top_k > r.topk_group * (E // r.n_group):
-            raise LayoutError(f"routing.top_k={r.top_k} exceeds the {r.topk_group * (E // r.n_group)} experts of the "
-                              f"topk_group={r.topk_group} kept groups of {E // r.n_group}")
+            raise LayoutError(
+                f"routing.top_k={r.top_k} exceeds the {r.topk_group * (E // r.n_group)} experts of the "
+                f"topk_group={r.topk_group} kept groups of {E // r.n_group}"
+            )
         stray = [L for L in r.hash_layers if L not in layers]
         if stray:
             raise LayoutError(f"routing.hash_layers {stray} are not in moe_layers")
@@ -340,7 +378,9 @@ class FusedSharedExperts:
             raise LayoutError(f"{CONFIG_KEY} must be a JSON object, got {d!r}")
         version = d.get("version", 1)
         if isinstance(version, bool) or not isinstance(version, int) or version not in LAYOUT_VERSIONS:
-            raise LayoutError(f"{CONFIG_KEY} version {version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})")
+            raise LayoutError(
+                f"{CONFIG_KEY} version {version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})"
+            )
         try:
             return cls(
                 version=version,
@@ -369,7 +409,9 @@ def find_config_block(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str
     text = config.get("text_config")
     if isinstance(text, Mapping) and CONFIG_KEY in text:
         return text, "text_config"
-    raise LayoutError(f"config.json has no {CONFIG_KEY!r} block (top level or text_config): not a fused-shared checkpoint")
+    raise LayoutError(
+        f"config.json has no {CONFIG_KEY!r} block (top level or text_config): not a fused-shared checkpoint"
+    )
 
 
 def read_config_block(config: Mapping[str, Any]) -> FusedSharedExperts:
@@ -396,12 +438,16 @@ class ActivationParams:
         object.__setattr__(self, "beta", check_float("gemm1_beta", self.beta))
         lim = self.clamp_limit
         if isinstance(lim, bool) or not isinstance(lim, (int, float)) or math.isnan(lim) or lim <= 0:
-            raise LayoutError(f"gemm1_clamp_limit must be > 0 or inf (no clamp), got {lim!r}"
-                              + (" (a config's 0 meaning 'no clamp' must be given as inf)" if lim == 0 else ""))
+            raise LayoutError(
+                f"gemm1_clamp_limit must be > 0 or inf (no clamp), got {lim!r}"
+                + (" (a config's 0 meaning 'no clamp' must be given as inf)" if lim == 0 else "")
+            )
         object.__setattr__(self, "clamp_limit", float(lim))
 
     @classmethod
-    def for_activation(cls, activation: str, alpha: float | None = None, beta: float | None = None, limit: float | None = None) -> "ActivationParams":
+    def for_activation(
+        cls, activation: str, alpha: float | None = None, beta: float | None = None, limit: float | None = None
+    ) -> "ActivationParams":
         """Parameters of one MLP under ``activation``.
 
         ``"swiglu"``: alpha 1, beta 0, ``limit`` (None: no clamp; DeepSeek-V4 passes ``swiglu_limit``).
@@ -411,7 +457,9 @@ class ActivationParams:
         """
         if activation in ("swiglu", "swiglu_post_clamp"):
             if alpha is not None or beta is not None:
-                raise LayoutError(f"activation {activation!r} has alpha 1 and beta 0; got alpha={alpha!r}, beta={beta!r}")
+                raise LayoutError(
+                    f"activation {activation!r} has alpha 1 and beta 0; got alpha={alpha!r}, beta={beta!r}"
+                )
             return cls(clamp_limit=math.inf if limit is None else limit)
         if activation == "swiglu_oai":
             return cls(
@@ -432,9 +480,12 @@ def gemm1_param_names(experts_prefix: str) -> tuple[str, str, str]:
     return tuple(f"{experts_prefix}.{p}" for p in GEMM1_PARAMS)  # type: ignore[return-value]
 
 
-def slot_params(routed: ActivationParams, shared: ActivationParams, num_routed: int, num_shared: int) -> dict[str, tuple[float, ...]]:
+def slot_params(
+    routed: ActivationParams, shared: ActivationParams, num_routed: int, num_shared: int
+) -> dict[str, tuple[float, ...]]:
     """The values of one layer's ``gemm1_*`` tensors (LAYOUT section 3): slots ``0 .. E-1`` carry the routed experts'
     parameters, slots ``E .. E+S-1`` the shared MLP's. Keyed by :data:`GEMM1_PARAMS`."""
+
     def per_slot(attr: str) -> tuple[float, ...]:
         return (getattr(routed, attr),) * num_routed + (getattr(shared, attr),) * num_shared
 
@@ -462,7 +513,9 @@ class ExpertTensorNames:
     @property
     def block_prefix(self) -> str:
         """The MoE block (router, bias): the experts' parent, or the experts' own prefix where they sit in the block."""
-        return self.experts_prefix[: -len(".experts")] if self.experts_prefix.endswith(".experts") else self.experts_prefix
+        return (
+            self.experts_prefix[: -len(".experts")] if self.experts_prefix.endswith(".experts") else self.experts_prefix
+        )
 
     def scale(self, weight_name: str) -> str:
         """The block scale's name of one of this layer's weights, under the layer's scale storage."""
@@ -506,10 +559,14 @@ class ExpertTensorNames:
 _GEMM1_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?(?:experts|moe))\." + GEMM1_ALPHA + "$")
 # MTP blocks under their own prefix (DeepSeek-V4 ``mtp.N.ffn.experts``, Hunyuan 4 ``model.mtp_layers.N.mlp.experts``), numbered
 # num_hidden_layers + N (LAYOUT section 2).
-_MTP_GEMM1_KEY = re.compile(r"^(?P<prefix>(?:model\.)?mtp(?:_layers)?\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$")
+_MTP_GEMM1_KEY = re.compile(
+    r"^(?P<prefix>(?:model\.)?mtp(?:_layers)?\.(?P<mtp>\d+)\.(?:.*\.)?experts)\." + GEMM1_ALPHA + "$"
+)
 
 
-def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None = None) -> dict[int, ExpertTensorNames]:
+def moe_layer_tensors(
+    tensor_names: Iterable[str], num_hidden_layers: int | None = None
+) -> dict[int, ExpertTensorNames]:
     """Find every converted MoE layer in a list of tensor names, keyed by layer index.
 
     A layer is recognised by its ``<experts>.gemm1_alpha`` tensor; the storage form
@@ -540,8 +597,10 @@ def moe_layer_tensors(tensor_names: Iterable[str], num_hidden_layers: int | None
         elif f"{prefix}.{STACKED_SPLIT_NAMES[0]}" in names:
             storage = "stacked_split"
         else:
-            raise LayoutError(f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, "
-                              f"{prefix}.gate_proj.weight, {' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})")
+            raise LayoutError(
+                f"{name}: no expert tensors beside it (looked for {prefix}.0.gate_proj.weight, .0.w1.weight, "
+                f"{prefix}.gate_proj.weight, {' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})"
+            )
         first = ExpertTensorNames(prefix, storage, stacked_form=form or "experts").first_weight()
         scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
         if layer in found and found[layer].experts_prefix != prefix:

@@ -61,7 +61,9 @@ class ExpertWeights:
             raise ValueError("gate_up must be [E+S, 2I, H] and down [E+S, H, I]")
         NE, I2, H = self.gate_up.shape
         if I2 % 2 or tuple(self.down.shape) != (NE, H, I2 // 2):
-            raise ValueError(f"gate_up {tuple(self.gate_up.shape)} and down {tuple(self.down.shape)} do not fit together")
+            raise ValueError(
+                f"gate_up {tuple(self.gate_up.shape)} and down {tuple(self.down.shape)} do not fit together"
+            )
         I = I2 // 2
         fp8 = self.gate_up.dtype == FP8_DTYPE
         if (self.down.dtype == FP8_DTYPE) != fp8:
@@ -71,19 +73,27 @@ class ExpertWeights:
                 raise ValueError("FP8 expert weights need gate_up_scale and down_scale")
             gi, gh = math.ceil(I / WEIGHT_BLOCK), math.ceil(H / WEIGHT_BLOCK)
             if tuple(self.gate_up_scale.shape) != (NE, 2 * gi, gh) or tuple(self.down_scale.shape) != (NE, gh, gi):
-                raise ValueError(f"block scales {tuple(self.gate_up_scale.shape)}, {tuple(self.down_scale.shape)} do not fit "
-                                 f"(expected {(NE, 2 * gi, gh)}, {(NE, gh, gi)})")
+                raise ValueError(
+                    f"block scales {tuple(self.gate_up_scale.shape)}, {tuple(self.down_scale.shape)} do not fit "
+                    f"(expected {(NE, 2 * gi, gh)}, {(NE, gh, gi)})"
+                )
             self.gate_up_scale = self.gate_up_scale.to(torch.float32)
             self.down_scale = self.down_scale.to(torch.float32)
         else:
             if self.gate_up.dtype not in FLOAT_DTYPES or self.down.dtype != self.gate_up.dtype:
-                raise ValueError(f"expert weights must be FP8 e4m3 or one of {FLOAT_DTYPES}, got {self.gate_up.dtype}/{self.down.dtype}")
+                raise ValueError(
+                    f"expert weights must be FP8 e4m3 or one of {FLOAT_DTYPES}, got {self.gate_up.dtype}/{self.down.dtype}"
+                )
             self.gate_up_scale = self.down_scale = None
         dev = self.gate_up.device
         defaults = {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}
         for name, value in defaults.items():
             t = getattr(self, name)
-            t = torch.full((NE,), value, dtype=torch.float32, device=dev) if t is None else t.to(device=dev, dtype=torch.float32).reshape(-1)
+            t = (
+                torch.full((NE,), value, dtype=torch.float32, device=dev)
+                if t is None
+                else t.to(device=dev, dtype=torch.float32).reshape(-1)
+            )
             if t.numel() != NE:
                 raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
             setattr(self, name, t.contiguous())
@@ -112,18 +122,35 @@ class ExpertWeights:
 
     def to(self, device) -> "ExpertWeights":
         f = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return ExpertWeights(f(self.gate_up), f(self.down), f(self.gate_up_scale), f(self.down_scale),
-                             f(self.gemm1_alpha), f(self.gemm1_beta), f(self.gemm1_clamp_limit), self.activation)
+        return ExpertWeights(
+            f(self.gate_up),
+            f(self.down),
+            f(self.gate_up_scale),
+            f(self.down_scale),
+            f(self.gemm1_alpha),
+            f(self.gemm1_beta),
+            f(self.gemm1_clamp_limit),
+            self.activation,
+        )
 
     def subset(self, start: int, stop: int) -> "ExpertWeights":
         """Experts ``[start, stop)`` as views (e.g. the routed ones alone, or the shared slots)."""
         f = lambda t: None if t is None else t[start:stop]  # noqa: E731
-        return replace(self, gate_up=f(self.gate_up), down=f(self.down), gate_up_scale=f(self.gate_up_scale), down_scale=f(self.down_scale),
-                       gemm1_alpha=f(self.gemm1_alpha), gemm1_beta=f(self.gemm1_beta),
-                       gemm1_clamp_limit=f(self.gemm1_clamp_limit))
+        return replace(
+            self,
+            gate_up=f(self.gate_up),
+            down=f(self.down),
+            gate_up_scale=f(self.gate_up_scale),
+            down_scale=f(self.down_scale),
+            gemm1_alpha=f(self.gemm1_alpha),
+            gemm1_beta=f(self.gemm1_beta),
+            gemm1_clamp_limit=f(self.gemm1_clamp_limit),
+        )
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu") -> "ExpertWeights":
+    def from_checkpoint(
+        cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu"
+    ) -> "ExpertWeights":
         """Load one MoE layer's experts from a converted checkpoint folder."""
         return _Checkpoint(path).experts(layer, device)
 
@@ -154,7 +181,11 @@ class _Checkpoint(ModelFolder):
             *up_side, dn = names.stacked() if names.storage == "stacked" else names.stacked_split()
             # stacked_split: gate [E+S, I, H] and up apart, joined here (and their scale grids: the gate's, then the up's)
             w13, w2 = torch.cat([self.get(n, device) for n in up_side], 1), self.get(dn, device)
-            s13 = torch.cat([self.scale(scale_name(n), device) for n in up_side], 1) if has(scale_name(up_side[0])) else None
+            s13 = (
+                torch.cat([self.scale(scale_name(n), device) for n in up_side], 1)
+                if has(scale_name(up_side[0]))
+                else None
+            )
             s2 = self.scale(scale_name(dn), device) if has(scale_name(dn)) else None
             if w13.shape[0] != NE:
                 raise LayoutError(f"{up_side[0]}: {w13.shape[0]} experts, config says E+S = {NE}")
@@ -164,10 +195,16 @@ class _Checkpoint(ModelFolder):
             w2 = torch.stack([self.get(d, device) for _, _, d in per])
             s13 = s2 = None
             if has(scale_name(per[0][0])):
-                s13 = torch.stack([torch.cat([self.scale(scale_name(g), device), self.scale(scale_name(u), device)], 0)
-                                   for g, u, _ in per])
+                s13 = torch.stack(
+                    [
+                        torch.cat([self.scale(scale_name(g), device), self.scale(scale_name(u), device)], 0)
+                        for g, u, _ in per
+                    ]
+                )
                 s2 = torch.stack([self.scale(scale_name(d), device) for _, _, d in per])
-        alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())  # per slot, as the converter wrote them
+        alpha, beta, limit = (
+            self.get(n, device) for n in names.gemm1_params()
+        )  # per slot, as the converter wrote them
         return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit, self.block.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -231,7 +268,9 @@ def fused_moe(
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K+S] with T = {x.shape[0]}")
+        raise ValueError(
+            f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K+S] with T = {x.shape[0]}"
+        )
     if not 0 <= shared_slots <= min(ids.shape[1], experts.num_expert_slots):
         most = min(ids.shape[1], experts.num_expert_slots)
         raise ValueError(f"shared_slots must be in [0, {most}], got {shared_slots}")
@@ -250,22 +289,35 @@ def fused_moe(
     return y
 
 
-def route_rows(moe: torch.nn.Module, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
-               token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_rows(
+    moe: torch.nn.Module,
+    x: torch.Tensor,
+    num_valid_tokens: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing half of a MoE block's forward: ``x`` ``[..., H]`` as rows ``h`` ``[T, H]``, and :func:`route`'s
     ``ids`` / ``weights`` ``[T, K+S]`` from the float32 router GEMM. ``moe`` has ``cfg``, ``router_weight``,
     ``e_score_correction_bias``, ``tid2eid`` and ``backend`` (:class:`FusedSharedMoE`, or one rank's share of it)."""
     h = x.reshape(-1, x.shape[-1])
     if moe.cfg.hash_routed:
         if token_ids is None:
-            raise ValueError("this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
-                             "call it with token_ids (the input ids of x's rows); there is no fallback to score routing")
+            raise ValueError(
+                "this MoE layer is hash-routed (its expert ids come from tid2eid[token_id]): "
+                "call it with token_ids (the input ids of x's rows); there is no fallback to score routing"
+            )
         token_ids = token_ids.reshape(-1).to(h.device)
     else:
         token_ids = None
     logits = torch.nn.functional.linear(h.to(torch.float32), moe.router_weight)
-    ids, w = route(logits, moe.e_score_correction_bias, moe.cfg, num_valid_tokens, backend=moe.backend,
-                   token_ids=token_ids, tid2eid=moe.tid2eid)
+    ids, w = route(
+        logits,
+        moe.e_score_correction_bias,
+        moe.cfg,
+        num_valid_tokens,
+        backend=moe.backend,
+        token_ids=token_ids,
+        tid2eid=moe.tid2eid,
+    )
     return h, ids, w
 
 
@@ -276,11 +328,20 @@ class FusedSharedMoE(torch.nn.Module):
     ``[vocab, K]`` table (checked once here) and must be called with the token ids of ``x``'s rows.
     """
 
-    def __init__(self, experts: ExpertWeights, router_weight: torch.Tensor, bias: torch.Tensor | None,
-                 cfg: RoutingConfig, backend: str | None = None, tid2eid: torch.Tensor | None = None):
+    def __init__(
+        self,
+        experts: ExpertWeights,
+        router_weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        cfg: RoutingConfig,
+        backend: str | None = None,
+        tid2eid: torch.Tensor | None = None,
+    ):
         super().__init__()
         if tuple(router_weight.shape) != (cfg.num_experts, experts.hidden_size):
-            raise ValueError(f"router weight {tuple(router_weight.shape)} != [{cfg.num_experts}, {experts.hidden_size}]")
+            raise ValueError(
+                f"router weight {tuple(router_weight.shape)} != [{cfg.num_experts}, {experts.hidden_size}]"
+            )
         if experts.num_expert_slots != cfg.num_expert_slots:
             raise ValueError(f"{experts.num_expert_slots} experts, routing config says E+S = {cfg.num_expert_slots}")
         if cfg.hash_routed:
@@ -307,21 +368,31 @@ class FusedSharedMoE(torch.nn.Module):
             self.experts = self.experts.to(dev)
         return self
 
-    def forward(self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x`` ``[..., H]``; ``token_ids`` (hash layers only, required there): one id per row of ``x``, same order."""
         h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)
-        return fused_moe(h, self.experts, ids, w, num_valid_tokens, backend=self.backend,
-                         shared_slots=self.cfg.num_fused_shared_experts).reshape(x.shape)
+        return fused_moe(
+            h,
+            self.experts,
+            ids,
+            w,
+            num_valid_tokens,
+            backend=self.backend,
+            shared_slots=self.cfg.num_fused_shared_experts,
+        ).reshape(x.shape)
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu",
-                        backend: str | None = None) -> "FusedSharedMoE":
+    def from_checkpoint(
+        cls, path: str | os.PathLike, layer: int, device: str | torch.device = "cpu", backend: str | None = None
+    ) -> "FusedSharedMoE":
         return cls.from_folder(_Checkpoint(path), layer, device, backend)
 
     @classmethod
-    def from_folder(cls, ck: "_Checkpoint", layer: int, device: str | torch.device = "cpu",
-                    backend: str | None = None) -> "FusedSharedMoE":
+    def from_folder(
+        cls, ck: "_Checkpoint", layer: int, device: str | torch.device = "cpu", backend: str | None = None
+    ) -> "FusedSharedMoE":
         """One layer of an already opened converted folder (the loader opens it once for all layers)."""
         cfg = RoutingConfig.from_config(ck.block, layer=layer)
         w, bias = ck.router(layer, device)

@@ -47,15 +47,29 @@ def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
     for e in torch.unique(ids[ok]).tolist():
         tok, slot = torch.nonzero(ok & (ids == e), as_tuple=True)
         if fp8:
-            w13 = dequantize_block_fp8(experts.gate_up[e], experts.gate_up_scale[e]) if I % 128 == 0 else torch.cat(
-                [dequantize_block_fp8(experts.gate_up[e, :I], experts.gate_up_scale[e, : -(-I // 128)]),
-                 dequantize_block_fp8(experts.gate_up[e, I:], experts.gate_up_scale[e, -(-I // 128):])], 0)
+            w13 = (
+                dequantize_block_fp8(experts.gate_up[e], experts.gate_up_scale[e])
+                if I % 128 == 0
+                else torch.cat(
+                    [
+                        dequantize_block_fp8(experts.gate_up[e, :I], experts.gate_up_scale[e, : -(-I // 128)]),
+                        dequantize_block_fp8(experts.gate_up[e, I:], experts.gate_up_scale[e, -(-I // 128) :]),
+                    ],
+                    0,
+                )
+            )
             w2 = dequantize_block_fp8(experts.down[e], experts.down_scale[e])
         else:
             w13, w2 = experts.gate_up[e].to(torch.float32), experts.down[e].to(torch.float32)
         gu = a[tok] @ w13.T
-        h = swiglu(gu[:, :I], gu[:, I:], experts.gemm1_alpha[e], experts.gemm1_beta[e], experts.gemm1_clamp_limit[e],
-                   experts.post_clamp)
+        h = swiglu(
+            gu[:, :I],
+            gu[:, I:],
+            experts.gemm1_alpha[e],
+            experts.gemm1_beta[e],
+            experts.gemm1_clamp_limit[e],
+            experts.post_clamp,
+        )
         h = _quant_dequant(h) if fp8 else h.to(experts.gate_up.dtype).to(torch.float32)
         y = h @ w2.T
         out.index_add_(0, tok, y * weights[tok, slot].to(torch.float32)[:, None])

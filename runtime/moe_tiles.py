@@ -58,12 +58,28 @@ from typing import Any, Mapping
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 TILE_KEYS = {
-    "block_m": int, "gemm1_fused_activation": bool, "gemm1_block_n": int, "gemm1_split_k": int,
-    "gemm1_swap_ab": bool, "gemm1_warps": int, "gemm1_stages": int, "gemm2_block_n": int,
-    "gemm2_split_k": int, "gemm2_swap_ab": bool, "gemm2_warps": int, "gemm2_stages": int,
-    "group_m": int, "quantize_input_first": bool, "quantize_in_epilogue": bool, "quantize_hidden_first": bool,
-    "down_output_dtype": str, "gemm1_output_dtype": str, "weight_tma": bool, "dependent_launch": bool,
-    "shared_dense": bool, "sum_in_gemm2": bool,
+    "block_m": int,
+    "gemm1_fused_activation": bool,
+    "gemm1_block_n": int,
+    "gemm1_split_k": int,
+    "gemm1_swap_ab": bool,
+    "gemm1_warps": int,
+    "gemm1_stages": int,
+    "gemm2_block_n": int,
+    "gemm2_split_k": int,
+    "gemm2_swap_ab": bool,
+    "gemm2_warps": int,
+    "gemm2_stages": int,
+    "group_m": int,
+    "quantize_input_first": bool,
+    "quantize_in_epilogue": bool,
+    "quantize_hidden_first": bool,
+    "down_output_dtype": str,
+    "gemm1_output_dtype": str,
+    "weight_tma": bool,
+    "dependent_launch": bool,
+    "shared_dense": bool,
+    "sum_in_gemm2": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
@@ -86,21 +102,61 @@ def shape_key(num_slots: int, hidden_size: int, intermediate_size: int, slots_pe
 def builtin_tile_config(num_tokens: int, fp8: bool) -> dict:
     """The tile config used where no table applies (unknown GPU or dtype): safe on any CUDA GPU."""
     if num_tokens <= 64:
-        cfg = dict(block_m=16, gemm1_fused_activation=True, gemm1_block_n=64, gemm1_split_k=1, gemm1_swap_ab=False,
-                   gemm1_warps=4, gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1, gemm2_swap_ab=False,
-                   gemm2_warps=4, gemm2_stages=3, group_m=1, quantize_input_first=False, quantize_in_epilogue=False,
-                   quantize_hidden_first=False, down_output_dtype="float32", weight_tma=False, dependent_launch=True)
+        cfg = dict(
+            block_m=16,
+            gemm1_fused_activation=True,
+            gemm1_block_n=64,
+            gemm1_split_k=1,
+            gemm1_swap_ab=False,
+            gemm1_warps=4,
+            gemm1_stages=3,
+            gemm2_block_n=128,
+            gemm2_split_k=1,
+            gemm2_swap_ab=False,
+            gemm2_warps=4,
+            gemm2_stages=3,
+            group_m=1,
+            quantize_input_first=False,
+            quantize_in_epilogue=False,
+            quantize_hidden_first=False,
+            down_output_dtype="float32",
+            weight_tma=False,
+            dependent_launch=True,
+        )
     else:  # GEMM1 writes FP8 h in its epilogue: no float32 h, no re-quantization per GEMM2 tile
-        cfg = dict(block_m=64, gemm1_fused_activation=True, gemm1_block_n=128, gemm1_split_k=1, gemm1_swap_ab=False,
-                   gemm1_warps=4 if num_tokens <= 1024 else 8, gemm1_stages=3, gemm2_block_n=128, gemm2_split_k=1,
-                   gemm2_swap_ab=False, gemm2_warps=4, gemm2_stages=3, group_m=8, quantize_input_first=True,
-                   quantize_in_epilogue=True, quantize_hidden_first=False, down_output_dtype="bfloat16", weight_tma=False,
-                   dependent_launch=False)  # H200, 2026-12-03: overlapping launches gained at decode, lost ~0.5% at prefill
+        cfg = dict(
+            block_m=64,
+            gemm1_fused_activation=True,
+            gemm1_block_n=128,
+            gemm1_split_k=1,
+            gemm1_swap_ab=False,
+            gemm1_warps=4 if num_tokens <= 1024 else 8,
+            gemm1_stages=3,
+            gemm2_block_n=128,
+            gemm2_split_k=1,
+            gemm2_swap_ab=False,
+            gemm2_warps=4,
+            gemm2_stages=3,
+            group_m=8,
+            quantize_input_first=True,
+            quantize_in_epilogue=True,
+            quantize_hidden_first=False,
+            down_output_dtype="bfloat16",
+            weight_tma=False,
+            dependent_launch=False,
+        )  # H200, 2026-12-03: overlapping launches gained at decode, lost ~0.5% at prefill
     cfg.update(shared_dense=False, gemm1_output_dtype="float32", sum_in_gemm2=False)
     if not fp8:
-        cfg.update(gemm1_block_n=min(cfg["gemm1_block_n"], 64), gemm2_block_n=64, gemm1_stages=2, gemm2_stages=2,
-                   quantize_input_first=False, quantize_in_epilogue=False, quantize_hidden_first=False,
-                   down_output_dtype="float32")
+        cfg.update(
+            gemm1_block_n=min(cfg["gemm1_block_n"], 64),
+            gemm2_block_n=64,
+            gemm1_stages=2,
+            gemm2_stages=2,
+            quantize_input_first=False,
+            quantize_in_epilogue=False,
+            quantize_hidden_first=False,
+            down_output_dtype="float32",
+        )
     return cfg
 
 
@@ -122,8 +178,12 @@ def check_tile_config(cfg: Mapping[str, Any]) -> None:
             raise ValueError(f"tile config {k} must be a power of two, got {cfg[k]}")
     if cfg.get("gemm1_fused_activation", True) and cfg.get("gemm1_split_k", 1) > 1:
         raise ValueError("gemm1_split_k > 1 needs gemm1_fused_activation=False (SwiGLU needs the full sum)")
-    if cfg.get("quantize_in_epilogue") and not (cfg.get("gemm1_fused_activation", True) and cfg.get("gemm1_block_n") == 128):
-        raise ValueError("quantize_in_epilogue needs gemm1_fused_activation and gemm1_block_n == 128 (one 1x128 group per tile)")
+    if cfg.get("quantize_in_epilogue") and not (
+        cfg.get("gemm1_fused_activation", True) and cfg.get("gemm1_block_n") == 128
+    ):
+        raise ValueError(
+            "quantize_in_epilogue needs gemm1_fused_activation and gemm1_block_n == 128 (one 1x128 group per tile)"
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +201,16 @@ def _nearest(table: Mapping[str, Any], num_tokens: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def tile_config(num_tokens: int, num_slots: int, hidden_size: int, intermediate_size: int, slots_per_token: int,
-                fp8: bool, device_name: str | None, weight_dtype_name: str = "bfloat16") -> tuple[dict, str]:
+def tile_config(
+    num_tokens: int,
+    num_slots: int,
+    hidden_size: int,
+    intermediate_size: int,
+    slots_per_token: int,
+    fp8: bool,
+    device_name: str | None,
+    weight_dtype_name: str = "bfloat16",
+) -> tuple[dict, str]:
     """The tile config for one call and where it came from (``"table <file> shape"``, ``"table <file>
     default"`` or ``"builtin"``). ``device_name`` is ``torch.cuda.get_device_name()`` or None (CPU)."""
     base = builtin_tile_config(num_tokens, fp8)

@@ -129,8 +129,21 @@ def _valid_pairs(nvalid_ptr, numel, KS, HAS_NVALID: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, num_slots, EM, fill_per,
-                  HAS_NVALID: tl.constexpr, NEP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+def _count_kernel(
+    ids_ptr,
+    nvalid_ptr,
+    counts_ptr,
+    sorted_ptr,
+    numel,
+    KS,
+    num_slots,
+    EM,
+    fill_per,
+    HAS_NVALID: tl.constexpr,
+    NEP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Large T, step 1 of 2: histogram of chunk ``c`` into ``counts[c]``; sentinel fill of a slice of sorted_ids."""
     _follow_previous_launch(PDL)
     c = tl.program_id(0)
@@ -148,10 +161,27 @@ def _count_kernel(ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, numel, KS, num_sl
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, nvalid_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, cursor_ptr,
-    numel, KS, num_slots, max_blocks, EM, n_chunks,
-    HAS_NVALID: tl.constexpr, NEP: tl.constexpr, NCP: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
-    BB: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr = False,
+    ids_ptr,
+    nvalid_ptr,
+    counts_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    cursor_ptr,
+    numel,
+    KS,
+    num_slots,
+    max_blocks,
+    EM,
+    n_chunks,
+    HAS_NVALID: tl.constexpr,
+    NEP: tl.constexpr,
+    NCP: tl.constexpr,
+    BM: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BB: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Bucket the valid pairs by slot. SINGLE: one program does everything; else program ``c`` reads
     every chunk's histogram, writes its share of the block -> slot table and scatters chunk ``c``."""
@@ -205,10 +235,29 @@ def _align_kernel(
 
 
 @triton.jit
-def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, R, K, num_slots,
-                  stride_ar, stride_ak, stride_sr, stride_sg, split_stride, stride_ids,
-                  BR: tl.constexpr, INTERP: tl.constexpr, SWIGLU_SPLITS: tl.constexpr, POST_CLAMP: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _quant_kernel(
+    a_ptr,
+    q_ptr,
+    s_ptr,
+    ids_ptr,
+    alpha_ptr,
+    beta_ptr,
+    limit_ptr,
+    R,
+    K,
+    num_slots,
+    stride_ar,
+    stride_ak,
+    stride_sr,
+    stride_sg,
+    split_stride,
+    stride_ids,
+    BR: tl.constexpr,
+    INTERP: tl.constexpr,
+    SWIGLU_SPLITS: tl.constexpr,
+    POST_CLAMP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """1x128 FP8 quantization of ``a [R, K]`` into ``q [R, K]`` and its scales ``s [R, ceil(K/128)]``.
 
     SWIGLU_SPLITS > 0: ``a`` is plain GEMM1's float32 partial sums ``[SWIGLU_SPLITS, R, 2K]`` of gate | up; each row (a
@@ -228,8 +277,14 @@ def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, 
             up += tl.load(ptrs + sp * split_stride + K * stride_ak, mask=mask, other=0.0)
         e = tl.load(ids_ptr + rows * stride_ids, mask=rows < R, other=0)
         e = tl.where((e >= 0) & (e < num_slots), e, 0)
-        a = _swiglu(gate, up, tl.load(alpha_ptr + e)[:, None], tl.load(beta_ptr + e)[:, None],
-                    tl.load(limit_ptr + e)[:, None], POST_CLAMP)
+        a = _swiglu(
+            gate,
+            up,
+            tl.load(alpha_ptr + e)[:, None],
+            tl.load(beta_ptr + e)[:, None],
+            tl.load(limit_ptr + e)[:, None],
+            POST_CLAMP,
+        )
     else:
         a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     q, s = _quant_fp8(a, INTERP)
@@ -239,19 +294,66 @@ def _quant_kernel(a_ptr, q_ptr, s_ptr, ids_ptr, alpha_ptr, beta_ptr, limit_ptr, 
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr,
-    sorted_ptr, expert_ids_ptr, total_ptr, topk_w_ptr,
-    alpha_ptr, beta_ptr, limit_ptr,
-    N, K, numel, num_pid_m, num_slots, up_row, up_scale_row, a_split_stride, c_split_stride,
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-    stride_cm, stride_csm,
-    A_DIV: tl.constexpr, A_MODE: tl.constexpr, A_SPLITS: tl.constexpr, GATED: tl.constexpr,
-    QUANT_OUT: tl.constexpr, MUL_W: tl.constexpr, W_FP8: tl.constexpr, INTERP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, POST_CLAMP: tl.constexpr,
-    NAIVE: tl.constexpr = False, HAS_NVALID: tl.constexpr = False, B_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-    cnt_ptr=None, ids_ptr=None, out_ptr=None, num_cnt=0, CNT_P: tl.constexpr = 1, ZERO_CNT: tl.constexpr = False,
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    c_scale_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    topk_w_ptr,
+    alpha_ptr,
+    beta_ptr,
+    limit_ptr,
+    N,
+    K,
+    numel,
+    num_pid_m,
+    num_slots,
+    up_row,
+    up_scale_row,
+    a_split_stride,
+    c_split_stride,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    stride_cm,
+    stride_csm,
+    A_DIV: tl.constexpr,
+    A_MODE: tl.constexpr,
+    A_SPLITS: tl.constexpr,
+    GATED: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    MUL_W: tl.constexpr,
+    W_FP8: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    SWAP: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    POST_CLAMP: tl.constexpr,
+    NAIVE: tl.constexpr = False,
+    HAS_NVALID: tl.constexpr = False,
+    B_TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    cnt_ptr=None,
+    ids_ptr=None,
+    out_ptr=None,
+    num_cnt=0,
+    CNT_P: tl.constexpr = 1,
+    ZERO_CNT: tl.constexpr = False,
     SUM_KS: tl.constexpr = 0,
 ):
     """One (M block, N tile, K split) of a grouped GEMM over the slot buckets.
@@ -308,8 +410,11 @@ def _moe_gemm_kernel(
         b_base = b_ptr + e * stride_be
         bg_rows = b_base + offs_n[None, :].to(tl.int64) * stride_bn
         bu_rows = b_base + (up_row + offs_n[None, :]).to(tl.int64) * stride_bn
-    sg_ptrs = b_scale_ptr + e * stride_bse + tl.where(offs_n < up_row, offs_n // 128,
-                                                      up_scale_row + (offs_n - up_row) // 128) * stride_bsn
+    sg_ptrs = (
+        b_scale_ptr
+        + e * stride_bse
+        + tl.where(offs_n < up_row, offs_n // 128, up_scale_row + (offs_n - up_row) // 128) * stride_bsn
+    )
     su_ptrs = b_scale_ptr + e * stride_bse + (up_scale_row + offs_n // 128) * stride_bsn
     if A_MODE == 2 or GATED:
         alpha = tl.load(alpha_ptr + e)
@@ -407,14 +512,51 @@ def _moe_gemm_kernel(
         tl.debug_barrier()  # every thread's stores of this tile precede the counter's release
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_pid_m * SPLIT_K - 1:
-            _sum_slots(c_ptr, ids_ptr, out_ptr, total_ptr, c_ptr, offs_n, n_mask, num_slots, c_split_stride, stride_cm, 0,
-                       SUM_KS, SPLIT_K, HAS_NVALID, 0, BN, INTERP, 0, True)
+            _sum_slots(
+                c_ptr,
+                ids_ptr,
+                out_ptr,
+                total_ptr,
+                c_ptr,
+                offs_n,
+                n_mask,
+                num_slots,
+                c_split_stride,
+                stride_cm,
+                0,
+                SUM_KS,
+                SPLIT_K,
+                HAS_NVALID,
+                0,
+                BN,
+                INTERP,
+                0,
+                True,
+            )
 
 
 @triton.jit
-def _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, mask, num_slots, c_split_stride, H, dense_stride,
-               KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, DENSE: tl.constexpr,
-               BH: tl.constexpr, INTERP: tl.constexpr, t, FROM_L2: tl.constexpr = False):
+def _sum_slots(
+    c_ptr,
+    ids_ptr,
+    out_ptr,
+    nvalid_ptr,
+    dense_ptr,
+    offs,
+    mask,
+    num_slots,
+    c_split_stride,
+    H,
+    dense_stride,
+    KS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    DENSE: tl.constexpr,
+    BH: tl.constexpr,
+    INTERP: tl.constexpr,
+    t,
+    FROM_L2: tl.constexpr = False,
+):
     """Columns ``offs`` of result row ``t``: its slots' GEMM2 outputs in slot order, then the dense shared slots;
     zeros past ``num_valid_tokens``. FROM_L2: read past this SM's cache (other programs of the same launch wrote c)."""
     acc = tl.zeros([BH], tl.float32)
@@ -441,16 +583,49 @@ def _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, mask, num_s
 
 
 @triton.jit
-def _sum_kernel(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, H, num_slots, c_split_stride, dense_stride,
-                KS: tl.constexpr, SPLITS: tl.constexpr, HAS_NVALID: tl.constexpr, BH: tl.constexpr,
-                INTERP: tl.constexpr, DENSE: tl.constexpr = 0, PDL: tl.constexpr = False):
+def _sum_kernel(
+    c_ptr,
+    ids_ptr,
+    out_ptr,
+    nvalid_ptr,
+    dense_ptr,
+    H,
+    num_slots,
+    c_split_stride,
+    dense_stride,
+    KS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    BH: tl.constexpr,
+    INTERP: tl.constexpr,
+    DENSE: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
+):
     """Row ``t`` of the result: its slots' GEMM2 outputs (slots below ``num_slots``; every K split) plus, for the
     ``DENSE`` shared slots run as dense GEMMs, ``dense[d, t]``; zeros past ``num_valid_tokens``."""
     _follow_previous_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
-    _sum_slots(c_ptr, ids_ptr, out_ptr, nvalid_ptr, dense_ptr, offs, offs < H, num_slots, c_split_stride, H,
-               dense_stride, KS, SPLITS, HAS_NVALID, DENSE, BH, INTERP, t)
+    _sum_slots(
+        c_ptr,
+        ids_ptr,
+        out_ptr,
+        nvalid_ptr,
+        dense_ptr,
+        offs,
+        offs < H,
+        num_slots,
+        c_split_stride,
+        H,
+        dense_stride,
+        KS,
+        SPLITS,
+        HAS_NVALID,
+        DENSE,
+        BH,
+        INTERP,
+        t,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -464,23 +639,40 @@ def _is_hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def resolve_tile_config(num_tokens: int, experts, slots_per_token: int, device: torch.device,
-                        tile_config: dict | None = None) -> dict:
+def resolve_tile_config(
+    num_tokens: int, experts, slots_per_token: int, device: torch.device, tile_config: dict | None = None
+) -> dict:
     """The tile config one call of :func:`fused_moe_triton` runs with: the tuned table for this GPU
     and shape (``runtime/configs/``), else the built-in default, then ``tile_config`` on top.
     Raises ``ValueError`` for unknown keys or impossible combinations (:func:`moe_tiles.check_tile_config`)."""
-    dev = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else None
+    dev = (
+        _device_name(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else None
+    )
     wname = str(experts.gate_up.dtype).replace("torch.", "")
-    cfg, _ = lookup_tile_config(next_pow2(num_tokens), experts.num_expert_slots, experts.hidden_size,
-                                experts.intermediate_size, slots_per_token, experts.is_fp8, dev, wname)
+    cfg, _ = lookup_tile_config(
+        next_pow2(num_tokens),
+        experts.num_expert_slots,
+        experts.hidden_size,
+        experts.intermediate_size,
+        slots_per_token,
+        experts.is_fp8,
+        dev,
+        wname,
+    )
     cfg = dict(cfg)
     if tile_config:
         check_tile_config(tile_config)
         cfg.update(tile_config)
     if not experts.is_fp8:
-        cfg.update(gemm1_swap_ab=False, gemm2_swap_ab=False, quantize_input_first=False, quantize_in_epilogue=False,
-                   quantize_hidden_first=False)
+        cfg.update(
+            gemm1_swap_ab=False,
+            gemm2_swap_ab=False,
+            quantize_input_first=False,
+            quantize_in_epilogue=False,
+            quantize_hidden_first=False,
+        )
     if not cfg["gemm1_fused_activation"] or cfg["gemm1_block_n"] != 128:
         cfg["quantize_in_epilogue"] = False
     if cfg["quantize_in_epilogue"]:
@@ -536,8 +728,19 @@ def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
 
 
-def _quantize_rows(launch: _Launches, a, rows: int, K: int, row_stride: int, col_stride: int, split_stride: int = 0,
-                   swiglu_splits: int = 0, slots=None, post_clamp: bool = False, scales_by_column: bool = False):
+def _quantize_rows(
+    launch: _Launches,
+    a,
+    rows: int,
+    K: int,
+    row_stride: int,
+    col_stride: int,
+    split_stride: int = 0,
+    swiglu_splits: int = 0,
+    slots=None,
+    post_clamp: bool = False,
+    scales_by_column: bool = False,
+):
     """One ``_quant_kernel`` launch over ``rows`` rows of ``K`` values: (FP8 ``[rows, K]``, float32 scales
     ``[rows, ceil(K/128)]``, column-major with ``scales_by_column``: cuBLAS's 1x128 layout). ``swiglu_splits`` > 0: the
     rows are plain GEMM1's partial sums, put through SwiGLU with ``slots = (ids, (alpha, beta, limit), num_slots)``
@@ -550,10 +753,29 @@ def _quantize_rows(launch: _Launches, a, rows: int, K: int, row_stride: int, col
         s = _alloc((rows, groups), torch.float32, a)
     ids, act, num_slots = slots if slots is not None else (a, (a, a, a), 0)
     BR = _quant_rows(rows)
-    launch(_quant_kernel, (triton.cdiv(rows, BR), groups),
-           a, q, s, ids, *act, rows, K, num_slots, row_stride, col_stride, s.stride(0), s.stride(1), split_stride,
-           ids.stride(0) if slots is not None else 0,
-           BR=BR, INTERP=interpreting(), SWIGLU_SPLITS=swiglu_splits, POST_CLAMP=post_clamp, num_warps=4)
+    launch(
+        _quant_kernel,
+        (triton.cdiv(rows, BR), groups),
+        a,
+        q,
+        s,
+        ids,
+        *act,
+        rows,
+        K,
+        num_slots,
+        row_stride,
+        col_stride,
+        s.stride(0),
+        s.stride(1),
+        split_stride,
+        ids.stride(0) if slots is not None else 0,
+        BR=BR,
+        INTERP=interpreting(),
+        SWIGLU_SPLITS=swiglu_splits,
+        POST_CLAMP=post_clamp,
+        num_warps=4,
+    )
     return q, s
 
 
@@ -569,8 +791,13 @@ def _block_fp8_mm_float32(index: int) -> bool:
     return True
 
 
-def block_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def block_fp8_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """``a @ w^T`` from FP8 operands: ``a [M, K]`` with 1x128 scales ``a_scale [M, ceil(K/128)]``, ``w [N, K]``
     with 128x128 block scales ``w_scale [ceil(N/128), ceil(K/128)]``; float32 accumulation, ``out_dtype`` (bf16 or
     float32) result.
@@ -588,7 +815,7 @@ def block_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
             ws[:, :kg] = w_scale
             ws = ws[:, :kg]
         return torch._scaled_mm(a, w.t(), a_scale, ws.t(), out_dtype=out_dtype)
-    af = (a.to(torch.float32) * a_scale.repeat_interleave(128, dim=1)[:, :K])
+    af = a.to(torch.float32) * a_scale.repeat_interleave(128, dim=1)[:, :K]
     wf = w.to(torch.float32) * w_scale.repeat_interleave(128, dim=0)[:N].repeat_interleave(128, dim=1)[:, :K]
     return (af @ wf.t()).to(out_dtype)
 
@@ -614,18 +841,77 @@ def _align(launch: _Launches, ids_c, num_valid_tokens, numel: int, KS: int, num_
     BB = 64 if NEP <= 256 else 32
     if numel <= SINGLE_ALIGN_MAX_PAIRS:
         cursor = _alloc((NEP,), torch.int32, ids_c)
-        launch(_align_kernel, (1,), ids_c, nv, cursor, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
-               max_blocks, EM, 1, HAS_NVALID=has_nv, NEP=NEP, NCP=1, BM=BM,
-               CHUNK=1024 if numel > 256 else 256, BB=BB, SINGLE=True, num_warps=4)
+        launch(
+            _align_kernel,
+            (1,),
+            ids_c,
+            nv,
+            cursor,
+            sorted_ids,
+            expert_ids,
+            total,
+            cursor,
+            numel,
+            KS,
+            num_slots,
+            max_blocks,
+            EM,
+            1,
+            HAS_NVALID=has_nv,
+            NEP=NEP,
+            NCP=1,
+            BM=BM,
+            CHUNK=1024 if numel > 256 else 256,
+            BB=BB,
+            SINGLE=True,
+            num_warps=4,
+        )
     else:
         n_chunks = triton.cdiv(numel, ALIGN_CHUNK)
         counts = _alloc((n_chunks, NEP), torch.int32, ids_c)
         cursor = _alloc((n_chunks, NEP), torch.int32, ids_c)
-        launch(_count_kernel, (n_chunks,), ids_c, nv, counts, sorted_ids, numel, KS, num_slots, EM,
-               triton.cdiv(EM, n_chunks), HAS_NVALID=has_nv, NEP=NEP, CHUNK=ALIGN_CHUNK, num_warps=4)
-        launch(_align_kernel, (n_chunks,), ids_c, nv, counts, sorted_ids, expert_ids, total, cursor, numel, KS, num_slots,
-               max_blocks, EM, n_chunks, HAS_NVALID=has_nv, NEP=NEP, NCP=next_pow2(n_chunks),
-               BM=BM, CHUNK=ALIGN_CHUNK, BB=BB, SINGLE=False, num_warps=4)
+        launch(
+            _count_kernel,
+            (n_chunks,),
+            ids_c,
+            nv,
+            counts,
+            sorted_ids,
+            numel,
+            KS,
+            num_slots,
+            EM,
+            triton.cdiv(EM, n_chunks),
+            HAS_NVALID=has_nv,
+            NEP=NEP,
+            CHUNK=ALIGN_CHUNK,
+            num_warps=4,
+        )
+        launch(
+            _align_kernel,
+            (n_chunks,),
+            ids_c,
+            nv,
+            counts,
+            sorted_ids,
+            expert_ids,
+            total,
+            cursor,
+            numel,
+            KS,
+            num_slots,
+            max_blocks,
+            EM,
+            n_chunks,
+            HAS_NVALID=has_nv,
+            NEP=NEP,
+            NCP=next_pow2(n_chunks),
+            BM=BM,
+            CHUNK=ALIGN_CHUNK,
+            BB=BB,
+            SINGLE=False,
+            num_warps=4,
+        )
     return sorted_ids, expert_ids, total, max_blocks
 
 
@@ -641,16 +927,31 @@ def _dense_shared_slots(launch: _Launches, xq, xs, experts, ids_c, shared: int, 
     # against 7029 us, Kimi-K2 9080 against 7913: benchmarks/results/2026-12-04-h200-run{1,2}-tune.json).
     xs = torch.empty_strided(xs.shape, (1, T), dtype=xs.dtype, device=xs.device).copy_(xs)
     I = experts.intermediate_size  # noqa: E741
-    exact = not xq.is_cuda or _block_fp8_mm_float32(xq.device.index if xq.device.index is not None else
-                                                     torch.cuda.current_device())
+    exact = not xq.is_cuda or _block_fp8_mm_float32(
+        xq.device.index if xq.device.index is not None else torch.cuda.current_device()
+    )
     outs = []
     for j in range(shared):
         slot = NE - shared + j
-        gate_up = block_fp8_mm(xq, xs, experts.gate_up[slot], experts.gate_up_scale[slot],  # [T, 2I]
-                               torch.float32 if exact else torch.bfloat16)
-        h, h_s = _quantize_rows(launch, gate_up, T, I, gate_up.stride(0), 1, swiglu_splits=1,
-                                slots=(ids_c[:, KS - shared + j], act, NE), post_clamp=experts.post_clamp,
-                                scales_by_column=True)
+        gate_up = block_fp8_mm(
+            xq,
+            xs,
+            experts.gate_up[slot],
+            experts.gate_up_scale[slot],  # [T, 2I]
+            torch.float32 if exact else torch.bfloat16,
+        )
+        h, h_s = _quantize_rows(
+            launch,
+            gate_up,
+            T,
+            I,
+            gate_up.stride(0),
+            1,
+            swiglu_splits=1,
+            slots=(ids_c[:, KS - shared + j], act, NE),
+            post_clamp=experts.post_clamp,
+            scales_by_column=True,
+        )
         outs.append(block_fp8_mm(h, h_s, experts.down[slot], experts.down_scale[slot]))
     return outs[0][None] if shared == 1 else torch.stack(outs)
 
@@ -714,43 +1015,166 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     num_cnt = triton.cdiv(H, BN2)
     cnt = _alloc((num_cnt,), torch.int32, x) if fold_sum else ids_c
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
-    launch(_moe_gemm_kernel, grid1,
-        a, a_s, _weight_tiles(w13, BN1, BK) if tma else w13, s13, h, h_s, sorted_ids, expert_ids, bound, w_c, *act,
-        N1, H, numel, num_pid_m, routed, I, gi, 0, numel * N1,
-        a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *sstr(s13),
-        N1, h_s.stride(0) if quant_h else 0,
-        A_DIV=KS, A_MODE=1 if prequant else 0, A_SPLITS=1, GATED=fused_act, QUANT_OUT=quant_h, MUL_W=False,
-        W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm1_swap_ab"], SPLIT_K=split1,
-        BM=BM, BN=BN1, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm1_warps"], num_stages=cfg["gemm1_stages"],
-        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
-        cnt_ptr=cnt, ids_ptr=ids_c, out_ptr=out, num_cnt=num_cnt, CNT_P=next_pow2(num_cnt), ZERO_CNT=fold_sum,
+    launch(
+        _moe_gemm_kernel,
+        grid1,
+        a,
+        a_s,
+        _weight_tiles(w13, BN1, BK) if tma else w13,
+        s13,
+        h,
+        h_s,
+        sorted_ids,
+        expert_ids,
+        bound,
+        w_c,
+        *act,
+        N1,
+        H,
+        numel,
+        num_pid_m,
+        routed,
+        I,
+        gi,
+        0,
+        numel * N1,
+        a.stride(0),
+        a.stride(1),
+        a_s.stride(0),
+        a_s.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        *sstr(s13),
+        N1,
+        h_s.stride(0) if quant_h else 0,
+        A_DIV=KS,
+        A_MODE=1 if prequant else 0,
+        A_SPLITS=1,
+        GATED=fused_act,
+        QUANT_OUT=quant_h,
+        MUL_W=False,
+        W_FP8=fp8,
+        INTERP=interp,
+        DOT_DTYPE=dot_dtype,
+        SWAP=fp8 and cfg["gemm1_swap_ab"],
+        SPLIT_K=split1,
+        BM=BM,
+        BN=BN1,
+        BK=BK,
+        GROUP_M=cfg["group_m"],
+        num_warps=cfg["gemm1_warps"],
+        num_stages=cfg["gemm1_stages"],
+        POST_CLAMP=experts.post_clamp,
+        NAIVE=naive,
+        HAS_NVALID=has_nv,
+        B_TMA=tma,
+        cnt_ptr=cnt,
+        ids_ptr=ids_c,
+        out_ptr=out,
+        num_cnt=num_cnt,
+        CNT_P=next_pow2(num_cnt),
+        ZERO_CNT=fold_sum,
     )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
-        h, h_s = _quantize_rows(launch, h, numel, I, h.stride(1), 1, split_stride=numel * N1,
-                                swiglu_splits=0 if fused_act else split1, slots=(ids_c.view(-1), act, num_slots),
-                                post_clamp=experts.post_clamp)
+        h, h_s = _quantize_rows(
+            launch,
+            h,
+            numel,
+            I,
+            h.stride(1),
+            1,
+            split_stride=numel * N1,
+            swiglu_splits=0 if fused_act else split1,
+            slots=(ids_c.view(-1), act, num_slots),
+            post_clamp=experts.post_clamp,
+        )
         h_quant_mode = 1
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
     grid2 = (num_pid_m * triton.cdiv(H, BN2), split2)
-    launch(_moe_gemm_kernel, grid2,
-        h, h_s, _weight_tiles(w2, BN2, BK) if tma else w2, s2, c, c, sorted_ids, expert_ids, bound, w_c, *act,
-        H, I, numel, num_pid_m, routed, H, 0, numel * N1, numel * H,
-        h.stride(-2), 1, *(h_s.stride() if h_quant_mode == 1 else (0, 0)),
-        w2.stride(0), w2.stride(1), w2.stride(2), *sstr(s2),
-        H, 0,
-        A_DIV=1, A_MODE=h_quant_mode, A_SPLITS=split1, GATED=False, QUANT_OUT=False, MUL_W=True,
-        W_FP8=fp8, INTERP=interp, DOT_DTYPE=dot_dtype, SWAP=fp8 and cfg["gemm2_swap_ab"], SPLIT_K=split2,
-        BM=BM, BN=BN2, BK=BK, GROUP_M=cfg["group_m"], num_warps=cfg["gemm2_warps"], num_stages=cfg["gemm2_stages"],
-        POST_CLAMP=experts.post_clamp, NAIVE=naive, HAS_NVALID=has_nv, B_TMA=tma,
-        cnt_ptr=cnt, ids_ptr=ids_c, out_ptr=out, num_cnt=num_cnt, SUM_KS=KS if fold_sum else 0,
+    launch(
+        _moe_gemm_kernel,
+        grid2,
+        h,
+        h_s,
+        _weight_tiles(w2, BN2, BK) if tma else w2,
+        s2,
+        c,
+        c,
+        sorted_ids,
+        expert_ids,
+        bound,
+        w_c,
+        *act,
+        H,
+        I,
+        numel,
+        num_pid_m,
+        routed,
+        H,
+        0,
+        numel * N1,
+        numel * H,
+        h.stride(-2),
+        1,
+        *(h_s.stride() if h_quant_mode == 1 else (0, 0)),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        *sstr(s2),
+        H,
+        0,
+        A_DIV=1,
+        A_MODE=h_quant_mode,
+        A_SPLITS=split1,
+        GATED=False,
+        QUANT_OUT=False,
+        MUL_W=True,
+        W_FP8=fp8,
+        INTERP=interp,
+        DOT_DTYPE=dot_dtype,
+        SWAP=fp8 and cfg["gemm2_swap_ab"],
+        SPLIT_K=split2,
+        BM=BM,
+        BN=BN2,
+        BK=BK,
+        GROUP_M=cfg["group_m"],
+        num_warps=cfg["gemm2_warps"],
+        num_stages=cfg["gemm2_stages"],
+        POST_CLAMP=experts.post_clamp,
+        NAIVE=naive,
+        HAS_NVALID=has_nv,
+        B_TMA=tma,
+        cnt_ptr=cnt,
+        ids_ptr=ids_c,
+        out_ptr=out,
+        num_cnt=num_cnt,
+        SUM_KS=KS if fold_sum else 0,
     )
     if fold_sum:
         return out
     shared_out = _dense_shared_slots(launch, a, a_s, experts, ids_c, shared_slots, act) if dense else c
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
-    launch(_sum_kernel, (T, triton.cdiv(H, BH)), c, ids_c, out, num_valid_tokens if has_nv else ids_c, shared_out, H,
-           routed, numel * H, T * H, KS=KS, SPLITS=split2, HAS_NVALID=has_nv, BH=BH, INTERP=interp,
-           DENSE=shared_slots if dense else 0, num_warps=4)
+    launch(
+        _sum_kernel,
+        (T, triton.cdiv(H, BH)),
+        c,
+        ids_c,
+        out,
+        num_valid_tokens if has_nv else ids_c,
+        shared_out,
+        H,
+        routed,
+        numel * H,
+        T * H,
+        KS=KS,
+        SPLITS=split2,
+        HAS_NVALID=has_nv,
+        BH=BH,
+        INTERP=interp,
+        DENSE=shared_slots if dense else 0,
+        num_warps=4,
+    )
     return out

@@ -64,12 +64,15 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = unpack_e2m1(packed)
     rows, cols = values.shape
     if tuple(scales.shape) != (rows, cols // MX_GROUP) or cols % MX_GROUP:
-        raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not fit weight [{rows}, {cols}] (expected [{rows}, {cols // MX_GROUP}])")
+        raise ValueError(
+            f"MXFP4 scales {tuple(scales.shape)} do not fit weight [{rows}, {cols}] (expected [{rows}, {cols // MX_GROUP}])"
+        )
     return (values.reshape(rows, -1, MX_GROUP) * e8m0_to_float(scales)[..., None]).reshape(rows, cols)
 
 
-def mxfp4_to_fp8_blocks(packed: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mxfp4_to_fp8_blocks(
+    packed: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convert an MXFP4 weight to FP8 e4m3 with one power-of-two scale per ``block x block`` tile (edge tiles cropped).
 
     Returns ``(q, scale_e8m0, moved, within_rule)``: ``q`` float8_e4m3fn ``[out, in]``; ``scale_e8m0`` uint8 E8M0 bytes
@@ -85,7 +88,9 @@ def mxfp4_to_fp8_blocks(packed: torch.Tensor, scales: torch.Tensor, block: int =
     rows, cols = u8.shape[0], 2 * u8.shape[1]
     sb = scales.contiguous().view(torch.uint8)
     if tuple(sb.shape) != (rows, cols // MX_GROUP) or cols % MX_GROUP:
-        raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not fit weight [{rows}, {cols}] (expected [{rows}, {cols // MX_GROUP}])")
+        raise ValueError(
+            f"MXFP4 scales {tuple(scales.shape)} do not fit weight [{rows}, {cols}] (expected [{rows}, {cols // MX_GROUP}])"
+        )
     if rows % block or cols % block or block % MX_GROUP or bool((sb == E8M0_NAN).any()):
         return mxfp4_to_fp8_blocks_float(packed, scales, block)
     R, C, gpt = rows // block, cols // block, block // MX_GROUP
@@ -135,8 +140,9 @@ def _exact_codes(u8: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return codes[idx].view(torch.uint8).view(FP8_DTYPE).view(rows, 2 * half)
 
 
-def mxfp4_to_fp8_blocks_float(packed: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mxfp4_to_fp8_blocks_float(
+    packed: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`mxfp4_to_fp8_blocks` through float32: dequantize, divide by ``B``, round to nearest even; any shape,
     any tile (those outside the rule are measured)."""
     w = dequantize_mxfp4(packed, scales)

@@ -77,7 +77,9 @@ class RoutingConfig:
         put(self, "num_experts", E)
         K = check_int("top_k", self.top_k, lo=1, hi=E)
         put(self, "top_k", K)
-        put(self, "num_fused_shared_experts", check_int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0))
+        put(
+            self, "num_fused_shared_experts", check_int("num_fused_shared_experts", self.num_fused_shared_experts, lo=0)
+        )
         check_choice("scoring", self.scoring, SCORING_FUNCS)
         G = check_int("n_group", self.n_group, lo=1, hi=E)
         put(self, "n_group", G)
@@ -87,7 +89,11 @@ class RoutingConfig:
         if K > self.topk_group * (E // G):
             raise LayoutError(f"top_k={K} exceeds the {self.topk_group * (E // G)} experts of the kept groups")
         check_bool("renormalize", self.renormalize)
-        put(self, "routed_scaling_factor", check_float("routed_scaling_factor", self.routed_scaling_factor, positive=True))
+        put(
+            self,
+            "routed_scaling_factor",
+            check_float("routed_scaling_factor", self.routed_scaling_factor, positive=True),
+        )
         if self.group_score is not None:
             check_choice("group_score", self.group_score, GROUP_SCORES)
         check_choice("renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
@@ -135,11 +141,23 @@ class RoutingConfig:
         r = block.routing
         if layer is None:
             if r.hash_layers:
-                raise LayoutError(f"layers {list(r.hash_layers)} are hash-routed: RoutingConfig.from_config needs layer=")
+                raise LayoutError(
+                    f"layers {list(r.hash_layers)} are hash-routed: RoutingConfig.from_config needs layer="
+                )
         elif layer not in block.moe_layers:
-            raise LayoutError(f"layer {layer} is not a MoE layer of this checkpoint (moe_layers {list(block.moe_layers)})")
-        same = ("top_k", "scoring", "n_group", "topk_group", "renormalize", "routed_scaling_factor",
-                "renormalize_form", "renormalize_eps")
+            raise LayoutError(
+                f"layer {layer} is not a MoE layer of this checkpoint (moe_layers {list(block.moe_layers)})"
+            )
+        same = (
+            "top_k",
+            "scoring",
+            "n_group",
+            "topk_group",
+            "renormalize",
+            "routed_scaling_factor",
+            "renormalize_form",
+            "renormalize_eps",
+        )
         return cls(
             num_experts=block.num_routed_experts,
             num_fused_shared_experts=block.num_fused_shared_experts,
@@ -159,23 +177,40 @@ def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid) -
     if bias is not None and tuple(bias.shape) not in selection_bias_shapes(E):
         raise ValueError(f"bias must be [{E}] (or [1, {E}], as ERNIE-4.5 stores it), got {tuple(bias.shape)}")
     if num_valid_tokens is not None and (num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point()):
-        raise ValueError(f"num_valid_tokens must be a one-element integer tensor, got {num_valid_tokens.dtype} {tuple(num_valid_tokens.shape)}")
+        raise ValueError(
+            f"num_valid_tokens must be a one-element integer tensor, got {num_valid_tokens.dtype} {tuple(num_valid_tokens.shape)}"
+        )
     if not cfg.hash_routed:
         if tid2eid is not None:
-            raise ValueError("tid2eid given for a score-routed layer (cfg.hash_routed is False): "
-                             "build the config with RoutingConfig.from_config(block, layer=...)")
+            raise ValueError(
+                "tid2eid given for a score-routed layer (cfg.hash_routed is False): "
+                "build the config with RoutingConfig.from_config(block, layer=...)"
+            )
         return
     if token_ids is None or tid2eid is None:
         missing = " and ".join(n for n, v in (("token_ids", token_ids), ("tid2eid", tid2eid)) if v is None)
-        raise ValueError(f"this layer is hash-routed (ids come from tid2eid[token_id]) and needs {missing}; "
-                         "pass the input ids flattened in the row order of the logits")
-    if tid2eid.dim() != 2 or tid2eid.shape[1] != cfg.top_k or tid2eid.shape[0] < 1 or tid2eid.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"tid2eid must be [vocab, {cfg.top_k}] int32/int64, got {tid2eid.dtype} {tuple(tid2eid.shape)}")
+        raise ValueError(
+            f"this layer is hash-routed (ids come from tid2eid[token_id]) and needs {missing}; "
+            "pass the input ids flattened in the row order of the logits"
+        )
+    if (
+        tid2eid.dim() != 2
+        or tid2eid.shape[1] != cfg.top_k
+        or tid2eid.shape[0] < 1
+        or tid2eid.dtype not in _INDEX_DTYPES
+    ):
+        raise ValueError(
+            f"tid2eid must be [vocab, {cfg.top_k}] int32/int64, got {tid2eid.dtype} {tuple(tid2eid.shape)}"
+        )
     if token_ids.dtype not in _INDEX_DTYPES or token_ids.numel() != logits.shape[0]:
-        raise ValueError(f"token_ids must hold T = {logits.shape[0]} int32/int64 ids (one per logits row), "
-                         f"got {token_ids.dtype} {tuple(token_ids.shape)}")
+        raise ValueError(
+            f"token_ids must hold T = {logits.shape[0]} int32/int64 ids (one per logits row), "
+            f"got {token_ids.dtype} {tuple(token_ids.shape)}"
+        )
     if token_ids.device != logits.device or tid2eid.device != logits.device:
-        raise ValueError(f"token_ids ({token_ids.device}) and tid2eid ({tid2eid.device}) must be on the logits' device ({logits.device})")
+        raise ValueError(
+            f"token_ids ({token_ids.device}) and tid2eid ({tid2eid.device}) must be on the logits' device ({logits.device})"
+        )
 
 
 def check_hash_table(tid2eid: torch.Tensor, num_experts: int, top_k: int) -> None:
@@ -195,8 +230,10 @@ def check_hash_table(tid2eid: torch.Tensor, num_experts: int, top_k: int) -> Non
     bad = ((tid2eid < 0) | (tid2eid >= num_experts)).nonzero()
     if len(bad):
         t, k = bad[0].tolist()
-        raise ValueError(f"tid2eid[{t}, {k}] = {int(tid2eid[t, k])} is not a routed expert id in [0, {num_experts}) "
-                         f"({len(bad)} such entries)")
+        raise ValueError(
+            f"tid2eid[{t}, {k}] = {int(tid2eid[t, k])} is not a routed expert id in [0, {num_experts}) "
+            f"({len(bad)} such entries)"
+        )
 
 
 def route(

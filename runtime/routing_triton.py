@@ -54,12 +54,38 @@ def _scores(z, SCORING: tl.constexpr):
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, w_ptr, nvalid_ptr, tok_ptr, table_ptr,
-    stride_lt, stride_le, stride_tok, stride_tv, stride_tk, vocab, rsf, eps,
-    E: tl.constexpr, GS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GSP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, K: tl.constexpr, S: tl.constexpr, KSP: tl.constexpr,
-    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM: tl.constexpr,
-    HASH: tl.constexpr, HAS_NVALID: tl.constexpr, SELECT: tl.constexpr = 0, TGP: tl.constexpr = 1,
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    w_ptr,
+    nvalid_ptr,
+    tok_ptr,
+    table_ptr,
+    stride_lt,
+    stride_le,
+    stride_tok,
+    stride_tv,
+    stride_tk,
+    vocab,
+    rsf,
+    eps,
+    E: tl.constexpr,
+    GS: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    GSP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    K: tl.constexpr,
+    S: tl.constexpr,
+    KSP: tl.constexpr,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    RENORM: tl.constexpr,
+    HASH: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    SELECT: tl.constexpr = 0,
+    TGP: tl.constexpr = 1,
     KP: tl.constexpr = 1,
 ):
     # SCORING: 0 sigmoid, 1 softmax, 2 sqrtsoftplus. RENORM: 0 none, 1 w / (sum + eps), 2 w / max(sum, eps).
@@ -91,7 +117,9 @@ def _route_kernel(
         tid = tl.load(tok_ptr + row * stride_tok).to(tl.int64)
         tok_ok = (tid >= 0) & (tid < vocab)
         rmask = offs_k < K
-        eid = tl.load(table_ptr + tl.where(tok_ok, tid, 0) * stride_tv + offs_k * stride_tk, mask=rmask, other=0).to(tl.int64)
+        eid = tl.load(table_ptr + tl.where(tok_ok, tid, 0) * stride_tv + offs_k * stride_tk, mask=rmask, other=0).to(
+            tl.int64
+        )
         e_ok = (eid >= 0) & (eid < E)  # true in the masked-off slots (other=0)
         row_ok = tok_ok & (tl.sum(tl.where(e_ok, 0, 1), axis=0) == 0)
         ids = tl.where(e_ok, eid, 0).to(tl.int32)
@@ -187,8 +215,19 @@ _SCORING_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scoring: str, has_bias: bool,
-                   group_top2: bool, renorm: int, hash_routed: bool, few_tokens: bool):
+def _launch_config(
+    E: int,
+    S: int,
+    K: int,
+    n_group: int,
+    topk_group: int,
+    scoring: str,
+    has_bias: bool,
+    group_top2: bool,
+    renorm: int,
+    hash_routed: bool,
+    few_tokens: bool,
+):
     """Kernel meta-parameters, keyed by everything that changes them (E+S included)."""
     if hash_routed:  # no selection: bias and groups play no part
         n_group, topk_group, has_bias, group_top2 = 1, 1, False, False
@@ -208,10 +247,26 @@ def _launch_config(E: int, S: int, K: int, n_group: int, topk_group: int, scorin
         num_warps = 2 if (n_group > 1 or tile <= 128) else 4
     else:
         num_warps = 1 if tile <= 256 else (2 if tile <= 512 else 4)
-    return dict(E=E, GS=GS, G=n_group, GP=GP, GSP=GSP, TOPK_GROUP=topk_group, K=K, S=S,
-                KSP=next_pow2(K + S), SCORING=_SCORING_CODES[scoring], HAS_BIAS=has_bias,
-                GROUP_TOP2=group_top2, RENORM=renorm, HASH=hash_routed, num_warps=num_warps,
-                SELECT=select, TGP=next_pow2(topk_group), KP=next_pow2(K))
+    return dict(
+        E=E,
+        GS=GS,
+        G=n_group,
+        GP=GP,
+        GSP=GSP,
+        TOPK_GROUP=topk_group,
+        K=K,
+        S=S,
+        KSP=next_pow2(K + S),
+        SCORING=_SCORING_CODES[scoring],
+        HAS_BIAS=has_bias,
+        GROUP_TOP2=group_top2,
+        RENORM=renorm,
+        HASH=hash_routed,
+        num_warps=num_warps,
+        SELECT=select,
+        TGP=next_pow2(topk_group),
+        KP=next_pow2(K),
+    )
 
 
 def select_modes(n_group: int, K: int, S: int) -> tuple[int, ...]:
@@ -233,7 +288,13 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
     KS = cfg.slots_per_token
     if out is not None:
         ids, w = out
-        if ids.shape != (T, KS) or ids.dtype != torch.int32 or w.shape != (T, KS) or w.dtype != torch.float32 or not (ids.is_contiguous() and w.is_contiguous()):
+        if (
+            ids.shape != (T, KS)
+            or ids.dtype != torch.int32
+            or w.shape != (T, KS)
+            or w.dtype != torch.float32
+            or not (ids.is_contiguous() and w.is_contiguous())
+        ):
             raise ValueError("out must be contiguous ([T, K+S] int32, [T, K+S] float32)")
     else:
         ids = torch.empty(T, KS, dtype=torch.int32, device=logits.device)
@@ -242,24 +303,46 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
         return ids, w
     hashed = cfg.hash_routed
     renorm = 0 if not (cfg.renormalize or hashed) else (2 if cfg.renormalize_form == "max" else 1)
-    meta = _launch_config(E, cfg.num_fused_shared_experts, cfg.top_k, cfg.n_group, cfg.topk_group,
-                          cfg.scoring, bias is not None, cfg.group_top2(bias is not None), renorm, hashed, T <= 64)
+    meta = _launch_config(
+        E,
+        cfg.num_fused_shared_experts,
+        cfg.top_k,
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.scoring,
+        bias is not None,
+        cfg.group_top2(bias is not None),
+        renorm,
+        hashed,
+        T <= 64,
+    )
     if launch:
         if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(
-                cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts):
-            raise ValueError(f"launch overrides SELECT (one of the geometry's select_modes) and num_warps only: {launch}")
+            cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts
+        ):
+            raise ValueError(
+                f"launch overrides SELECT (one of the geometry's select_modes) and num_warps only: {launch}"
+            )
         meta = dict(meta, **launch)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.to(torch.float32)
     _route_kernel[(T,)](
-        logits, bias if bias is not None and not hashed else logits, ids, w,
+        logits,
+        bias if bias is not None and not hashed else logits,
+        ids,
+        w,
         num_valid_tokens if num_valid_tokens is not None else ids,
-        token_ids if hashed else ids, tid2eid if hashed else ids,
-        logits.stride(0), logits.stride(1),
+        token_ids if hashed else ids,
+        tid2eid if hashed else ids,
+        logits.stride(0),
+        logits.stride(1),
         token_ids.stride(0) if hashed else 0,
-        tid2eid.stride(0) if hashed else 0, tid2eid.stride(1) if hashed else 0,
+        tid2eid.stride(0) if hashed else 0,
+        tid2eid.stride(1) if hashed else 0,
         tid2eid.shape[0] if hashed else 0,
-        float(cfg.routed_scaling_factor), float(cfg.renormalize_eps),
-        HAS_NVALID=num_valid_tokens is not None, **meta,
+        float(cfg.routed_scaling_factor),
+        float(cfg.renormalize_eps),
+        HAS_NVALID=num_valid_tokens is not None,
+        **meta,
     )
     return ids, w

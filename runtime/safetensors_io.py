@@ -81,13 +81,36 @@ def read_small_file(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BY
 
 
 DTYPE_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
 }
 TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -122,12 +145,19 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"not a safetensors file: {size} bytes, shorter than the 8-byte header length", file=path)
+                raise CheckpointError(
+                    f"not a safetensors file: {size} bytes, shorter than the 8-byte header length", file=path
+                )
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"header length {n} is over the safetensors limit of {MAX_HEADER_BYTES} bytes (corrupt file?)", file=path)
+                raise CheckpointError(
+                    f"header length {n} is over the safetensors limit of {MAX_HEADER_BYTES} bytes (corrupt file?)",
+                    file=path,
+                )
             if 8 + n > size:
-                raise CheckpointError(f"header length {n} runs past the end of the file ({size} bytes): truncated or corrupt", file=path)
+                raise CheckpointError(
+                    f"header length {n} runs past the end of the file ({size} bytes): truncated or corrupt", file=path
+                )
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror or e}", file=path) from None
@@ -154,16 +184,30 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise CheckpointError(f"unknown dtype {dtype!r}", file=path, tensor=name)
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        if not (
+            isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
             raise CheckpointError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
             raise CheckpointError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
         begin, end = offsets
         expected = math.prod(shape) * DTYPE_SIZES[dtype]
         if begin < 0 or end < begin or end - begin != expected:
-            raise CheckpointError(f"data_offsets {offsets} hold {end - begin} bytes, expected {expected} for {dtype} {shape}", file=path, tensor=name)
+            raise CheckpointError(
+                f"data_offsets {offsets} hold {end - begin} bytes, expected {expected} for {dtype} {shape}",
+                file=path,
+                tensor=name,
+            )
         if end > data_size:
-            raise CheckpointError(f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated file", file=path, tensor=name)
+            raise CheckpointError(
+                f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated file",
+                file=path,
+                tensor=name,
+            )
         tensors[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, expected)
         spans.append((begin, end, name))
     spans.sort()
@@ -181,14 +225,20 @@ def _require_exact_cover(spans: list[tuple[int, int, str]], data_size: int, head
     end = 0
     for begin, stop, name in spans:
         if begin != end:
-            raise CheckpointError(f"data_offsets leave bytes [{end}, {begin}) of the data section unused before this "
-                                  f"tensor (header length {header_len} wrong, or a corrupt header)", file=path,
-                                  tensor=name)
+            raise CheckpointError(
+                f"data_offsets leave bytes [{end}, {begin}) of the data section unused before this "
+                f"tensor (header length {header_len} wrong, or a corrupt header)",
+                file=path,
+                tensor=name,
+            )
         end = stop
     if end != data_size:
-        raise CheckpointError(f"the tensors cover {end} of the {data_size} bytes of the data section, which the "
-                              f"safetensors format does not allow (header length {header_len} wrong, or bytes appended "
-                              "to the file)", file=path)
+        raise CheckpointError(
+            f"the tensors cover {end} of the {data_size} bytes of the data section, which the "
+            f"safetensors format does not allow (header length {header_len} wrong, or bytes appended "
+            "to the file)",
+            file=path,
+        )
 
 
 class _DuplicateKey(ValueError):
@@ -217,7 +267,11 @@ def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> b
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
     if got != length:
-        raise CheckpointError(f"short read: wanted {length} bytes at {info.offset + start}, got {got} (file truncated?)", file=info.file, tensor=info.name)
+        raise CheckpointError(
+            f"short read: wanted {length} bytes at {info.offset + start}, got {got} (file truncated?)",
+            file=info.file,
+            tensor=info.name,
+        )
     return buf
 
 
@@ -228,7 +282,9 @@ def bytes_to_tensor(buf: bytearray, dtype: str, shape: Iterable[int]) -> torch.T
     return torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]).reshape(shape)
 
 
-def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+def build_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+) -> tuple[bytes, dict[str, int]]:
     """Serialize a safetensors header for tensors laid out in the given order.
 
     Returns the header bytes (length prefix included, padded to 8 bytes) and each

@@ -88,12 +88,21 @@ class CompletionEngine:
     def prompt_ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs
+                )
+            ):
                 raise BadRequest("'messages' must be a non-empty list of {'role': str, 'content': str}", "messages")
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise BadRequest("this checkpoint has no tokenizer with a chat template: use /v1/completions with "
-                                 "'prompt' as a list of token ids", "messages")
+                raise BadRequest(
+                    "this checkpoint has no tokenizer with a chat template: use /v1/completions with "
+                    "'prompt' as a list of token ids",
+                    "messages",
+                )
             ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
@@ -102,7 +111,11 @@ class CompletionEngine:
                 if self.tokenizer is None:
                     raise BadRequest("this checkpoint has no tokenizer: send 'prompt' as a list of token ids", "prompt")
                 ids = self.tokenizer(prompt)["input_ids"]
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
                 ids = prompt
             else:
                 raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
@@ -129,9 +142,10 @@ class CompletionEngine:
         x = torch.tensor([ids], device=self.device)
         with self._lock, torch.no_grad():
             torch.manual_seed(seed)
-            out = self.model.generate(x, attention_mask=torch.ones_like(x), streamer=streamer,
-                                      pad_token_id=self._pad_id(), **kw)
-        return out[0, len(ids):].tolist()
+            out = self.model.generate(
+                x, attention_mask=torch.ones_like(x), streamer=streamer, pad_token_id=self._pad_id(), **kw
+            )
+        return out[0, len(ids) :].tolist()
 
     def _pad_id(self) -> int:
         gc = getattr(self.model, "generation_config", None)
@@ -155,7 +169,8 @@ class CompletionEngine:
         else:
             choice["text"] = self._text(new)
         return self._envelope(chat, [choice]) | {
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}}
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}
+        }
 
     def stream(self, body: dict, chat: bool) -> Iterator[dict]:
         """Validates at once (raising :class:`BadRequest`), then yields one chunk per generated token."""
@@ -191,8 +206,13 @@ class CompletionEngine:
 
     def _envelope(self, chat: bool, choices: list, chunk: bool = False) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": self.model_name,
-                "choices": choices}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+        }
 
 
 def _handler(engine: CompletionEngine):
@@ -216,7 +236,13 @@ def _handler(engine: CompletionEngine):
 
         def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "fuse-shared"}]})
+                self._json(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": engine.model_name, "object": "model", "owned_by": "fuse-shared"}],
+                    },
+                )
             elif self.path.rstrip("/") in ("/v1/completions", "/v1/chat/completions"):
                 self._error(405, f"{self.path} takes POST")
             else:
@@ -233,8 +259,10 @@ def _handler(engine: CompletionEngine):
                 length = -1
             if not 0 < length <= MAX_BODY_BYTES:
                 self.close_connection = True
-                return self._error(400 if length <= 0 else 413, f"the body must be JSON of 1 to {MAX_BODY_BYTES} bytes "
-                                   "with a Content-Length header")
+                return self._error(
+                    400 if length <= 0 else 413,
+                    f"the body must be JSON of 1 to {MAX_BODY_BYTES} bytes with a Content-Length header",
+                )
             try:
                 body = json.loads(self.rfile.read(length))
             except (ValueError, UnicodeDecodeError) as e:
@@ -261,18 +289,28 @@ def _handler(engine: CompletionEngine):
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
             except Exception as e:  # noqa: BLE001 - headers are gone: report in-band, as OpenAI does
-                self.wfile.write(f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n".encode())
+                self.wfile.write(
+                    f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n".encode()
+                )
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
     return Handler
 
 
-def make_server(model, tokenizer=None, host: str = "127.0.0.1", port: int = 8000, model_name: str = "fused",
-                max_tokens_limit: int = 4096) -> ThreadingHTTPServer:
+def make_server(
+    model,
+    tokenizer=None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str = "fused",
+    max_tokens_limit: int = 4096,
+) -> ThreadingHTTPServer:
     """A threaded HTTP server (not started: call ``serve_forever()``; ``server_address`` has the bound port when
     ``port=0``) answering the OpenAI completions and chat completions APIs with ``model.generate()``."""
-    server = ThreadingHTTPServer((host, port), _handler(CompletionEngine(model, tokenizer, model_name, max_tokens_limit)))
+    server = ThreadingHTTPServer(
+        (host, port), _handler(CompletionEngine(model, tokenizer, model_name, max_tokens_limit))
+    )
     server.daemon_threads = True
     return server
 
@@ -281,8 +319,10 @@ def load_tokenizer(path):
     """The folder's tokenizer, or None when it has none (prompts must then be token ids)."""
     import os
 
-    if not any(os.path.exists(os.path.join(os.fspath(path), f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                             "tokenizer.model")):
+    if not any(
+        os.path.exists(os.path.join(os.fspath(path), f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 

@@ -19,176 +19,595 @@ from safetensors.torch import save_file
 
 from runtime.fp8 import quantize_block_fp8
 
-COMMON = dict(vocab_size=96, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=96, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False
+)
 MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
-FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "minimax_m3_text", "minimax_m3_vl")
+FAMILIES = (
+    "deepseek_v3",
+    "kimi_k2",
+    "deepseek_v2",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "minimax_m3_text",
+    "minimax_m3_vl",
+)
 
 
 def _vision(**kw):
-    return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2, image_size=8, **kw)
+    return dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2, image_size=8, **kw
+    )
 
 
 # Families of 2026, one entry each: (tiny config from (T, moe kwargs, inter, experts, shared_width, layers, overrides), model class name).
 # Odd geometry: E = 6 or 7 (not a power of two), two shared slots where the family allows it, non-default rsf.
 NO_SPECIAL_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
 NEW_FAMILIES = {
-    "dots1": (lambda T, moe, I, E, W, L, over: T.Dots1Config(
-        **moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I, head_dim=32,
-        first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=2.5, **over), "Dots1ForCausalLM"),
-    "bailing_hybrid": (lambda T, moe, I, E, W, L, over: T.BailingHybridConfig(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, n_shared_experts=(W or 2 * I) // I, head_dim=32,
-        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, layer_group_size=2, num_nextn_predict_layers=0,
-        **NO_SPECIAL_TOKENS, **over), "BailingHybridForCausalLM"),
-    "kimi_linear": (lambda T, moe, I, E, W, L, over: T.KimiLinearConfig(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, n_shared_experts=(W or 2 * I) // I,
-        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.446,
-        linear_attn_config=dict(head_dim=16, num_heads=2, short_conv_kernel_size=4, full_attn_layers=[L], kda_layers=list(range(1, L))),
-        **NO_SPECIAL_TOKENS, **over), "KimiLinearForCausalLM"),
-    "glm4v_moe": (lambda T, moe, I, E, W, L, over: T.Glm4vMoeConfig(
-        text_config=dict(**moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-                         head_dim=32, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 3, 3]),
-                         **over),
-        vision_config=_vision()), "Glm4vMoeForConditionalGeneration"),
-    "glm_moe_dsa_indexer": (lambda T, moe, I, E, W, L, over: T.GlmMoeDsaConfig(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16, index_topk=4,
-        indexer_types=(["full", "shared"] * L)[:L], **over), "GlmMoeDsaForCausalLM"),
+    "dots1": (
+        lambda T, moe, I, E, W, L, over: T.Dots1Config(
+            **moe,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            head_dim=32,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=2.5,
+            **over,
+        ),
+        "Dots1ForCausalLM",
+    ),
+    "bailing_hybrid": (
+        lambda T, moe, I, E, W, L, over: T.BailingHybridConfig(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            head_dim=32,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            layer_group_size=2,
+            num_nextn_predict_layers=0,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "BailingHybridForCausalLM",
+    ),
+    "kimi_linear": (
+        lambda T, moe, I, E, W, L, over: T.KimiLinearConfig(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            linear_attn_config=dict(
+                head_dim=16, num_heads=2, short_conv_kernel_size=4, full_attn_layers=[L], kda_layers=list(range(1, L))
+            ),
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "KimiLinearForCausalLM",
+    ),
+    "glm4v_moe": (
+        lambda T, moe, I, E, W, L, over: T.Glm4vMoeConfig(
+            text_config=dict(
+                **moe,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                head_dim=32,
+                first_k_dense_replace=1,
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=2.5,
+                rope_parameters=dict(
+                    rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 3, 3]
+                ),
+                **over,
+            ),
+            vision_config=_vision(),
+        ),
+        "Glm4vMoeForConditionalGeneration",
+    ),
+    "glm_moe_dsa_indexer": (
+        lambda T, moe, I, E, W, L, over: T.GlmMoeDsaConfig(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            indexer_types=(["full", "shared"] * L)[:L],
+            **over,
+        ),
+        "GlmMoeDsaForCausalLM",
+    ),
     # GLM-5.3: swiglu_limit 0.3 bites (tiny random gate and up outputs have std ~0.5); one indexed-attention layer.
-    "glm5_next": (lambda T, moe, I, E, W, L, over: T.Glm5NextConfig(
-        text_config=dict(**moe, **{**MLA, "qk_rope_head_dim": 0}, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E,
-                         n_shared_experts=(W or 2 * I) // I, routed_scaling_factor=2.5, mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
-                         layer_types=(["linear_attention", "full_attention"] * L)[:L], index_n_heads=2, index_head_dim=16,
-                         index_topk=16, index_kpool=4, linear_head_dim=16, linear_num_heads=2, swiglu_limit=0.3, pad_token_id=None,
-                         **over),
-        vision_config=_vision(projection_intermediate_size=64)), "Glm5NextForConditionalGeneration"),
-    "afmoe": (lambda T, moe, I, E, W, L, over: T.AfmoeConfig(
-        **moe, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I, head_dim=32,
-        num_dense_layers=1, route_scale=2.0, global_attn_every_n_layers=2, sliding_window=8, **over), "AfmoeForCausalLM"),
-    "hy_v3": (lambda T, moe, I, E, W, L, over: T.HYV3Config(
-        **moe, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I, head_dim=32,
-        mlp_layer_types=["dense"] + ["sparse"] * (L - 1), router_scaling_factor=2.826, **over), "HYV3ForCausalLM"),
-    "hunyuan_v1_moe": (lambda T, moe, I, E, W, L, over: T.HunYuanMoEV1Config(
-        **{k: v for k, v in moe.items() if k != "num_experts_per_tok"}, moe_topk=2, intermediate_size=I, num_experts=E, head_dim=32,
-        **over), "HunYuanMoEV1ForCausalLM"),
+    "glm5_next": (
+        lambda T, moe, I, E, W, L, over: T.Glm5NextConfig(
+            text_config=dict(
+                **moe,
+                **{**MLA, "qk_rope_head_dim": 0},
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                routed_scaling_factor=2.5,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                layer_types=(["linear_attention", "full_attention"] * L)[:L],
+                index_n_heads=2,
+                index_head_dim=16,
+                index_topk=16,
+                index_kpool=4,
+                linear_head_dim=16,
+                linear_num_heads=2,
+                swiglu_limit=0.3,
+                pad_token_id=None,
+                **over,
+            ),
+            vision_config=_vision(projection_intermediate_size=64),
+        ),
+        "Glm5NextForConditionalGeneration",
+    ),
+    "afmoe": (
+        lambda T, moe, I, E, W, L, over: T.AfmoeConfig(
+            **moe,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_shared_experts=(W or 2 * I) // I,
+            head_dim=32,
+            num_dense_layers=1,
+            route_scale=2.0,
+            global_attn_every_n_layers=2,
+            sliding_window=8,
+            **over,
+        ),
+        "AfmoeForCausalLM",
+    ),
+    "hy_v3": (
+        lambda T, moe, I, E, W, L, over: T.HYV3Config(
+            **moe,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_shared_experts=(W or 2 * I) // I,
+            head_dim=32,
+            mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+            router_scaling_factor=2.826,
+            **over,
+        ),
+        "HYV3ForCausalLM",
+    ),
+    "hunyuan_v1_moe": (
+        lambda T, moe, I, E, W, L, over: T.HunYuanMoEV1Config(
+            **{k: v for k, v in moe.items() if k != "num_experts_per_tok"},
+            moe_topk=2,
+            intermediate_size=I,
+            num_experts=E,
+            head_dim=32,
+            **over,
+        ),
+        "HunYuanMoEV1ForCausalLM",
+    ),
     # ERNIE-4.5: softmax + bias ([1, E] moe_statics), renormalized by max(sum, 1e-12); MoE from moe_layer_start_index 1.
-    "ernie4_5_moe": (lambda T, moe, I, E, W, L, over: T.Ernie4_5_MoeConfig(
-        **{k: v for k, v in moe.items() if k != "num_experts_per_tok"}, moe_k=2, intermediate_size=3 * I, moe_intermediate_size=I,
-        moe_num_experts=E, moe_num_shared_experts=(W or 2 * I) // I, head_dim=32, **over), "Ernie4_5_MoeForCausalLM"),
+    "ernie4_5_moe": (
+        lambda T, moe, I, E, W, L, over: T.Ernie4_5_MoeConfig(
+            **{k: v for k, v in moe.items() if k != "num_experts_per_tok"},
+            moe_k=2,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            moe_num_experts=E,
+            moe_num_shared_experts=(W or 2 * I) // I,
+            head_dim=32,
+            **over,
+        ),
+        "Ernie4_5_MoeForCausalLM",
+    ),
     # GraniteMoE-Shared: stacked input_linear / output_linear experts of width intermediate_size, any shared width; every layer MoE.
-    "granitemoeshared": (lambda T, moe, I, E, W, L, over: T.GraniteMoeSharedConfig(
-        **moe, intermediate_size=I, num_local_experts=E, shared_intermediate_size=W or 2 * I, residual_multiplier=0.7, **over),
-        "GraniteMoeSharedForCausalLM"),
+    "granitemoeshared": (
+        lambda T, moe, I, E, W, L, over: T.GraniteMoeSharedConfig(
+            **moe,
+            intermediate_size=I,
+            num_local_experts=E,
+            shared_intermediate_size=W or 2 * I,
+            residual_multiplier=0.7,
+            **over,
+        ),
+        "GraniteMoeSharedForCausalLM",
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, 3 groups of 2 scored by their top-2 sum, 2 kept (groups matter for K = 2).
-    "mistral4": (lambda T, moe, I, E, W, L, over: T.Mistral4Config(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        n_group=3, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.7, **over), "Mistral4ForCausalLM"),
-    "mistral_large4": (lambda T, moe, I, E, W, L, over: T.MistralLarge4Config(
-        text_config=dict(**moe, **{k: v for k, v in MLA.items() if k != "q_lora_rank"}, intermediate_size=3 * I, moe_intermediate_size=I,
-                         n_routed_experts=E, n_shared_experts=(W or 2 * I) // I, n_group=3, topk_group=2, first_k_dense_replace=1,
-                         routed_scaling_factor=1.25, index_n_heads=2, index_head_dim=16, index_topk=4, **over),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8,
-                           head_dim=16)), "MistralLarge4ForConditionalGeneration"),
+    "mistral4": (
+        lambda T, moe, I, E, W, L, over: T.Mistral4Config(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            n_group=3,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.7,
+            **over,
+        ),
+        "Mistral4ForCausalLM",
+    ),
+    "mistral_large4": (
+        lambda T, moe, I, E, W, L, over: T.MistralLarge4Config(
+            text_config=dict(
+                **moe,
+                **{k: v for k, v in MLA.items() if k != "q_lora_rank"},
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                n_group=3,
+                topk_group=2,
+                first_k_dense_replace=1,
+                routed_scaling_factor=1.25,
+                index_n_heads=2,
+                index_head_dim=16,
+                index_topk=4,
+                **over,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                patch_size=2,
+                image_size=8,
+                head_dim=16,
+            ),
+        ),
+        "MistralLarge4ForConditionalGeneration",
+    ),
     # Hunyuan 4: swiglu_limit 0.3 bites on the routed experts; the shared MLP is not clamped. Two hyper-connection streams.
-    "hy_v4": (lambda T, moe, I, E, W, L, over: T.HYV4Config(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=0.3, hc_mult=2, **NO_SPECIAL_TOKENS, **over), "HYV4ForCausalLM"),
+    "hy_v4": (
+        lambda T, moe, I, E, W, L, over: T.HYV4Config(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            swiglu_limit=0.3,
+            hc_mult=2,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "HYV4ForCausalLM",
+    ),
     # DeepSeek-V3.2: V3's MoE with a DSA indexer in every attention layer (its own transformers class).
-    "deepseek_v32": (lambda T, moe, I, E, W, L, over: T.DeepseekV32Config(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16,
-        index_topk=4, **over), "DeepseekV32ForCausalLM"),
+    "deepseek_v32": (
+        lambda T, moe, I, E, W, L, over: T.DeepseekV32Config(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            **over,
+        ),
+        "DeepseekV32ForCausalLM",
+    ),
     # Solar Open: DeepSeek-V3 routing (groups by top-2 sum, renormalized, rsf), every layer MoE, stacked experts.
-    "solar_open": (lambda T, moe, I, E, W, L, over: T.SolarOpenConfig(
-        **moe, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        head_dim=32, n_group=3, topk_group=2, routed_scaling_factor=1.7, **NO_SPECIAL_TOKENS, **over), "SolarOpenForCausalLM"),
+    "solar_open": (
+        lambda T, moe, I, E, W, L, over: T.SolarOpenConfig(
+            **moe,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            head_dim=32,
+            n_group=3,
+            topk_group=2,
+            routed_scaling_factor=1.7,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "SolarOpenForCausalLM",
+    ),
     # Laguna: sigmoid + bias (stored under mlp.experts), plain-sum renormalization, rsf on the routed sum; any shared width
     # (48 over I = 32: the second slot half padding); per-head attention gates, full and sliding layers, per-layer heads.
-    "laguna": (lambda T, moe, I, E, W, L, over: T.LagunaConfig(
-        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
-        moe_routed_scaling_factor=2.5, layer_types=(["full_attention", "sliding_attention"] * L)[:L], sliding_window=8,
-        num_attention_heads_per_layer=([2, 4] * L)[:L], **NO_SPECIAL_TOKENS, **over), "LagunaForCausalLM"),
+    "laguna": (
+        lambda T, moe, I, E, W, L, over: T.LagunaConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 48,
+            moe_routed_scaling_factor=2.5,
+            layer_types=(["full_attention", "sliding_attention"] * L)[:L],
+            sliding_window=8,
+            num_attention_heads_per_layer=([2, 4] * L)[:L],
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "LagunaForCausalLM",
+    ),
     # EXAONE-MoE: DeepSeek-V3's router (2 groups by top-2 sum), bias stored as mlp.e_score_correction_bias, layer 0 dense.
-    "exaone_moe": (lambda T, moe, I, E, W, L, over: T.ExaoneMoeConfig(
-        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I,
-        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=8, sliding_window_pattern=2,
-        **NO_SPECIAL_TOKENS, **over), "ExaoneMoeForCausalLM"),
+    "exaone_moe": (
+        lambda T, moe, I, E, W, L, over: T.ExaoneMoeConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_shared_experts=(W or 2 * I) // I,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "ExaoneMoeForCausalLM",
+    ),
     # A.X-K2 (Light: no groups): V3.2's MoE, MLA + DSA indexer with an output gate, gated RMSNorms; layer 0 dense.
-    "axk2": (lambda T, moe, I, E, W, L, over: T.AXK2Config(
-        **moe, **MLA, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=2, index_head_dim=16, index_topk=4, gated_norm_rank=4,
-        **NO_SPECIAL_TOKENS, **over), "AXK2ForCausalLM"),
+    "axk2": (
+        lambda T, moe, I, E, W, L, over: T.AXK2Config(
+            **moe,
+            **MLA,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            gated_norm_rank=4,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "AXK2ForCausalLM",
+    ),
     # MiniCPM-5 MoE: DeepSeek-V3's router (3 groups of 2, 2 kept), gated attention (q_proj holds query and gate).
-    "minicpm5_moe": (lambda T, moe, I, E, W, L, over: T.MiniCPM5MoeConfig(
-        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=(W or 2 * I) // I,
-        first_k_dense_replace=1, n_group=3, topk_group=2, routed_scaling_factor=3.66, **NO_SPECIAL_TOKENS, **over),
-        "MiniCPM5MoeForCausalLM"),
+    "minicpm5_moe": (
+        lambda T, moe, I, E, W, L, over: T.MiniCPM5MoeConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            n_shared_experts=(W or 2 * I) // I,
+            first_k_dense_replace=1,
+            n_group=3,
+            topk_group=2,
+            routed_scaling_factor=3.66,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "MiniCPM5MoeForCausalLM",
+    ),
     # Flint: sigmoid top-k without bias, plain-sum renormalization; shared width 48 over I = 32; layer 0 dense
     # (mlp_only_layers); attention sinks.
-    "flint": (lambda T, moe, I, E, W, L, over: T.FlintConfig(
-        **moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=W or 48,
-        mlp_only_layers=[0], sliding_window=8, **NO_SPECIAL_TOKENS, **over), "FlintForCausalLM"),
+    "flint": (
+        lambda T, moe, I, E, W, L, over: T.FlintConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 48,
+            mlp_only_layers=[0],
+            sliding_window=8,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "FlintForCausalLM",
+    ),
     # GraniteMoE-SWA: GraniteMoE-Shared's MoE under its module names (stacked experts), shared width 48 over I = 32,
     # sliding and global layers with attention sinks.
-    "granitemoe_swa": (lambda T, moe, I, E, W, L, over: T.GraniteMoeSWAConfig(
-        **moe, intermediate_size=I, num_local_experts=E, shared_intermediate_size=W or 48, residual_multiplier=0.7,
-        sliding_window=8, **over), "GraniteMoeSWAForCausalLM"),
+    "granitemoe_swa": (
+        lambda T, moe, I, E, W, L, over: T.GraniteMoeSWAConfig(
+            **moe,
+            intermediate_size=I,
+            num_local_experts=E,
+            shared_intermediate_size=W or 48,
+            residual_multiplier=0.7,
+            sliding_window=8,
+            **over,
+        ),
+        "GraniteMoeSWAForCausalLM",
+    ),
     # Cohere2-MoE: softmax of the top-k logits; two shared widths added in full ("sum"); layer 0 dense.
-    "cohere2_moe": (lambda T, moe, I, E, W, L, over: T.Cohere2MoeConfig(
-        **moe, head_dim=32, intermediate_size=I, num_experts=E, num_shared_experts=(W or 2 * I) // I,
-        shared_expert_combination_strategy="sum", mlp_layer_types=["dense"] + ["sparse"] * (L - 1), prefix_dense_intermediate_size=3 * I,
-        sliding_window=8, **NO_SPECIAL_TOKENS, **over), "Cohere2MoeForCausalLM"),
+    "cohere2_moe": (
+        lambda T, moe, I, E, W, L, over: T.Cohere2MoeConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=I,
+            num_experts=E,
+            num_shared_experts=(W or 2 * I) // I,
+            shared_expert_combination_strategy="sum",
+            mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+            prefix_dense_intermediate_size=3 * I,
+            sliding_window=8,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "Cohere2MoeForCausalLM",
+    ),
     # Step-3.7: clamps after the activation, per layer, routed and shared apart (layer 1: routed 0.3, shared none; layer 2:
     # routed 0.25, shared 0.2; 0 and null: none); any shared width (share_expert_dim); vision tower copied.
-    "step3p7": (lambda T, moe, I, E, W, L, over: T.Step3p7Config(
-        text_config=dict(**moe, head_dim=32, intermediate_size=3 * I, moe_intermediate_size=I, n_routed_experts=E,
-                         share_expert_dim=W or 2 * I,
-                         mlp_layer_types=["dense"] + ["sparse"] * (L - 1), moe_router_scaling_factor=2.5, sliding_window=8,
-                         swiglu_limits=[0] + [0.3 if i % 2 else 0.25 for i in range(1, L)],
-                         swiglu_limits_shared=[0] + [None if i % 2 else 0.2 for i in range(1, L)], **over),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8)),
-        "Step3p7ForConditionalGeneration"),
+    "step3p7": (
+        lambda T, moe, I, E, W, L, over: T.Step3p7Config(
+            text_config=dict(
+                **moe,
+                head_dim=32,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                share_expert_dim=W or 2 * I,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                moe_router_scaling_factor=2.5,
+                sliding_window=8,
+                swiglu_limits=[0] + [0.3 if i % 2 else 0.25 for i in range(1, L)],
+                swiglu_limits_shared=[0] + [None if i % 2 else 0.2 for i in range(1, L)],
+                **over,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                patch_size=2,
+                image_size=8,
+            ),
+        ),
+        "Step3p7ForConditionalGeneration",
+    ),
 }
 
 
-def build_config(family: str, *, hidden: int = 64, inter: int = 32, experts: int = 8, layers: int = 3, shared_width: int | None = None, **over):
+def build_config(
+    family: str,
+    *,
+    hidden: int = 64,
+    inter: int = 32,
+    experts: int = 8,
+    layers: int = 3,
+    shared_width: int | None = None,
+    **over,
+):
     """A tiny config of the family; ``shared_width`` picks W (n_shared_experts * I, or MiniMax's own width)."""
     import transformers as T
 
     moe = dict(hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=2, **COMMON)
     if family in ("deepseek_v3", "kimi_k2"):
         n_shared = (shared_width or inter) // inter
-        cfg = T.DeepseekV3Config(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
-                                 n_shared_experts=n_shared, n_group=2 if family == "deepseek_v3" else 1, topk_group=1,
-                                 first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, **over)
+        cfg = T.DeepseekV3Config(
+            **moe,
+            **MLA,
+            intermediate_size=3 * inter,
+            moe_intermediate_size=inter,
+            n_routed_experts=experts,
+            n_shared_experts=n_shared,
+            n_group=2 if family == "deepseek_v3" else 1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            **over,
+        )
     elif family == "deepseek_v2":
         n_shared = (shared_width or 2 * inter) // inter
-        cfg = T.DeepseekV2Config(**moe, **{**MLA, "q_lora_rank": None}, intermediate_size=3 * inter, moe_intermediate_size=inter,
-                                 n_routed_experts=experts, n_shared_experts=n_shared, first_k_dense_replace=1,
-                                 routed_scaling_factor=1.0, **over)
+        cfg = T.DeepseekV2Config(
+            **moe,
+            **{**MLA, "q_lora_rank": None},
+            intermediate_size=3 * inter,
+            moe_intermediate_size=inter,
+            n_routed_experts=experts,
+            n_shared_experts=n_shared,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.0,
+            **over,
+        )
     elif family == "glm4_moe":
-        cfg = T.Glm4MoeConfig(**moe, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts, head_dim=32,
-                              n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=2.5, **over)
+        cfg = T.Glm4MoeConfig(
+            **moe,
+            intermediate_size=3 * inter,
+            moe_intermediate_size=inter,
+            n_routed_experts=experts,
+            head_dim=32,
+            n_shared_experts=(shared_width or inter) // inter,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            **over,
+        )
     elif family == "glm4_moe_lite":
-        cfg = T.Glm4MoeLiteConfig(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
-                                  n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=1.8, **over)
+        cfg = T.Glm4MoeLiteConfig(
+            **moe,
+            **MLA,
+            intermediate_size=3 * inter,
+            moe_intermediate_size=inter,
+            n_routed_experts=experts,
+            n_shared_experts=(shared_width or inter) // inter,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.8,
+            **over,
+        )
     elif family == "glm_moe_dsa":
-        cfg = T.GlmMoeDsaConfig(**moe, **MLA, intermediate_size=3 * inter, moe_intermediate_size=inter, n_routed_experts=experts,
-                                n_shared_experts=(shared_width or inter) // inter, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                                index_n_heads=2, index_head_dim=16, index_topk=4, **over)
+        cfg = T.GlmMoeDsaConfig(
+            **moe,
+            **MLA,
+            intermediate_size=3 * inter,
+            moe_intermediate_size=inter,
+            n_routed_experts=experts,
+            n_shared_experts=(shared_width or inter) // inter,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            **over,
+        )
     elif family in NEW_FAMILIES:
         cfg = NEW_FAMILIES[family][0](T, moe, inter, experts, shared_width, layers, over)
     elif family in ("minimax_m3_text", "minimax_m3_vl"):
         from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as C
 
-        text = dict(hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=2, head_dim=32, intermediate_size=inter,
-                    shared_intermediate_size=shared_width or inter, dense_intermediate_size=3 * inter, num_local_experts=experts,
-                    moe_layer_freq=[0] + [1] * (layers - 1), **COMMON, **over)
+        text = dict(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_experts_per_tok=2,
+            head_dim=32,
+            intermediate_size=inter,
+            shared_intermediate_size=shared_width or inter,
+            dense_intermediate_size=3 * inter,
+            num_local_experts=experts,
+            moe_layer_freq=[0] + [1] * (layers - 1),
+            **COMMON,
+            **over,
+        )
         if family == "minimax_m3_text":
             cfg = C.MiniMaxM3VLTextConfig(**text)
         else:
-            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2, image_size=8)
+            vision = dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                patch_size=2,
+                image_size=8,
+            )
             cfg = C.MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=hidden)
     else:
         raise ValueError(family)
@@ -204,15 +623,19 @@ def model_class(family: str):
         return T.DeepseekV3ForCausalLM
     if family == "minimax_m3_text":
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
         return MiniMaxM3VLForCausalLM
     if family == "minimax_m3_vl":
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+
         return MiniMaxM3SparseForConditionalGeneration
     if family in NEW_FAMILIES:
         return getattr(T, NEW_FAMILIES[family][1])
     return {
-        "deepseek_v2": T.DeepseekV2ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
-        "glm4_moe_lite": T.Glm4MoeLiteForCausalLM, "glm_moe_dsa": T.GlmMoeDsaForCausalLM,
+        "deepseek_v2": T.DeepseekV2ForCausalLM,
+        "glm4_moe": T.Glm4MoeForCausalLM,
+        "glm4_moe_lite": T.Glm4MoeLiteForCausalLM,
+        "glm_moe_dsa": T.GlmMoeDsaForCausalLM,
     }[family]
 
 
@@ -231,7 +654,9 @@ def randomize_(model, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
 
 
-def build_checkpoint(family: str, path: Path, *, seed: int = 0, dtype=torch.bfloat16, mtp: bool = False, **cfg_kw) -> Path:
+def build_checkpoint(
+    family: str, path: Path, *, seed: int = 0, dtype=torch.bfloat16, mtp: bool = False, **cfg_kw
+) -> Path:
     """Build, randomize and save a tiny model of ``family``; optionally add an MTP layer the way releases store it."""
     cfg = build_config(family, **cfg_kw)
     torch.manual_seed(seed)
@@ -276,7 +701,9 @@ def rewrite(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> No
         save_file({k: tensors[k].contiguous() for k in part}, str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
 
 
 def add_mtp_layer(path: Path) -> None:
@@ -288,7 +715,7 @@ def add_mtp_layer(path: Path) -> None:
     last = f"model.layers.{n - 1}."
     for k, v in list(t.items()):
         if k.startswith(last):
-            t[f"model.layers.{n}." + k[len(last):]] = v.clone() * 1.01
+            t[f"model.layers.{n}." + k[len(last) :]] = v.clone() * 1.01
     H = cfg["hidden_size"]
     dt = t["model.embed_tokens.weight"].dtype
     t[f"model.layers.{n}.eh_proj.weight"] = torch.randn(H, 2 * H).to(dt) * 0.05
@@ -300,12 +727,20 @@ def add_mtp_layer(path: Path) -> None:
     _edit_config(path, lambda c: c.get("text_config", c).update(num_nextn_predict_layers=1))
 
 
-_SKIP_FP8 = re.compile(r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.(layer\.)?weight$|eh_proj|shared_head|e_score_correction_bias|"
-                       r"indexer\.weights_proj)")
+_SKIP_FP8 = re.compile(
+    r"(norm|embed_tokens|lm_head|\.gate\.weight$|router\.(layer\.)?weight$|eh_proj|shared_head|e_score_correction_bias|"
+    r"indexer\.weights_proj)"
+)
 _DECODER = re.compile(r"(^|\.)layers\.")  # model.layers.L, or Mistral-native layers.L
 # 3-D expert stacks: gate_up (quantized per half), down, and Step-3.7's gate, up and down apart.
 _STACKED_GATE_UP = ("gate_up_proj", "input_linear.weight")
-_STACKED = _STACKED_GATE_UP + ("down_proj", "output_linear.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+_STACKED = _STACKED_GATE_UP + (
+    "down_proj",
+    "output_linear.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 
 
 def to_fp8_block(path: Path, *, scale_fmt: str = "float", shards: int = 2) -> None:
@@ -348,11 +783,22 @@ def to_compressed_tensors_channel(path: Path, shards: int = 2) -> None:
                 ignore.append(k[: -len(".weight")])
     rewrite(path, out, shards=shards)
     qc = {
-        "config_groups": {"group_0": {
-            "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float"},
-            "targets": ["Linear"],
-            "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel", "symmetric": True, "type": "float"},
-        }},
-        "format": "float-quantized", "ignore": ignore, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "input_activations": {
+                    "dynamic": True,
+                    "num_bits": 8,
+                    "strategy": "token",
+                    "symmetric": True,
+                    "type": "float",
+                },
+                "targets": ["Linear"],
+                "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel", "symmetric": True, "type": "float"},
+            }
+        },
+        "format": "float-quantized",
+        "ignore": ignore,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
     }
     _edit_config(path, lambda c: c.update(quantization_config=qc))

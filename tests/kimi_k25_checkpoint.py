@@ -19,15 +19,37 @@ from builders import MLA, load_all, randomize_, rewrite
 GROUP = 32
 # The release's quantization_config (fixture kimi-k2.6 config.json, text_config.quantization_config), verbatim in substance.
 RELEASE_QC = {
-    "config_groups": {"group_0": {
-        "input_activations": None, "output_activations": None, "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP, "num_bits": 4, "observer": "minmax",
-                    "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "int"},
-    }},
+    "config_groups": {
+        "group_0": {
+            "input_activations": None,
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": False,
+                "group_size": GROUP,
+                "num_bits": 4,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "strategy": "group",
+                "symmetric": True,
+                "type": "int",
+            },
+        }
+    },
     "format": "pack-quantized",
-    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
-               "re:vision_tower.*", "re:mm_projector.*"],
-    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+        "re:.*lm_head.*",
+        "re:vision_tower.*",
+        "re:mm_projector.*",
+    ],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
 }
 # What transformers 5.24's save_pretrained writes for Kimi_K25 (its reversed conversion mapping also turns the text
 # model's "layers" into "blocks", and misses two prefixes) -> the release's names, as the fixture lists them.
@@ -43,13 +65,32 @@ def tiny_config(*, hidden: int = 64, inter: int = 32, experts: int = 6, layers: 
     """E = 6 (not a power of two), two shared slots, Kimi's routing (sigmoid + bias, no groups, rsf 2.827)."""
     import transformers as T
 
-    text = dict(model_type="kimi_k2", hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=2, vocab_size=96,
-                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, **MLA, intermediate_size=3 * inter,
-                moe_intermediate_size=inter, n_routed_experts=experts, n_shared_experts=n_shared, n_group=1, topk_group=1,
-                first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0,
-                tie_word_embeddings=False)
+    text = dict(
+        model_type="kimi_k2",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_experts_per_tok=2,
+        vocab_size=96,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **MLA,
+        intermediate_size=3 * inter,
+        moe_intermediate_size=inter,
+        n_routed_experts=experts,
+        n_shared_experts=n_shared,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+    )
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=2)
-    return T.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False)
+    return T.Kimi_K25Config(
+        text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False
+    )
 
 
 def build_float(path: Path, *, seed: int = 0, dtype=torch.bfloat16, **cfg_kw):
@@ -116,7 +157,9 @@ def to_int4_release(path: Path, group: int = GROUP) -> dict[str, torch.Tensor]:
             out[k] = v
     rewrite(path, out, shards=2)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["text_config"]["quantization_config"] = json.loads(json.dumps(RELEASE_QC))  # only inside text_config, as released
+    cfg["text_config"]["quantization_config"] = json.loads(
+        json.dumps(RELEASE_QC)
+    )  # only inside text_config, as released
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return exact
 

@@ -84,8 +84,13 @@ print(json.dumps(digests))
 def convert_all(tree: Path, root: Path, runs: list, out_root: Path) -> dict:
     """sha256 of every file each conversion writes, converting with the code of ``tree`` (its own process)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", CONVERT, str(root), str(EXAMPLE), str(out_root), json.dumps(runs)],
-                          cwd=tree, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(root), str(EXAMPLE), str(out_root), json.dumps(runs)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise SystemExit(f"{tree}: conversions failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -112,8 +117,10 @@ def main(argv: list[str]) -> int:
             print(f"refused: {key}: {d['error'][:200]}")
     files = sum(len(d) for d in got[a].values())
     errors = sum("error" in d for d in got[a].values())
-    print(f"{len(runs)} conversions ({errors} refused the same way in both), {files} files: "
-          + ("all the same bytes" if not differ else f"{differ} conversion(s) differ"))
+    print(
+        f"{len(runs)} conversions ({errors} refused the same way in both), {files} files: "
+        + ("all the same bytes" if not differ else f"{differ} conversion(s) differ")
+    )
     return 1 if differ else 0
 
 

@@ -47,18 +47,34 @@ def derived_inventory(name: str) -> list[tuple[str, str, tuple[int, ...]]]:
     H, I, E, V = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     W = I * cfg["n_shared_experts"]
-    rows = [("model.embed_tokens.weight", "BF16", (V, H)), ("model.norm.weight", "BF16", (H,)), ("lm_head.weight", "BF16", (V, H))]
+    rows = [
+        ("model.embed_tokens.weight", "BF16", (V, H)),
+        ("model.norm.weight", "BF16", (H,)),
+        ("lm_head.weight", "BF16", (V, H)),
+    ]
     for L in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{L}."
-        rows += [(p + "input_layernorm.weight", "BF16", (H,)), (p + "post_attention_layernorm.weight", "BF16", (H,)),
-                 (p + "self_attn.q_proj.weight", "BF16", (q, H)), (p + "self_attn.k_proj.weight", "BF16", (kv, H)),
-                 (p + "self_attn.v_proj.weight", "BF16", (kv, H)), (p + "self_attn.o_proj.weight", "BF16", (H, q)),
-                 (p + "mlp.gate.weight", "BF16", (E, H)), (p + "mlp.gate.e_score_correction_bias", "F32", (E,))]
+        rows += [
+            (p + "input_layernorm.weight", "BF16", (H,)),
+            (p + "post_attention_layernorm.weight", "BF16", (H,)),
+            (p + "self_attn.q_proj.weight", "BF16", (q, H)),
+            (p + "self_attn.k_proj.weight", "BF16", (kv, H)),
+            (p + "self_attn.v_proj.weight", "BF16", (kv, H)),
+            (p + "self_attn.o_proj.weight", "BF16", (H, q)),
+            (p + "mlp.gate.weight", "BF16", (E, H)),
+            (p + "mlp.gate.e_score_correction_bias", "F32", (E,)),
+        ]
         for e in range(E):
-            rows += [(f"{p}mlp.experts.{e}.gate_proj.weight", "BF16", (I, H)), (f"{p}mlp.experts.{e}.up_proj.weight", "BF16", (I, H)),
-                     (f"{p}mlp.experts.{e}.down_proj.weight", "BF16", (H, I))]
-        rows += [(p + "mlp.shared_experts.gate_proj.weight", "BF16", (W, H)), (p + "mlp.shared_experts.up_proj.weight", "BF16", (W, H)),
-                 (p + "mlp.shared_experts.down_proj.weight", "BF16", (H, W))]
+            rows += [
+                (f"{p}mlp.experts.{e}.gate_proj.weight", "BF16", (I, H)),
+                (f"{p}mlp.experts.{e}.up_proj.weight", "BF16", (I, H)),
+                (f"{p}mlp.experts.{e}.down_proj.weight", "BF16", (H, I)),
+            ]
+        rows += [
+            (p + "mlp.shared_experts.gate_proj.weight", "BF16", (W, H)),
+            (p + "mlp.shared_experts.up_proj.weight", "BF16", (W, H)),
+            (p + "mlp.shared_experts.down_proj.weight", "BF16", (H, W)),
+        ]
     return rows
 
 
@@ -86,10 +102,13 @@ def build_skeleton(name: str, out: Path, layers_per_file: int = 4, config: dict 
             weight_map[tname] = fname
         from runtime.safetensors_io import DTYPE_SIZES
         import math
+
         data = sum(math.prod(s) * DTYPE_SIZES[d] for _, d, s in groups[key])
         total += data
         with open(out / fname, "wb") as f:
             f.write(header)
             f.truncate(len(header) + data)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return out

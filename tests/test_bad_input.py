@@ -28,7 +28,9 @@ def assert_refused(code, output, out_dir, *fragments):
     assert output.startswith("error: ") and "Traceback" not in output
     for f in fragments:
         assert f in output, f"{f!r} not in {output!r}"
-    assert not out_dir.exists() or not any(p for p in out_dir.iterdir() if not p.name.startswith(".")), "nothing final-named in OUT_DIR"
+    assert not out_dir.exists() or not any(p for p in out_dir.iterdir() if not p.name.startswith(".")), (
+        "nothing final-named in OUT_DIR"
+    )
 
 
 def mutate(src, fn):
@@ -84,6 +86,7 @@ def test_mxfp8_with_a_bad_scale_shape_is_refused(src, tmp_path):
     def to_mx(t):
         rows, cols = t[name].shape
         t[name + "_scale_inv"] = torch.full((rows, -(-cols // 32) + 1), 127, dtype=torch.uint8)
+
     mutate(src, to_mx)
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", name + "_scale_inv")
 
@@ -99,7 +102,12 @@ def test_shared_and_routed_formats_differ(src, tmp_path):
             t.pop(n + "_scale_inv")
 
     mutate(src, dequant_shared)
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", f"{sh}.gate_proj.weight", "shared and routed experts must share one format")
+    assert_refused(
+        *run_convert(src, tmp_path / "out"),
+        tmp_path / "out",
+        f"{sh}.gate_proj.weight",
+        "shared and routed experts must share one format",
+    )
 
 
 def test_out_dir_not_empty(src, tmp_path):
@@ -136,7 +144,12 @@ def test_expert_beyond_the_config_is_refused(src, tmp_path):
     """An expert id >= E under a MoE block (router and config agree on E = 8) is named, with the count the config gives."""
     extra = "model.layers.2.mlp.experts.8.up_proj.weight"
     mutate(src, lambda t: t.__setitem__(extra, t["model.layers.2.mlp.experts.0.up_proj.weight"].clone()))
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", extra, "config.json says 8 routed experts, but the checkpoint has expert 8")
+    assert_refused(
+        *run_convert(src, tmp_path / "out"),
+        tmp_path / "out",
+        extra,
+        "config.json says 8 routed experts, but the checkpoint has expert 8",
+    )
 
 
 def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
@@ -145,31 +158,37 @@ def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", extra, "unexpected tensor in MoE layer 1")
 
 
-@pytest.mark.parametrize("model_type,reason", [
-    ("minimax_m2", "has no shared expert"),
-    ("qwen2_moe", "per-token sigmoid gate"),
-    ("qwen3_next", "per-token sigmoid gate"),
-    ("qwen3_5_moe", "per-token sigmoid gate"),
-    ("llama4", "scales the expert input"),
-    ("qwen4_exp", "per-token sigmoid gate"),
-    ("qwen4_exp_text", "per-token sigmoid gate"),
-    ("nemotron_h", "ReLU² MLPs"),
-    ("nemotron_h", "latent space"),
-    ("longcat_flash", "zero-computation experts"),
-    ("longcat_flash", "no shared expert"),
-    ("mimo_v2_flash", "no shared expert"),
-    ("gpt_oss", "no shared expert"),
-    ("mixtral", "not supported; supported: afmoe, axk2, bailing_hybrid, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v32"),
-    # transformers 5.25's shared-expert families that are not fused (issue 22): each names what stands in the way.
-    ("qwen3_omni_moe", "per-token sigmoid gate"),
-    ("qwen3_omni_moe_thinker", "no shared expert"),
-    ("inkling_mm_model", "per-token router weight"),
-    ("ergo", "ungated MLP"),
-    ("kolibri1", "a choice rule the layout's routing cannot express"),
-    ("ernie4_5_vl_moe", "separate routed expert sets"),
-    ("axk1", "post_mlp_layernorm"),
-    ("step3p5", "convert the step3p7 checkpoint"),
-])
+@pytest.mark.parametrize(
+    "model_type,reason",
+    [
+        ("minimax_m2", "has no shared expert"),
+        ("qwen2_moe", "per-token sigmoid gate"),
+        ("qwen3_next", "per-token sigmoid gate"),
+        ("qwen3_5_moe", "per-token sigmoid gate"),
+        ("llama4", "scales the expert input"),
+        ("qwen4_exp", "per-token sigmoid gate"),
+        ("qwen4_exp_text", "per-token sigmoid gate"),
+        ("nemotron_h", "ReLU² MLPs"),
+        ("nemotron_h", "latent space"),
+        ("longcat_flash", "zero-computation experts"),
+        ("longcat_flash", "no shared expert"),
+        ("mimo_v2_flash", "no shared expert"),
+        ("gpt_oss", "no shared expert"),
+        (
+            "mixtral",
+            "not supported; supported: afmoe, axk2, bailing_hybrid, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v32",
+        ),
+        # transformers 5.25's shared-expert families that are not fused (issue 22): each names what stands in the way.
+        ("qwen3_omni_moe", "per-token sigmoid gate"),
+        ("qwen3_omni_moe_thinker", "no shared expert"),
+        ("inkling_mm_model", "per-token router weight"),
+        ("ergo", "ungated MLP"),
+        ("kolibri1", "a choice rule the layout's routing cannot express"),
+        ("ernie4_5_vl_moe", "separate routed expert sets"),
+        ("axk1", "post_mlp_layernorm"),
+        ("step3p5", "convert the step3p7 checkpoint"),
+    ],
+)
 def test_refused_model_types(src, tmp_path, model_type, reason):
     cfg = json.loads((src / "config.json").read_text())
     cfg["model_type"] = model_type
@@ -177,11 +196,14 @@ def test_refused_model_types(src, tmp_path, model_type, reason):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", reason)
 
 
-@pytest.mark.parametrize("model_type,fields,reason", [
-    ("cohere2_moe", {}, "no shared expert in this config"),  # transformers' default num_shared_experts 0
-    ("cohere2_moe", {"num_shared_experts": 1}, "averaged"),  # the default combination strategy halves both
-    ("granitemoe_swa", {}, "no shared expert in this config"),
-])
+@pytest.mark.parametrize(
+    "model_type,fields,reason",
+    [
+        ("cohere2_moe", {}, "no shared expert in this config"),  # transformers' default num_shared_experts 0
+        ("cohere2_moe", {"num_shared_experts": 1}, "averaged"),  # the default combination strategy halves both
+        ("granitemoe_swa", {}, "no shared expert in this config"),
+    ],
+)
 def test_config_dependent_refusals(src, tmp_path, model_type, fields, reason):
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(model_type=model_type, **fields)
@@ -194,8 +216,12 @@ def test_wrapper_of_a_refused_family_is_refused_with_its_reason(src, tmp_path):
     text = json.loads((src / "config.json").read_text())
     text["model_type"] = "qwen2_moe"
     (src / "config.json").write_text(json.dumps({"model_type": "some_future_vl", "text_config": text}))
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "'some_future_vl' wraps a Qwen2-MoE",
-                   "per-token sigmoid gate")
+    assert_refused(
+        *run_convert(src, tmp_path / "out"),
+        tmp_path / "out",
+        "'some_future_vl' wraps a Qwen2-MoE",
+        "per-token sigmoid gate",
+    )
 
 
 def test_wrapper_of_a_fused_family_is_described_as_that_family(src):
@@ -205,7 +231,11 @@ def test_wrapper_of_a_fused_family_is_described_as_that_family(src):
     assert (arch.family, arch.model_type, arch.config_key) == (plain.family, "some_future_vl", "text_config")
     assert arch.layer_prefix == "model.language_model.layers." and plain.layer_prefix == "model.layers."
     assert (arch.moe_layers, arch.num_routed_experts, arch.shared_width, arch.routing) == (
-        plain.moe_layers, plain.num_routed_experts, plain.shared_width, plain.routing)
+        plain.moe_layers,
+        plain.num_routed_experts,
+        plain.shared_width,
+        plain.routing,
+    )
 
 
 def test_minimax_m3_without_shared_width_is_refused(tmp_path):
@@ -221,7 +251,13 @@ def test_latent_routed_experts_refused_in_any_family(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["moe_latent_size"] = cfg["hidden_size"] // 2
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "moe_latent_size", "latent space", "narrower than the hidden size")
+    assert_refused(
+        *run_convert(src, tmp_path / "out"),
+        tmp_path / "out",
+        "moe_latent_size",
+        "latent space",
+        "narrower than the hidden size",
+    )
 
 
 @pytest.mark.parametrize("family,flag", [("hy_v3", "mlp_bias"), ("ernie4_5_moe", "use_bias")])
@@ -230,12 +266,15 @@ def test_shared_mlp_with_biases_is_refused(tmp_path, family, flag):
     assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", flag, "no bias terms")
 
 
-@pytest.mark.parametrize("family,fields,reason", [
-    ("laguna", {"moe_router_logit_softcapping": 30.0}, "tanh"),
-    ("laguna", {"moe_apply_router_weight_on_input": True}, "scales the expert input"),
-    ("exaone_moe", {"is_moe_layer": [False, False, True]}, "transformers builds MoE blocks in layers [1, 2]"),
-    ("axk2", {"n_group": 2, "topk_group": 1}, "score of 0.0, not -inf"),
-])
+@pytest.mark.parametrize(
+    "family,fields,reason",
+    [
+        ("laguna", {"moe_router_logit_softcapping": 30.0}, "tanh"),
+        ("laguna", {"moe_apply_router_weight_on_input": True}, "scales the expert input"),
+        ("exaone_moe", {"is_moe_layer": [False, False, True]}, "transformers builds MoE blocks in layers [1, 2]"),
+        ("axk2", {"n_group": 2, "topk_group": 1}, "score of 0.0, not -inf"),
+    ],
+)
 def test_unfusable_variants_of_new_families_are_refused(tmp_path, family, fields, reason):
     src = build_checkpoint(family, tmp_path / "src", experts=6)
     cfg = json.loads((src / "config.json").read_text())
@@ -256,7 +295,9 @@ def test_hunyuan_per_layer_expert_counts_must_agree(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_experts"] = [7, 7, 5]
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "num_experts", "one E and one top-k per checkpoint")
+    assert_refused(
+        *run_convert(src, tmp_path / "out"), tmp_path / "out", "num_experts", "one E and one top-k per checkpoint"
+    )
     cfg["num_experts"] = [7, 7, 7]  # every layer agrees: converted as E = 7
     (src / "config.json").write_text(json.dumps(cfg))
     code, output = run_convert(src, tmp_path / "out2")
@@ -269,14 +310,19 @@ def test_hy_v4_with_a_limit_transformers_documents_and_applies_differently_is_re
     cfg = json.loads((src / "config.json").read_text())
     cfg["swiglu_limit"] = limit
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "swiglu_limit", "documents a limit <= 0 as 'no clamp'")
+    assert_refused(
+        *run_convert(src, tmp_path / "out"), tmp_path / "out", "swiglu_limit", "documents a limit <= 0 as 'no clamp'"
+    )
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(mlp_bias=True), "no bias terms"),
-    (dict(swiglu_limits=[0, -0.3, 0.25]), "entry 1 is -0.3, expected null or a number >= 0"),
-    (dict(swiglu_limits_shared=[0, None]), "expected a list of 3 limits"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(mlp_bias=True), "no bias terms"),
+        (dict(swiglu_limits=[0, -0.3, 0.25]), "entry 1 is -0.3, expected null or a number >= 0"),
+        (dict(swiglu_limits_shared=[0, None]), "expected a list of 3 limits"),
+    ],
+)
 def test_step3p7_config_refusals(tmp_path, change, message):
     src = build_checkpoint("step3p7", tmp_path / "src", experts=6)
     cfg = json.loads((src / "config.json").read_text())

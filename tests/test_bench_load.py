@@ -12,8 +12,21 @@ import bench_load  # noqa: E402
 
 
 def test_bench_load_toy_on_cpu(tmp_path):
-    res = bench_load.main(["--work", str(tmp_path), "--toy", "--device", "cpu", "--moe-layers", "1", "--new-tokens", "2",
-                           "--out", str(tmp_path / "res.json")])
+    res = bench_load.main(
+        [
+            "--work",
+            str(tmp_path),
+            "--toy",
+            "--device",
+            "cpu",
+            "--moe-layers",
+            "1",
+            "--new-tokens",
+            "2",
+            "--out",
+            str(tmp_path / "res.json"),
+        ]
+    )
     assert (tmp_path / "res.json").is_file() and res["same_tokens"] and len(res["runs"]) == 3
     before, after, _ = (r["bytes_by_device"]["cpu"] for r in res["runs"])
     assert after < before and res["plain_read_gbps"] > 0 and res["shard_bytes"] > 0

@@ -39,23 +39,47 @@ CASES = {
     # GLM-5.3 clamps routed and shared experts at swiglu_limit before the activation: every slot gets that limit.
     "glm5_next": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.5, True), limit=0.3),
     # ERNIE-4.5: softmax + [1, E] bias, renormalized by max(sum, 1e-12) (LAYOUT v2 renormalize_form).
-    "ernie4_5_moe": dict(kw=dict(experts=7), E=7, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, True),
-                         v2=dict(renormalize_form="max", renormalize_eps=1e-12)),
+    "ernie4_5_moe": dict(
+        kw=dict(experts=7),
+        E=7,
+        I=32,
+        W=64,
+        routing=("softmax", 2, 1, 1, True, 1.0, True),
+        v2=dict(renormalize_form="max", renormalize_eps=1e-12),
+    ),
     # GraniteMoE-Shared: shared width 48 over I = 32, two slots, the second zero-padded; stacked input_linear / output_linear kept.
-    "granitemoeshared": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    "granitemoeshared": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, groups by their top-2 sum (LAYOUT v2 group_score).
-    "mistral4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 3, 2, True, 1.7, False), v2=dict(group_score="top2_sum")),
-    "mistral_large4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 3, 2, True, 1.25, False),
-                           v2=dict(group_score="top2_sum")),
+    "mistral4": dict(
+        kw=dict(experts=6),
+        E=6,
+        I=32,
+        W=64,
+        routing=("softmax", 2, 3, 2, True, 1.7, False),
+        v2=dict(group_score="top2_sum"),
+    ),
+    "mistral_large4": dict(
+        kw=dict(experts=6),
+        E=6,
+        I=32,
+        W=64,
+        routing=("softmax", 2, 3, 2, True, 1.25, False),
+        v2=dict(group_score="top2_sum"),
+    ),
     # Hunyuan 4 clamps its routed experts only: limit (routed, shared) = (swiglu_limit, inf).
-    "hy_v4": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)),
+    "hy_v4": dict(
+        kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)
+    ),
     # DeepSeek-V3.2: V3's routing; the DSA indexer copied (weights_proj unquantized), loaded with DeepseekV32ForCausalLM.
     "deepseek_v32": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # Solar Open: DeepSeek-V3's router with 3 groups of 2 (top-2 sum, 2 kept), every layer MoE.
     "solar_open": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 3, 2, True, 1.7, True)),
     # Laguna: plain-sum renormalization (eps 0), rsf on the routed sum, shared width 48 over I = 32 (second slot padded).
-    "laguna": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
-                   v2={}),  # renormalize_eps 0 is a version 2 feature
+    "laguna": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True), v2={}
+    ),  # renormalize_eps 0 is a version 2 feature
     # EXAONE-MoE: DeepSeek-V3's router, bias at mlp.e_score_correction_bias.
     "exaone_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # A.X-K2 Light: sigmoid + bias without groups, renormalized, rsf 2.5.
@@ -63,15 +87,26 @@ CASES = {
     # MiniCPM-5 MoE: DeepSeek-V3's router with 3 groups of 2, 2 kept.
     "minicpm5_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 3, 2, True, 3.66, True)),
     # Flint: sigmoid without bias or rsf, renormalized by the plain sum (eps 0); shared width 48 over I = 32.
-    "flint": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 1.0, False), v2={}),
+    "flint": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 1.0, False), v2={}
+    ),
     # GraniteMoE-SWA: GraniteMoE-Shared's routing; experts stacked as transformers' gate_up_proj / down_proj.
-    "granitemoe_swa": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    "granitemoe_swa": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
+    ),
     # Cohere2-MoE ("sum"): softmax of the top-k logits (renormalized softmax), no bias, no rsf.
     "cohere2_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, False)),
     # Step-3.7: per-layer (routed, shared) limits after the activation; a shared width of 1.5 I (the second slot half padding).
-    "step3p7": dict(kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True),
-                    limit={1: (0.3, math.inf), 2: (0.25, 0.2)}, activation="swiglu_post_clamp",
-                    v2={}),  # swiglu_post_clamp is a version 2 feature
+    "step3p7": dict(
+        kw=dict(experts=6, shared_width=48),
+        E=6,
+        I=32,
+        W=48,
+        routing=("sigmoid", 2, 1, 1, True, 2.5, True),
+        limit={1: (0.3, math.inf), 2: (0.25, 0.2)},
+        activation="swiglu_post_clamp",
+        v2={},
+    ),  # swiglu_post_clamp is a version 2 feature
 }
 assert set(CASES) == set(FAMILIES) | set(NEW_FAMILIES)
 
@@ -126,8 +161,10 @@ def converted_expert(out: dict, names, e: int):
     if names.storage == "stacked_split":
         w = names.stacked_split()
         scales = tuple(out[scale_name(n)][e] for n in w) if scale_name(w[0]) in out else None
-        vals = tuple(dequant({"w": out[n][e], scale_name("w"): s}, "w") if scales else out[n][e].float()
-                     for n, s in zip(w, scales or (None,) * 3))
+        vals = tuple(
+            dequant({"w": out[n][e], scale_name("w"): s}, "w") if scales else out[n][e].float()
+            for n, s in zip(w, scales or (None,) * 3)
+        )
         return vals, scales
     w = names.per_expert(e)
     vals = tuple(dequant(out, n) for n in w)
@@ -147,8 +184,12 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
 
     # Config block and index.
     block = config_block(out_dir)
-    assert (block.num_routed_experts, block.num_fused_shared_experts, block.expert_intermediate_size,
-            block.source_shared_intermediate_size) == (E, S, I, W)
+    assert (
+        block.num_routed_experts,
+        block.num_fused_shared_experts,
+        block.expert_intermediate_size,
+        block.source_shared_intermediate_size,
+    ) == (E, S, I, W)
     layers = moe_layer_tensors(out)
     assert sorted(layers) == list(block.moe_layers) and len(layers) >= 2
     if case["kw"].get("mtp"):
@@ -160,8 +201,18 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
     names_table = describe_model(cfg).names
     if "routing" in case:
         r = block.routing
-        assert (r.scoring, r.top_k, r.n_group, r.topk_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == case["routing"]
-        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == (2 if "v2" in case else 1)
+        assert (
+            r.scoring,
+            r.top_k,
+            r.n_group,
+            r.topk_group,
+            r.renormalize,
+            r.routed_scaling_factor,
+            r.has_bias,
+        ) == case["routing"]
+        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == (
+            2 if "v2" in case else 1
+        )
     assert ("quantization_config" in cfg) == (precision == "fp8")
     if precision == "fp8":
         assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
@@ -172,23 +223,33 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
     for L, names in layers.items():
         blk = names.block_prefix
         sh = shared_prefix(blk, names_table)
-        assert any(k.startswith(f"{sh}.") for k in src) and not any(k.startswith(f"{sh}.") for k in out), "no shared-expert tensors remain"
+        assert any(k.startswith(f"{sh}.") for k in src) and not any(k.startswith(f"{sh}.") for k in out), (
+            "no shared-expert tensors remain"
+        )
         router, biases = router_tensor_names(cfg, blk)
         assert out[router].dtype == torch.float32
         assert torch.equal(out[router], src[router].float())
         bias = [b for b in biases if b in src]
         assert bool(bias) == block.routing.has_bias
         for b in bias:
-            assert torch.equal(out[b], src[b]) and out[b].abs().max() > 0, "the selection bias is copied unchanged (and not zero)"
+            assert torch.equal(out[b], src[b]) and out[b].abs().max() > 0, (
+                "the selection bias is copied unchanged (and not zero)"
+            )
         alpha, beta, limit = (out[n] for n in names.gemm1_params())
         assert alpha.shape == beta.shape == limit.shape == (E + S,)
         assert block.activation == case.get("activation", block.activation)
         if block.activation == "swiglu_oai":
-            assert torch.allclose(alpha, torch.full((E + S,), 1.702)) and torch.all(beta == 1.0) and torch.all(limit == 7.0)
+            assert (
+                torch.allclose(alpha, torch.full((E + S,), 1.702))
+                and torch.all(beta == 1.0)
+                and torch.all(limit == 7.0)
+            )
         else:
             assert torch.all(alpha == 1.0) and torch.all(beta == 0.0)
             lim = case.get("limit", math.inf)  # every slot's, (routed, shared), or per layer
-            routed_lim, shared_lim = (lim[L] if isinstance(lim, dict) else lim) if not isinstance(lim, float) else (lim, lim)
+            routed_lim, shared_lim = (
+                (lim[L] if isinstance(lim, dict) else lim) if not isinstance(lim, float) else (lim, lim)
+            )
             assert torch.equal(limit, torch.tensor([routed_lim] * E + [shared_lim] * S, dtype=torch.float32))
         if names.storage in ("stacked", "stacked_split"):
             assert out[names.slot_tensors(0)[0][0]].shape[0] == E + S
@@ -199,7 +260,11 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
         wants = [routed_source(src, blk, names.experts_prefix, e) for e in range(E)]
         for j in range(S):
             a, b = j * I, min((j + 1) * I, W)
-            pad = lambda t, dim: torch.nn.functional.pad(t, (0, 0, 0, I - t.shape[0])) if dim == 0 else torch.nn.functional.pad(t, (0, I - t.shape[1]))
+            pad = lambda t, dim: (
+                torch.nn.functional.pad(t, (0, 0, 0, I - t.shape[0]))
+                if dim == 0
+                else torch.nn.functional.pad(t, (0, I - t.shape[1]))
+            )
             wants.append((pad(sg[a:b], 0), pad(su[a:b], 0), pad(sd[:, a:b], 1)))
         for e, want in enumerate(wants):
             got, scales = converted_expert(out, names, e)
@@ -217,7 +282,9 @@ def test_vision_tower_copied_unchanged(sources, tmp_path):
     convert_checkpoint(sources["minimax_m3_vl"], out_dir, progress=False)
     src, out = load_all(sources["minimax_m3_vl"]), load_all(out_dir)
     vision = [k for k in src if not k.startswith("language_model.model.layers.")]
-    assert any(k.startswith("vision_tower") for k in vision) and any(k.startswith("multi_modal_projector") for k in vision)
+    assert any(k.startswith("vision_tower") for k in vision) and any(
+        k.startswith("multi_modal_projector") for k in vision
+    )
     for k in vision:
         assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k]), k
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
@@ -240,13 +307,19 @@ def test_other_linear_fp8_quantizes_attention_not_router(sources, tmp_path):
     out_dir = tmp_path / "out"
     convert_checkpoint(sources["deepseek_v3"], out_dir, progress=False)
     src, out = load_all(sources["deepseek_v3"]), load_all(out_dir)
-    for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.3.eh_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.3.eh_proj.weight",
+    ):
         if name.endswith("eh_proj.weight"):
             assert out[name].dtype == torch.bfloat16, "MTP glue stays unquantized"
         else:
             assert out[name].dtype == torch.float8_e4m3fn
             assert_fp8_close(dequant(out, name), src[name].float(), out[scale_name(name)], name)
-    assert out["model.embed_tokens.weight"].dtype == torch.bfloat16 and torch.equal(out["lm_head.weight"], src["lm_head.weight"])
+    assert out["model.embed_tokens.weight"].dtype == torch.bfloat16 and torch.equal(
+        out["lm_head.weight"], src["lm_head.weight"]
+    )
 
 
 def test_non_weight_files_copied_and_config_last(sources, tmp_path):

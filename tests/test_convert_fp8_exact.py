@@ -34,13 +34,18 @@ def _tricky(rows: int, cols: int, seed: int) -> torch.Tensor:
     """Random float32 weights whose blocks hold exact e4m3 ties (normal and subnormal), values that fall
     into e4m3's subnormal range, float32 subnormals, zeros, negative zeros and all-zero blocks."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-20, 20, (rows // 128 + 1, 1), generator=g).float()).repeat_interleave(128, 0)[:rows]
+    w = (
+        torch.randn(rows, cols, generator=g)
+        * torch.exp2(torch.randint(-20, 20, (rows // 128 + 1, 1), generator=g).float()).repeat_interleave(128, 0)[:rows]
+    )
     # Blocks of exact ties: amax 448 * 2^k gives the scale 2^k, and the midpoints of the e4m3 grid times 2^k are exact.
     mids = (E4M3_GRID[1:] + E4M3_GRID[:-1]) / 2
     n = min(rows, 128) * min(cols, 128)
-    pick = mids[torch.randint(0, len(mids), (n,), generator=g)] * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
-    tie = pick.reshape(min(rows, 128), min(cols, 128)).float() * 2.0 ** -3
-    tie[0, 0] = 448 * 2.0 ** -3
+    pick = mids[torch.randint(0, len(mids), (n,), generator=g)] * torch.where(
+        torch.rand(n, generator=g) < 0.5, -1.0, 1.0
+    )
+    tie = pick.reshape(min(rows, 128), min(cols, 128)).float() * 2.0**-3
+    tie[0, 0] = 448 * 2.0**-3
     w[: tie.shape[0], : tie.shape[1]] = tie
     if rows > 128 and cols > 128:
         w[128:256, 128:256] = 0.0  # a zero block: scale tiny / 448
@@ -81,7 +86,10 @@ def test_quantizer_equals_float64_reference_bit_for_bit(shape, scale_fmt):
     ref_q, ref_s = _reference(w, scale_fmt)
     assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
     assert torch.equal(q.view(torch.uint8), ref_q)
-    assert torch.equal(quantize_block_fp8(w.bfloat16(), scale_fmt=scale_fmt)[0].view(torch.uint8), _reference(w.bfloat16().float(), scale_fmt)[0])
+    assert torch.equal(
+        quantize_block_fp8(w.bfloat16(), scale_fmt=scale_fmt)[0].view(torch.uint8),
+        _reference(w.bfloat16().float(), scale_fmt)[0],
+    )
 
 
 def test_quantizer_leaves_its_input_alone():
@@ -95,10 +103,22 @@ def _synth_bf16(path: Path, experts: int = 6, H: int = 384, I: int = 256, seed: 
     """A small DeepSeek-V3-shaped BF16 checkpoint with distinct random experts (no transformers needed)."""
     path.mkdir(parents=True)
     cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
-        "moe_intermediate_size": I, "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 2,
-        "n_group": 2, "topk_group": 1, "num_hidden_layers": 1, "first_k_dense_replace": 0, "moe_layer_freq": 1,
-        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": H,
+        "moe_intermediate_size": I,
+        "n_routed_experts": experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "num_nextn_predict_layers": 0,
     }
     (path / "config.json").write_text(json.dumps(cfg))
     P = "model.layers.0.mlp"
@@ -109,7 +129,9 @@ def _synth_bf16(path: Path, experts: int = 6, H: int = 384, I: int = 256, seed: 
     g = torch.Generator().manual_seed(seed)
     tensors[f"{P}.gate.weight"] = torch.randn(experts, H, generator=g).bfloat16()
     tensors[f"{P}.gate.e_score_correction_bias"] = torch.zeros(experts)
-    header, _ = build_header([(k, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for k, t in tensors.items()], {"format": "pt"})
+    header, _ = build_header(
+        [(k, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for k, t in tensors.items()], {"format": "pt"}
+    )
     with open(path / "model.safetensors", "wb") as f:
         f.write(header)
         for t in tensors.values():
@@ -119,8 +141,12 @@ def _synth_bf16(path: Path, experts: int = 6, H: int = 384, I: int = 256, seed: 
 
 def _convert(src: Path, out: Path, *extra: str) -> dict[str, str]:
     """sha256 of every output file; the manifest's inputs_fingerprint is left out (it covers the options, --device included)."""
-    r = subprocess.run([sys.executable, "-m", "fuse_tool.cli", "convert", str(src), str(out), "--quiet", *extra],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "fuse_tool.cli", "convert", str(src), str(out), "--quiet", *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
     manifest = json.loads((out / "fuse_shared_manifest.json").read_text())

@@ -97,7 +97,10 @@ def test_compressed_tensors_per_channel_becomes_block_fp8(tmp_path):
     assert cfg["quantization_config"]["quant_method"] == "fp8"
     assert config_block(out_dir).source["quantization"] == "compressed-tensors fp8"
     names = moe_layer_tensors(out)[1]
-    for e, src_name in ((0, "model.layers.1.mlp.experts.0.down_proj.weight"), (8, "model.layers.1.mlp.shared_experts.down_proj.weight")):
+    for e, src_name in (
+        (0, "model.layers.1.mlp.experts.0.down_proj.weight"),
+        (8, "model.layers.1.mlp.shared_experts.down_proj.weight"),
+    ):
         want = src[src_name].float() * src[src_name + "_scale"].float()
         got_name = names.per_expert(e)[2]
         assert_fp8_close(dequant(out, got_name), want, out[scale_name(got_name)], got_name)

@@ -76,7 +76,11 @@ def test_fp8_block_source_copies_blocks_and_verifies(family, tmp_path):
         shared = shared_parts(src, shared_prefix(names.block_prefix, table), table)
         for j in range(2):
             for p, (got_w, got_s), (w, s) in zip("gud", slot_parts(out, names, 6 + j), shared):
-                want_w, want_s = (w[j * 128:(j + 1) * 128], s[j:j + 1]) if p != "d" else (w[:, j * 128:(j + 1) * 128], s[:, j:j + 1])
+                want_w, want_s = (
+                    (w[j * 128 : (j + 1) * 128], s[j : j + 1])
+                    if p != "d"
+                    else (w[:, j * 128 : (j + 1) * 128], s[:, j : j + 1])
+                )
                 assert same_bytes(got_w, want_w.contiguous()) and torch.equal(got_s, want_s), (L, j, p)
     r = verify_against(out_dir, src_dir)
     assert r.passed, r.failures
@@ -102,7 +106,11 @@ def test_glm4v_compressed_tensors_source(tmp_path):
     assert verify_against(out_dir, src_dir).passed
 
 
-VISION = {"glm4v_moe": ("model.visual.",), "glm5_next": ("model.visual.",), "step3p7": ("vision_model.", "vit_large_projector.")}
+VISION = {
+    "glm4v_moe": ("model.visual.",),
+    "glm5_next": ("model.visual.",),
+    "step3p7": ("vision_model.", "vit_large_projector."),
+}
 
 
 @pytest.mark.parametrize("family", sorted(VISION))
@@ -191,7 +199,9 @@ def test_hy_v4_routed_clamp_bites_and_shared_slots_stay_free(clamped):
     out = clamped("hy_v4")
     limit = ExpertWeights.from_checkpoint(out, 1).gemm1_clamp_limit
     assert limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
-    as_converted, free, all_slots = moe_outputs(out, 1, no_clamp, lambda lim: {"gemm1_clamp_limit": torch.full_like(lim, lim[0].item())})
+    as_converted, free, all_slots = moe_outputs(
+        out, 1, no_clamp, lambda lim: {"gemm1_clamp_limit": torch.full_like(lim, lim[0].item())}
+    )
     assert rel(as_converted, free) > 0.05 and rel(as_converted, all_slots) > 0.02
 
 
@@ -200,12 +210,23 @@ def test_step3p7_post_clamp_and_per_layer_limits_bite(clamped):
     clamps routed slots at 0.25 and shared ones at 0.2; layer 1 clamps only its routed slots (0.3)."""
     out = clamped("step3p7", shared_width=48)
     assert ExpertWeights.from_checkpoint(out, 1).gemm1_clamp_limit.tolist() == [pytest.approx(0.3)] * 6 + [math.inf] * 2
-    assert ExpertWeights.from_checkpoint(out, 2).gemm1_clamp_limit.tolist() == [pytest.approx(0.25)] * 6 + [pytest.approx(0.2)] * 2
+    assert (
+        ExpertWeights.from_checkpoint(out, 2).gemm1_clamp_limit.tolist()
+        == [pytest.approx(0.25)] * 6 + [pytest.approx(0.2)] * 2
+    )
     as_converted, free, before_activation, shared_free = moe_outputs(
-        out, 2, no_clamp, lambda lim: {"activation": "swiglu"},
-        lambda lim: {"gemm1_clamp_limit": torch.cat([lim[:6], torch.full((2,), math.inf)])})
+        out,
+        2,
+        no_clamp,
+        lambda lim: {"activation": "swiglu"},
+        lambda lim: {"gemm1_clamp_limit": torch.cat([lim[:6], torch.full((2,), math.inf)])},
+    )
     assert ExpertWeights.from_checkpoint(out, 2).activation == "swiglu_post_clamp"
-    assert rel(as_converted, free) > 0.05 and rel(as_converted, before_activation) > 0.02 and rel(as_converted, shared_free) > 0.02
+    assert (
+        rel(as_converted, free) > 0.05
+        and rel(as_converted, before_activation) > 0.02
+        and rel(as_converted, shared_free) > 0.02
+    )
     layer1, layer1_free = moe_outputs(out, 1, no_clamp)
     assert rel(layer1, layer1_free) > 0.05
 
@@ -221,7 +242,11 @@ def test_step3p7_mtp_layer_fused_with_the_limits_transformers_reads(tmp_path):
     src = build_checkpoint("step3p7", tmp_path / "src", experts=6, shared_width=48, mtp=True)
     out = tmp_path / "out"
     convert_checkpoint(src, out, ConvertOptions(precision="source"), progress=False)
-    assert list(json.loads((out / "config.json").read_text())["text_config"]["fused_shared_experts"]["moe_layers"]) == [1, 2, 3]
+    assert list(json.loads((out / "config.json").read_text())["text_config"]["fused_shared_experts"]["moe_layers"]) == [
+        1,
+        2,
+        3,
+    ]
     assert ExpertWeights.from_checkpoint(out, 3).gemm1_clamp_limit.tolist() == [math.inf] * 8
     r = verify_against(out, src)
     assert r.passed, r.failures
@@ -234,7 +259,9 @@ def test_step3p7_mtp_layer_fused_with_the_limits_transformers_reads(tmp_path):
     assert plan_conversion(src).arch.slot_activation(3)[0].clamp_limit == math.inf
     text["swiglu_limits"][-1] = 0.5
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="swiglu_limits gives MTP layer 3 the limit 0.5 .* refused rather than guessed"):
+    with pytest.raises(
+        UnsupportedModelError, match="swiglu_limits gives MTP layer 3 the limit 0.5 .* refused rather than guessed"
+    ):
         plan_conversion(src)
 
 
@@ -248,7 +275,7 @@ def test_hy_v4_mtp_block_under_its_own_prefix_fused_and_verified(tmp_path):
     t = load_all(src)
     for k, v in list(t.items()):  # MTP block 0: a copy of the last decoder layer, slightly changed, plus its glue
         if k.startswith("model.layers.2."):
-            t["model.mtp_layers.0." + k[len("model.layers.2."):]] = v.clone() * 1.01
+            t["model.mtp_layers.0." + k[len("model.layers.2.") :]] = v.clone() * 1.01
     t["model.mtp_layers.0.eh_proj.weight"] = torch.randn(64, 128).to(torch.bfloat16) * 0.05
     rewrite(src, t, shards=2)
     out = tmp_path / "out"
@@ -262,13 +289,19 @@ def test_hy_v4_mtp_block_under_its_own_prefix_fused_and_verified(tmp_path):
     assert [(lr.kind, lr.moe_rel < 1e-5) for lr in r.layers if lr.index == 3] == [("mtp", True)]
 
 
-@pytest.mark.parametrize("family,change", [
-    ("mistral4", dict(group_score="max")),  # the version-1 rule for a bias-free block: groups by their max
-    ("mistral4", dict(n_group=1, topk_group=1)),  # no groups at all
-    ("mistral_large4", dict(group_score="max")),
-    ("ernie4_5_moe", dict(renormalize_form="add", renormalize_eps=1e-20)),  # not a bite on typical tokens: only the edge case
-    ("ernie4_5_moe", "no bias"),
-])
+@pytest.mark.parametrize(
+    "family,change",
+    [
+        ("mistral4", dict(group_score="max")),  # the version-1 rule for a bias-free block: groups by their max
+        ("mistral4", dict(n_group=1, topk_group=1)),  # no groups at all
+        ("mistral_large4", dict(group_score="max")),
+        (
+            "ernie4_5_moe",
+            dict(renormalize_form="add", renormalize_eps=1e-20),
+        ),  # not a bite on typical tokens: only the edge case
+        ("ernie4_5_moe", "no bias"),
+    ],
+)
 def test_routing_facts_bite(family, change, tmp_path):
     """The tiny models' routing facts change their MoE output, so matching transformers checks them: Mistral's groups
     (scored by their top-2 sum) and ERNIE's selection bias on softmax scores. ERNIE's max(sum, 1e-12) denominator differs
@@ -301,8 +334,14 @@ def test_ernie_moe_layers_follow_transformers():
     from builders import build_config
 
     for start, end, interval in ((1, -1, 1), (0, 4, 2), (2, 3, 1), (1, 5, 3)):
-        cfg = build_config("ernie4_5_moe", layers=6, experts=6, moe_layer_start_index=start, moe_layer_end_index=end,
-                           moe_layer_interval=interval)
+        cfg = build_config(
+            "ernie4_5_moe",
+            layers=6,
+            experts=6,
+            moe_layer_start_index=start,
+            moe_layer_end_index=end,
+            moe_layer_interval=interval,
+        )
         model = T.Ernie4_5_MoeForCausalLM(cfg)
         want = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
         config = cfg.to_dict()

@@ -23,7 +23,9 @@ def test_convert_without_numpy(tmp_path):
     src = ROOT / "examples" / "tiny-deepseek-v3"
     for extra in ([], ["--precision", "source"]):
         out = tmp_path / ("out" + "".join(extra))
-        r = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(out), *extra], cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(src), str(out), *extra], cwd=ROOT, capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stderr
         assert (out / "config.json").is_file()
 

@@ -92,12 +92,26 @@ def test_config_block_is_layout_v2(flash):
     cfg = json.loads((out / "config.json").read_text())
     block = cfg["fused_shared_experts"]
     assert block["version"] == 2
-    assert (block["num_routed_experts"], block["num_fused_shared_experts"], block["expert_intermediate_size"],
-            block["source_shared_intermediate_size"]) == (E, S, I, I)
+    assert (
+        block["num_routed_experts"],
+        block["num_fused_shared_experts"],
+        block["expert_intermediate_size"],
+        block["source_shared_intermediate_size"],
+    ) == (E, S, I, I)
     assert block["moe_layers"] == [0, 1, 2, 3] and block["activation"] == "swiglu"
-    assert block["routing"] == {"scoring": "sqrtsoftplus", "top_k": 2, "n_group": 1, "topk_group": 1, "group_score": "top2_sum",
-                                "renormalize": True, "renormalize_form": "add", "renormalize_eps": 1e-20, "routed_scaling_factor": 1.5,
-                                "has_bias": True, "hash_layers": [0]}
+    assert block["routing"] == {
+        "scoring": "sqrtsoftplus",
+        "top_k": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "group_score": "top2_sum",
+        "renormalize": True,
+        "renormalize_form": "add",
+        "renormalize_eps": 1e-20,
+        "routed_scaling_factor": 1.5,
+        "has_bias": True,
+        "hash_layers": [0],
+    }
     assert "MXFP4" in block["source"]["quantization"]
     assert cfg["quantization_config"]["scale_fmt"] == "ue8m0" and "expert_dtype" not in cfg["quantization_config"]
     for key in ("num_nextn_predict_layers", "n_routed_experts", "swiglu_limit", "compress_ratios"):
@@ -118,13 +132,24 @@ def test_fused_tensors(flash):
         for p in ("w1", "w2", "w3"):  # slot E: the shared expert's FP8 blocks and E8M0 scales, bit for bit
             for suffix in ("weight", "scale"):
                 assert raw(o[f"{X}.{E}.{p}.{suffix}"]) == raw(s[f"{root}.ffn.shared_experts.{p}.{suffix}"])
-        values = {n: torch.frombuffer(bytearray(raw(o[f"{X}.{n}"])), dtype=torch.float32).tolist()
-                  for n in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")}
-        assert values == {"gemm1_alpha": [1.0] * (E + S), "gemm1_beta": [0.0] * (E + S), "gemm1_clamp_limit": [10.0] * (E + S)}
+        values = {
+            n: torch.frombuffer(bytearray(raw(o[f"{X}.{n}"])), dtype=torch.float32).tolist()
+            for n in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+        }
+        assert values == {
+            "gemm1_alpha": [1.0] * (E + S),
+            "gemm1_beta": [0.0] * (E + S),
+            "gemm1_clamp_limit": [10.0] * (E + S),
+        }
         router = o[f"{root}.ffn.gate.weight"]
         src_router = torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.weight"])), dtype=torch.bfloat16)
-        assert router.dtype == "F32" and torch.equal(torch.frombuffer(bytearray(raw(router)), dtype=torch.float32), src_router.float())
-    assert raw(o["layers.0.ffn.gate.tid2eid"]) == raw(s["layers.0.ffn.gate.tid2eid"]) and o["layers.0.ffn.gate.tid2eid"].dtype == "I64"
+        assert router.dtype == "F32" and torch.equal(
+            torch.frombuffer(bytearray(raw(router)), dtype=torch.float32), src_router.float()
+        )
+    assert (
+        raw(o["layers.0.ffn.gate.tid2eid"]) == raw(s["layers.0.ffn.gate.tid2eid"])
+        and o["layers.0.ffn.gate.tid2eid"].dtype == "I64"
+    )
     assert "layers.0.ffn.gate.bias" not in o and all(f"{r}.ffn.gate.bias" in o for r in ROOTS[1:] + ["mtp.0"])
     # Everything outside the MoE blocks (and the biases) is copied bit for bit under its own name, FP8 scales included.
     kept = [n for n in s if ".ffn.experts." not in n and ".shared_experts." not in n and not n.endswith("gate.weight")]
@@ -145,14 +170,14 @@ def test_mxfp4_to_fp8_exactness(flash):
             for p in ("w1", "w2", "w3"):
                 name = f"{root}.ffn.experts.{e}.{p}.weight"
                 ref, got = transformers_dequantized(s, name), fp8_dequantized(o, name)
-                group = e8m0_to_float(as_uint8(s[name[: -len('.weight')] + ".scale"]))
-                B = e8m0_to_float(as_uint8(o[name[: -len('.weight')] + ".scale"]))
+                group = e8m0_to_float(as_uint8(s[name[: -len(".weight")] + ".scale"]))
+                B = e8m0_to_float(as_uint8(o[name[: -len(".weight")] + ".scale"]))
                 for bi in range(B.shape[0]):
                     for bj in range(B.shape[1]):
                         rows, cols = slice(128 * bi, 128 * bi + 128), slice(128 * bj, 128 * bj + 128)
                         b = float(B[bi, bj])
                         moved = float((got[rows, cols] - ref[rows, cols]).abs().max()) / b
-                        within = float(group[rows, 4 * bj: 4 * bj + 4].min()) >= b * 2.0**-8
+                        within = float(group[rows, 4 * bj : 4 * bj + 4].min()) >= b * 2.0**-8
                         blocks += 1
                         if within:
                             assert moved == 0.0, (name, bi, bj)
@@ -163,7 +188,11 @@ def test_mxfp4_to_fp8_exactness(flash):
                             inexact_by_tensor[name] = inexact_by_tensor.get(name, 0) + 1
     report = result.measurements["mxfp4"]
     assert report.blocks == blocks and outside_rule_blocks >= 1
-    assert {n: t.inexact_blocks for n, t in report.inexact().items()} == inexact_by_tensor == {"layers.1.ffn.experts.0.w1.weight": 1}
+    assert (
+        {n: t.inexact_blocks for n, t in report.inexact().items()}
+        == inexact_by_tensor
+        == {"layers.1.ffn.experts.0.w1.weight": 1}
+    )
     assert report.max_moved == MAX_INEXACT_ERROR
     assert sum(t.outside_rule for t in report.tensors.values()) == outside_rule_blocks
 
@@ -172,9 +201,17 @@ def test_exactness_in_the_cli_summary(tmp_path):
     src = build_v4_checkpoint(tmp_path / "src", "flash", seed=3)
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--quiet"])
     assert r.exit_code == 0, r.output
-    assert "192 blocks of 128x128: 191 exact, 1 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)" in r.output
-    assert "not exact    layers.1.ffn.experts.0.w1.weight: 1 of 2 blocks, moved by at most 2^-10 of the block scale" in r.output
-    assert "hash-routed layers 0 (token table, no bias)" in r.output and "swiglu (alpha 1, beta 0, limit 10)" in r.output
+    assert (
+        "192 blocks of 128x128: 191 exact, 1 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)"
+        in r.output
+    )
+    assert (
+        "not exact    layers.1.ffn.experts.0.w1.weight: 1 of 2 blocks, moved by at most 2^-10 of the block scale"
+        in r.output
+    )
+    assert (
+        "hash-routed layers 0 (token table, no bias)" in r.output and "swiglu (alpha 1, beta 0, limit 10)" in r.output
+    )
 
 
 def test_0731_three_mtp_blocks(r0731):
@@ -182,13 +219,27 @@ def test_0731_three_mtp_blocks(r0731):
     s, o = tensors_of(src), tensors_of(out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["fused_shared_experts"]["moe_layers"] == [0, 1, 2, 3, 4, 5]
-    assert "expert_dtype" not in cfg and cfg["num_nextn_predict_layers"] == 1 and cfg["dspark_target_layer_ids"] == [0, 1, 2]
+    assert (
+        "expert_dtype" not in cfg
+        and cfg["num_nextn_predict_layers"] == 1
+        and cfg["dspark_target_layer_ids"] == [0, 1, 2]
+    )
     assert [lp.layer for lp in result.plan.layers if lp.is_mtp] == [3, 4, 5]
     assert any("announces 1 MTP block(s)" in n and "has 3" in n for n in result.plan.notes)
     for n in range(3):
-        assert o[f"mtp.{n}.ffn.experts.{E}.w2.weight"].dtype == "F8_E4M3" and f"mtp.{n}.ffn.experts.{E + S}.w2.weight" not in o
-    for head in ("mtp.0.main_proj.weight", "mtp.0.main_proj.scale", "mtp.0.main_norm.weight", "mtp.2.markov_head.markov_w1.weight",
-                 "mtp.2.confidence_head.proj.weight", "mtp.2.hc_head_fn", "mtp.2.norm.weight"):
+        assert (
+            o[f"mtp.{n}.ffn.experts.{E}.w2.weight"].dtype == "F8_E4M3"
+            and f"mtp.{n}.ffn.experts.{E + S}.w2.weight" not in o
+        )
+    for head in (
+        "mtp.0.main_proj.weight",
+        "mtp.0.main_proj.scale",
+        "mtp.0.main_norm.weight",
+        "mtp.2.markov_head.markov_w1.weight",
+        "mtp.2.confidence_head.proj.weight",
+        "mtp.2.hc_head_fn",
+        "mtp.2.norm.weight",
+    ):
         assert raw(o[head]) == raw(s[head]) and o[head].dtype == s[head].dtype, head
     assert result.measurements["mxfp4"].inexact_blocks == 1
 
@@ -229,7 +280,13 @@ def test_mxfp4_table_path_matches_float_path(seed):
     from runtime.mxfp4 import mxfp4_to_fp8_blocks_float
 
     g = torch.Generator().manual_seed(seed)
-    for rows, cols, lo, span in ((256, 512, 118, 9), (128, 256, 0, 9), (128, 768, 240, 14), (128, 256, 100, 3), (96, 256, 120, 4)):
+    for rows, cols, lo, span in (
+        (256, 512, 118, 9),
+        (128, 256, 0, 9),
+        (128, 768, 240, 14),
+        (128, 256, 100, 3),
+        (96, 256, 120, 4),
+    ):
         packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8).view(torch.int8)
         scales = torch.randint(lo, min(lo + span, 255), (rows, cols // 32), generator=g, dtype=torch.uint8)
         packed[:, :16] = 0  # a zero group, whose scale may be anything
@@ -288,12 +345,18 @@ def test_real_v4_inventory_plan(name, tmp_path_factory):
     path = build_skeleton(name, tmp_path_factory.mktemp("v4skel") / name)
     plan = plan_conversion(path)
     assert len(plan.source.tensors) == n_src
-    assert (plan.block.num_routed_experts, plan.block.num_fused_shared_experts, plan.block.expert_intermediate_size,
-            plan.block.source_shared_intermediate_size) == (256, 1, 2048, 2048)
+    assert (
+        plan.block.num_routed_experts,
+        plan.block.num_fused_shared_experts,
+        plan.block.expert_intermediate_size,
+        plan.block.source_shared_intermediate_size,
+    ) == (256, 1, 2048, 2048)
     assert [lp.layer for lp in plan.layers if not lp.is_mtp] == list(decoder)
     assert [lp.layer for lp in plan.layers if lp.is_mtp] == mtp
     assert [lp.layer for lp in plan.layers if lp.is_hash] == [0, 1, 2] == list(plan.block.routing.hash_layers)
-    assert {lp.source_format for lp in plan.layers} == {"mxfp4"} and {m for lp in plan.layers for m in lp.shared_modes} == {"copy"}
+    assert {lp.source_format for lp in plan.layers} == {"mxfp4"} and {
+        m for lp in plan.layers for m in lp.shared_modes
+    } == {"copy"}
     assert plan.config["fused_shared_experts"]["version"] == 2 and "expert_dtype" not in plan.config
     src_bytes, out_bytes = _expected_output_bytes(name, len(decoder) + len(mtp))
     assert plan.source.total_bytes == src_bytes
@@ -315,8 +378,16 @@ def test_real_v4_inspect_and_dry_run(name, tmp_path_factory, tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(path)])
     assert r.exit_code == 0, r.output
     mtp_text = f"{len(mtp)} MTP ({'43' if len(mtp) == 1 else '43-45'})"
-    for line in ("E=256 routed + S=1", f"43 decoder (0-42) + {mtp_text}", "hash-routed layers 0-2", "sqrtsoftplus, top-6",
-                 "rsf 1.5", "swiglu (alpha 1, beta 0, limit 10)", f"{n_src:,} tensors", "source format mxfp4"):
+    for line in (
+        "E=256 routed + S=1",
+        f"43 decoder (0-42) + {mtp_text}",
+        "hash-routed layers 0-2",
+        "sqrtsoftplus, top-6",
+        "rsf 1.5",
+        "swiglu (alpha 1, beta 0, limit 10)",
+        f"{n_src:,} tensors",
+        "source format mxfp4",
+    ):
         assert line in r.output, line
     r = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out"), "--dry-run"])
     assert r.exit_code == 0, r.output
@@ -333,7 +404,9 @@ def test_fixture_inventories_are_what_the_plan_assumes():
         assert rows["layers.0.ffn.experts.0.w1.scale"] == ("F8_E8M0", (2048, 128))
         assert rows["layers.0.ffn.shared_experts.w1.scale"] == ("F8_E8M0", (16, 32))
         assert sorted(n for n in rows if n.endswith("tid2eid")) == [f"layers.{i}.ffn.gate.tid2eid" for i in range(3)]
-        assert json.loads((FIXTURES / name / "config.json").read_text()).get("expert_dtype") == ("fp4" if "0731" in name else None)
+        assert json.loads((FIXTURES / name / "config.json").read_text()).get("expert_dtype") == (
+            "fp4" if "0731" in name else None
+        )
 
 
 # ----------------------------------------------------------------------------- the fused MoE block against transformers'
@@ -360,8 +433,13 @@ def _dequantize_experts(model) -> None:
     for m in model.modules():
         if isinstance(m, FusedSharedMoE):
             ex = m.experts
-            m.experts = replace(ex, gate_up=ex.gate_up.float() * expand_block_scales(ex.gate_up_scale, *ex.gate_up.shape[1:]),
-                                down=ex.down.float() * expand_block_scales(ex.down_scale, *ex.down.shape[1:]), gate_up_scale=None, down_scale=None)
+            m.experts = replace(
+                ex,
+                gate_up=ex.gate_up.float() * expand_block_scales(ex.gate_up_scale, *ex.gate_up.shape[1:]),
+                down=ex.down.float() * expand_block_scales(ex.down_scale, *ex.down.shape[1:]),
+                gate_up_scale=None,
+                down_scale=None,
+            )
 
 
 def test_fused_moe_blocks_match_transformers(tmp_path):
@@ -386,15 +464,21 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
             gate = torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.weight"])), dtype=torch.bfloat16).reshape(E, H)
             block.gate.weight.copy_(gate.float())
             if block.is_hash:
-                block.gate.tid2eid.copy_(torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.tid2eid"])), dtype=torch.int64).reshape(-1, 2))
+                block.gate.tid2eid.copy_(
+                    torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.tid2eid"])), dtype=torch.int64).reshape(-1, 2)
+                )
             else:
-                block.gate.e_score_correction_bias.copy_(torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.bias"])), dtype=torch.float32))
+                block.gate.e_score_correction_bias.copy_(
+                    torch.frombuffer(bytearray(raw(s[f"{root}.ffn.gate.bias"])), dtype=torch.float32)
+                )
             for e in range(E):
                 w1, w3, w2 = (transformers_dequantized(s, f"{X}.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
                 block.experts.gate_up_proj[e].copy_(torch.cat([w1, w3]))
                 block.experts.down_proj[e].copy_(w2)
             for p, mod in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                getattr(block.shared_experts, mod).weight.copy_(fp8_dequantized(s, f"{root}.ffn.shared_experts.{p}.weight"))
+                getattr(block.shared_experts, mod).weight.copy_(
+                    fp8_dequantized(s, f"{root}.ffn.shared_experts.{p}.weight")
+                )
             want = block(x[None], token_ids[None] if block.is_hash else None)[0]
         for backend in ("torch", "triton"):  # Triton runs in the interpreter on CPU (top of this file)
             # The converted weights in float32: route + fused_moe equal transformers' block to float32 rounding.
@@ -415,16 +499,25 @@ def test_fused_moe_blocks_match_transformers(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), top=st.integers(20, 235), spread=st.integers(0, 40), rows=st.sampled_from([128, 200, 256]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    top=st.integers(20, 235),
+    spread=st.integers(0, 40),
+    rows=st.sampled_from([128, 200, 256]),
+)
 def test_mxfp4_exactness_rule_property(seed, top, spread, rows):
     """Any codes and group scales: tiles within the rule are bit-exact, the others move by at most 2^-10 of their scale,
     and ``moved`` is exactly the worst move of each tile."""
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (rows, 128), generator=g, dtype=torch.int32).to(torch.uint8)
-    scales = (top - torch.randint(0, spread + 1, (rows, 8), generator=g, dtype=torch.int32)).clamp(1, 254).to(torch.uint8)
+    scales = (
+        (top - torch.randint(0, spread + 1, (rows, 8), generator=g, dtype=torch.int32)).clamp(1, 254).to(torch.uint8)
+    )
     q, sc, moved, within = mxfp4_to_fp8_blocks(packed, scales)
     B = e8m0_to_float(sc)
-    err = (q.float() * B.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows] - dequantize_mxfp4(packed, scales)).abs()
+    err = (
+        q.float() * B.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows] - dequantize_mxfp4(packed, scales)
+    ).abs()
     worst = torch.nn.functional.pad(err, (0, 0, 0, (-rows) % 128)).reshape(-1, 128, 2, 128).amax(dim=(1, 3)) / B
     assert torch.equal(worst[within], torch.zeros_like(worst[within]))
     assert bool((worst <= MAX_INEXACT_ERROR).all())
@@ -441,7 +534,9 @@ def test_exactness_summary_lines():
     r.add("b.weight", BlockExactness(4, 2, 2, 2.0**-10))
     r.add("b.weight", BlockExactness(4, 1, 1, 2.0**-11))
     lines = describe_exactness(r, planned=5)
-    assert lines[0].endswith("12 blocks of 128x128: 9 exact, 3 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)")
+    assert lines[0].endswith(
+        "12 blocks of 128x128: 9 exact, 3 not exact in 1 tensors (values moved by at most 2^-10 of the block scale)"
+    )
     assert "not exact    b.weight: 3 of 8 blocks, moved by at most 2^-10 of the block scale" in lines[1]
     assert "measured     2 of the plan's 5 MXFP4 tensors" in lines[2]
 
@@ -453,7 +548,10 @@ def test_hash_layers_come_from_the_tables(tmp_path):
     (src / "config.json").write_text(json.dumps({**cfg, "num_hash_layers": 2}))
     plan = plan_conversion(src)
     assert list(plan.block.routing.hash_layers) == [0]
-    assert any("config.json makes layers [0, 1] hash-routed; the checkpoint has gate tables on layers [0]" in n for n in plan.notes)
+    assert any(
+        "config.json makes layers [0, 1] hash-routed; the checkpoint has gate tables on layers [0]" in n
+        for n in plan.notes
+    )
     index = json.loads((src / "model.safetensors.index.json").read_text())
     from v4_checkpoint import write_safetensors  # a selection bias on the hash layer
 
@@ -529,7 +627,10 @@ def test_verify_v4(exact_pair, tmp_path):
     assert r.exit_code == 0 and "ok: " in r.output and "matches the manifest" in r.output, r.output
     r = _verify(out, "--against", src)
     assert r.exit_code == 0 and "PASS" in r.output, r.output
-    rows = {int(m.group(1)): (m.group(2), float(m.group(3))) for m in re.finditer(r"^\s+(\d+)\s+(moe|mtp)\s+([0-9.e+-]+)", r.output, re.M)}
+    rows = {
+        int(m.group(1)): (m.group(2), float(m.group(3)))
+        for m in re.finditer(r"^\s+(\d+)\s+(moe|mtp)\s+([0-9.e+-]+)", r.output, re.M)
+    }
     assert sorted(rows) == [0, 1, 2, *mtp] and all(rows[L][0] == "mtp" for L in mtp)
     assert all(err <= FP8_EXPERTS.moe_rel for _, err in rows.values()), r.output
     for layer in (1, mtp[-1]):
@@ -540,7 +641,10 @@ def test_verify_v4(exact_pair, tmp_path):
         r = _verify(bad, "--checksums")
         assert r.exit_code != 0 and "sha256" in r.output, r.output
         r = _verify(bad, "--against", src)
-        assert r.exit_code == 1 and f"FAIL: layer {layer} ({'moe' if layer < 3 else 'mtp'}): MoE output rel err" in r.output, r.output
+        assert (
+            r.exit_code == 1
+            and f"FAIL: layer {layer} ({'moe' if layer < 3 else 'mtp'}): MoE output rel err" in r.output
+        ), r.output
 
 
 def test_model_card_describes_v4(flash):

@@ -28,10 +28,13 @@ def test_real_inventory_refused_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("drop, field", [
-    (("dspark_n_routed_experts", "dspark_num_experts_per_tok"), "vision_config"),
-    (("dspark_n_routed_experts", "dspark_num_experts_per_tok", "vision_config"), "text_config.engram_layer_ids"),
-])
+@pytest.mark.parametrize(
+    "drop, field",
+    [
+        (("dspark_n_routed_experts", "dspark_num_experts_per_tok"), "vision_config"),
+        (("dspark_n_routed_experts", "dspark_num_experts_per_tok", "vision_config"), "text_config.engram_layer_ids"),
+    ],
+)
 def test_each_missing_piece_named(drop, field):
     config = json.loads(json.dumps(fixture_config(NAME)))
     for key in drop:

@@ -49,8 +49,10 @@ def test_every_relative_link_resolves_inside_the_repository(md):
 
 def test_link_checker_catches_a_link_out_of_the_repository(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("see [the brief](../shared/design/LAYOUT.md), [site](https://example.com), [here](#top), "
-                  "`[not](a-link.md)`\n\n```\n[nor](this.md)\n```\n[ref]: docs/other.md\n")
+    md.write_text(
+        "see [the brief](../shared/design/LAYOUT.md), [site](https://example.com), [here](#top), "
+        "`[not](a-link.md)`\n\n```\n[nor](this.md)\n```\n[ref]: docs/other.md\n"
+    )
     assert relative_links(md) == ["../shared/design/LAYOUT.md", "docs/other.md"]
 
 

@@ -32,7 +32,10 @@ def _weights():
     t["e8m0.weight"], t["e8m0.scale"] = ("F8_E4M3", q), ("F8_E8M0", s)
     s = w.abs().amax(1, keepdim=True) / 448
     t["channel.weight"], t["channel.weight_scale"] = ("F8_E4M3", (w / s).to(torch.float8_e4m3fn)), ("F32", s)
-    t["tensor.weight"], t["tensor.weight_scale"] = ("F8_E4M3", (w / 0.01).to(torch.float8_e4m3fn)), ("F32", torch.tensor([0.01]))
+    t["tensor.weight"], t["tensor.weight_scale"] = (
+        ("F8_E4M3", (w / 0.01).to(torch.float8_e4m3fn)),
+        ("F32", torch.tensor([0.01])),
+    )
     codes = torch.randint(100, 140, (OUT, IN // 32), generator=g, dtype=torch.uint8)
     t["mxfp8.weight"], t["mxfp8.weight_scale_inv"] = ("F8_E4M3", (w * 20).to(torch.float8_e4m3fn)), ("U8", codes)
     packed, scales = quantize_mxfp4(w)
@@ -57,9 +60,18 @@ def folder(tmp_path_factory):
     return ShardReader(d), tensors
 
 
-EXPECTED = {"plain.weight": "float", "block.weight": "fp8-block", "e8m0.weight": "fp8-block", "channel.weight": "fp8-channel",
-            "tensor.weight": "fp8-tensor", "mxfp8.weight": "mxfp8", "mxfp4.weight": "mxfp4", "int4.weight": "int4",
-            "nvfp4.weight": "nvfp4", "tile32.weight": "fp8-tile32"}
+EXPECTED = {
+    "plain.weight": "float",
+    "block.weight": "fp8-block",
+    "e8m0.weight": "fp8-block",
+    "channel.weight": "fp8-channel",
+    "tensor.weight": "fp8-tensor",
+    "mxfp8.weight": "mxfp8",
+    "mxfp4.weight": "mxfp4",
+    "int4.weight": "int4",
+    "nvfp4.weight": "nvfp4",
+    "tile32.weight": "fp8-tile32",
+}
 
 
 def test_every_format_is_exercised_and_claims_only_its_own(folder):
@@ -93,7 +105,7 @@ def _defined(tensors, name):
     if base == "tile32":
         return tile32_value(t, tensors["tile32.scale"][1]).float()
     if base == "nvfp4":
-        return nvfp4_value({k[len("nvfp4."):]: v for k, v in tensors.items() if k.startswith("nvfp4.")})
+        return nvfp4_value({k[len("nvfp4.") :]: v for k, v in tensors.items() if k.startswith("nvfp4.")})
     raise AssertionError(name)
 
 
@@ -105,7 +117,9 @@ def test_read_float_is_the_definition(folder, name):
 
 def test_int4_reads_as_codes_times_group_scales(folder):
     reader, tensors = folder
-    codes = torch.stack([(tensors["int4.weight_packed"][1] >> (4 * i)) & 0xF for i in range(8)], -1).reshape(OUT, IN) - 8
+    codes = (
+        torch.stack([(tensors["int4.weight_packed"][1] >> (4 * i)) & 0xF for i in range(8)], -1).reshape(OUT, IN) - 8
+    )
     want = codes.float() * tensors["int4.weight_scale"][1].float().repeat_interleave(32, 1)
     assert torch.equal(reader.read_float("int4.weight", torch.float32, "cpu"), want)
     assert "int4.weight" in reader.names() and "int4.weight_packed" not in reader.names()

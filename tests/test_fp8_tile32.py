@@ -48,7 +48,7 @@ def test_exact_where_the_tile_scales_allow_and_counted_elsewhere():
     q, scale, m = fmt.to_fp8_rows(codes, e8m0, StoredWeight(fmt, None, cols=192, group=32), "float")
     got = q.double() * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :192]
     src = tile32_value(codes, e8m0)
-    moved = [[float((got - src)[r:r + 128, c:c + 128].abs().max()) for c in (0, 128)] for r in (0, 128)]
+    moved = [[float((got - src)[r : r + 128, c : c + 128].abs().max()) for c in (0, 128)] for r in (0, 128)]
     assert moved[0][0] == 0.0 and moved[1][0] > 0.0
     assert (m.blocks, m.inexact_blocks) == (4, sum(v > 0 for row in moved for v in row))
     assert m.outside_rule >= m.inexact_blocks

@@ -51,7 +51,9 @@ def test_packing_order_literals():
     assert pack_int4(torch.tensor([[1, 2, -8, -8, -8, -8, -8, -8]], dtype=torch.int8)).item() == 0x000000A9
     assert pack_int4(torch.tensor([[7] * 8], dtype=torch.int8)).item() == -1  # 0xFFFFFFFF
     assert pack_int4(torch.tensor([[0] * 8], dtype=torch.int8)).item() == 0x88888888 - (1 << 32)
-    assert pack_int4(torch.tensor([[-8, -8, -8, -8, -8, -8, -8, 7]], dtype=torch.int8)).item() == -(1 << 28)  # 0xF0000000
+    assert pack_int4(torch.tensor([[-8, -8, -8, -8, -8, -8, -8, 7]], dtype=torch.int8)).item() == -(
+        1 << 28
+    )  # 0xF0000000
     word = torch.tensor([[0x76543210]], dtype=torch.int32)  # nibbles 0..7 from the lowest: codes 0..7, q = -8..-1
     assert unpack_int4(word, 8).tolist() == [list(range(-8, 0))]
 
@@ -107,7 +109,14 @@ def test_convert(k25):
     block = config_block(out_dir)
     assert (block.num_routed_experts, block.num_fused_shared_experts, block.expert_intermediate_size) == (E, S, I)
     r = block.routing
-    assert (r.scoring, r.top_k, r.n_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == ("sigmoid", 2, 1, True, 2.827, True)
+    assert (r.scoring, r.top_k, r.n_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == (
+        "sigmoid",
+        2,
+        1,
+        True,
+        2.827,
+        True,
+    )
     assert "int4" in block.source["quantization"]
     layers = moe_layer_tensors(out)
     assert sorted(layers) == [1, 2]
@@ -117,11 +126,13 @@ def test_convert(k25):
         for e in range(E):
             for n in names.per_expert(e):
                 assert out[n].dtype == torch.float8_e4m3fn
-                assert_fp8_close(dequant(out, n), exact[n], out[scale_name(n)], n)  # within FP8 rounding of the INT4 values
+                assert_fp8_close(
+                    dequant(out, n), exact[n], out[scale_name(n)], n
+                )  # within FP8 rounding of the INT4 values
         for j in range(S):
             for n, p in zip(names.per_expert(E + j), ("gate_proj", "up_proj", "down_proj")):
                 w = src[f"{blk}.{SHARED}.{p}.weight"].float()
-                want = w[j * I:(j + 1) * I] if p != "down_proj" else w[:, j * I:(j + 1) * I]
+                want = w[j * I : (j + 1) * I] if p != "down_proj" else w[:, j * I : (j + 1) * I]
                 assert_fp8_close(dequant(out, n), want, out[scale_name(n)], n)
         assert torch.equal(out[f"{blk}.gate.weight"], src[f"{blk}.gate.weight"].float())
         assert torch.equal(out[f"{blk}.gate.e_score_correction_bias"], src[f"{blk}.gate.e_score_correction_bias"])
@@ -168,7 +179,9 @@ def test_error_reported_in_summary_and_manifest(k25):
     rel, max_abs = _independent_error(k25)
     report = result.measurements["int4"]
     assert set(report.tensors) == set(exact)
-    assert report.total().rel == pytest.approx(rel, rel=1e-9) and report.total().max_abs == pytest.approx(max_abs, rel=1e-6)
+    assert report.total().rel == pytest.approx(rel, rel=1e-9) and report.total().max_abs == pytest.approx(
+        max_abs, rel=1e-6
+    )
     assert 0.005 < rel < 2.0**-4, "FP8 e4m3 rounding: well under half an ulp relative"
     text = describe_plan(result.plan, result.measurements)
     assert f"INT4 -> FP8    {len(exact)} tensors" in text and f"relative error {rel:.3e}" in text
@@ -204,14 +217,20 @@ def test_fused_model_matches_transformers_on_the_dequantized_int4_model(k25):
     for L in (1, 2):
         blk = f"language_model.model.layers.{L}.mlp.experts"
         per = [[exact[f"{blk}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")] for e in range(E)]
-        state[f"model.language_model.layers.{L}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(g_u_d[:2]) for g_u_d in per])
+        state[f"model.language_model.layers.{L}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat(g_u_d[:2]) for g_u_d in per]
+        )
         state[f"model.language_model.layers.{L}.mlp.experts.down_proj"] = torch.stack([g_u_d[2] for g_u_d in per])
     ref.load_state_dict(state, strict=True)
     fused = from_fused_pretrained(out_dir, dtype=torch.float32)
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
     seen = {}
-    hooks = [ref.model.language_model.layers[L].mlp.register_forward_hook(lambda m, a, o, L=L: seen.__setitem__(L, (a[0], o)))
-             for L in (1, 2)]
+    hooks = [
+        ref.model.language_model.layers[L].mlp.register_forward_hook(
+            lambda m, a, o, L=L: seen.__setitem__(L, (a[0], o))
+        )
+        for L in (1, 2)
+    ]
     with torch.no_grad():
         want = ref(input_ids=ids).logits
         got = fused(input_ids=ids).logits
@@ -269,31 +288,65 @@ def _tensors(t):
 def _config(edit):
     def apply(cfg):
         edit(cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"])
+
     return apply
 
 
 BAD = {
     # name: (edit the tensors, edit config.json, what the one line must say)
-    "packed dtype": (lambda t: t.__setitem__(X + "weight_packed", t[X + "weight_packed"].to(torch.int64)), None,
-                     [X + "weight_packed", "has dtype I64, expected I32"]),
-    "packed shape": (lambda t: t.__setitem__(X + "weight_packed", t[X + "weight_packed"][:, :-1].contiguous()), None,
-                     [X + "weight_packed", "has shape [32, 7], expected [32, 8]"]),
-    "scale shape": (lambda t: t.__setitem__(X + "weight_scale", t[X + "weight_scale"][:, :1].contiguous()), None,
-                    [X + "weight_scale", "has shape [32, 1], expected [32, 2]", "group_size 32"]),
-    "scale dtype": (lambda t: t.__setitem__(X + "weight_scale", t[X + "weight_scale"].to(torch.int32)), None,
-                    [X + "weight_scale", "has dtype I32, expected a float scale"]),
+    "packed dtype": (
+        lambda t: t.__setitem__(X + "weight_packed", t[X + "weight_packed"].to(torch.int64)),
+        None,
+        [X + "weight_packed", "has dtype I64, expected I32"],
+    ),
+    "packed shape": (
+        lambda t: t.__setitem__(X + "weight_packed", t[X + "weight_packed"][:, :-1].contiguous()),
+        None,
+        [X + "weight_packed", "has shape [32, 7], expected [32, 8]"],
+    ),
+    "scale shape": (
+        lambda t: t.__setitem__(X + "weight_scale", t[X + "weight_scale"][:, :1].contiguous()),
+        None,
+        [X + "weight_scale", "has shape [32, 1], expected [32, 2]", "group_size 32"],
+    ),
+    "scale dtype": (
+        lambda t: t.__setitem__(X + "weight_scale", t[X + "weight_scale"].to(torch.int32)),
+        None,
+        [X + "weight_scale", "has dtype I32, expected a float scale"],
+    ),
     "scale missing": (lambda t: t.pop(X + "weight_scale"), None, [X + "weight_scale", "is missing"]),
     "shape missing": (lambda t: t.pop(X + "weight_shape"), None, [X + "weight_shape", "is missing"]),
-    "shape shape": (lambda t: t.__setitem__(X + "weight_shape", torch.tensor([32, 64, 1], dtype=torch.int32)), None,
-                    [X + "weight_shape", "shape [3], expected I32 [2]"]),
-    "zero point": (lambda t: t.__setitem__(X + "weight_zero_point", torch.zeros(4, 2, dtype=torch.int32)), None,
-                   [X + "weight_zero_point", "asymmetric"]),
-    "num_bits": (None, _config(lambda w: w.update(num_bits=8)), ["config.json", "config_groups.group_0.weights.num_bits", "is 8"]),
-    "symmetric": (None, _config(lambda w: w.update(symmetric=False)), ["config_groups.group_0.weights.symmetric", "is False"]),
+    "shape shape": (
+        lambda t: t.__setitem__(X + "weight_shape", torch.tensor([32, 64, 1], dtype=torch.int32)),
+        None,
+        [X + "weight_shape", "shape [3], expected I32 [2]"],
+    ),
+    "zero point": (
+        lambda t: t.__setitem__(X + "weight_zero_point", torch.zeros(4, 2, dtype=torch.int32)),
+        None,
+        [X + "weight_zero_point", "asymmetric"],
+    ),
+    "num_bits": (
+        None,
+        _config(lambda w: w.update(num_bits=8)),
+        ["config.json", "config_groups.group_0.weights.num_bits", "is 8"],
+    ),
+    "symmetric": (
+        None,
+        _config(lambda w: w.update(symmetric=False)),
+        ["config_groups.group_0.weights.symmetric", "is False"],
+    ),
     "strategy": (None, _config(lambda w: w.update(strategy="channel")), ["weights.strategy", "is 'channel'"]),
-    "group_size": (None, _config(lambda w: w.update(group_size=64)), ["weight_scale", "expected [32, 1]", "group_size 64"]),
-    "no quantization_config": (None, lambda c: c["text_config"].pop("quantization_config"),
-                               ["weight_packed", "no compressed-tensors quantization_config"]),
+    "group_size": (
+        None,
+        _config(lambda w: w.update(group_size=64)),
+        ["weight_scale", "expected [32, 1]", "group_size 64"],
+    ),
+    "no quantization_config": (
+        None,
+        lambda c: c["text_config"].pop("quantization_config"),
+        ["weight_packed", "no compressed-tensors quantization_config"],
+    ),
 }
 
 
@@ -343,7 +396,11 @@ def test_int4_outside_the_experts_refused(k25, tmp_path):
     t = load_all(src)
     name = "language_model.model.layers.1.self_attn.o_proj.weight"
     q, s = quantize_int4(t.pop(name))
-    t[name + "_packed"], t[name + "_scale"], t[name + "_shape"] = pack_int4(q), s, torch.tensor(list(q.shape), dtype=torch.int32)
+    t[name + "_packed"], t[name + "_scale"], t[name + "_shape"] = (
+        pack_int4(q),
+        s,
+        torch.tensor(list(q.shape), dtype=torch.int32),
+    )
     rewrite(src, t, shards=2)
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out")])
     assert r.exit_code == 1 and name + "_packed" in r.output and "outside the routed experts" in r.output

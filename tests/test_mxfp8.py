@@ -45,7 +45,7 @@ def test_exact_where_the_group_scales_allow_and_counted_elsewhere():
     q, scale, m = _convert(codes, e8m0)
     assert scale.dtype == torch.float32 and bool((torch.log2(scale) == torch.round(torch.log2(scale))).all())
     got = q.double() * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :192]
-    moved = [[float((got - exact_src)[r:r + 128, c:c + 128].abs().max()) for c in (0, 128)] for r in (0, 128)]
+    moved = [[float((got - exact_src)[r : r + 128, c : c + 128].abs().max()) for c in (0, 128)] for r in (0, 128)]
     assert moved[0][0] == 0.0 and moved[1][0] > 0.0
     want_inexact = sum(v > 0 for row in moved for v in row)
     assert (m.blocks, m.inexact_blocks) == (4, want_inexact)

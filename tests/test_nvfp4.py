@@ -33,9 +33,14 @@ from test_deepseek_v4 import fp8_dequantized, reference_and_fused_logits, tensor
 from v4_checkpoint import build_v4_checkpoint, write_safetensors
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-MODELOPT_QC = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": 16,
-               "producer": {"name": "modelopt", "version": "dsv4-nvfp4-experts"},
-               "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]}
+MODELOPT_QC = {
+    "quant_method": "modelopt",
+    "quant_algo": "MIXED_PRECISION",
+    "moe_quant_algo": "NVFP4",
+    "group_size": 16,
+    "producer": {"name": "modelopt", "version": "dsv4-nvfp4-experts"},
+    "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"],
+}
 
 
 def quantize_nvfp4(w: torch.Tensor) -> dict[str, tuple[str, torch.Tensor]]:
@@ -49,8 +54,12 @@ def quantize_nvfp4(w: torch.Tensor) -> dict[str, tuple[str, torch.Tensor]]:
     x = groups / (s.float() * g).clamp(min=1e-30)[..., None]
     mag = (x.abs()[..., None] - E2M1).abs().argmin(-1)
     code = (mag | ((x < 0) & (mag > 0)).long() << 3).reshape(rows, cols).to(torch.uint8)
-    return {"weight": ("U8", code[:, 0::2] | code[:, 1::2] << 4), "weight_scale": ("F8_E4M3", s),
-            "weight_scale_2": ("F32", g.reshape(())), "input_scale": ("F32", torch.tensor(0.5))}
+    return {
+        "weight": ("U8", code[:, 0::2] | code[:, 1::2] << 4),
+        "weight_scale": ("F8_E4M3", s),
+        "weight_scale_2": ("F32", g.reshape(())),
+        "input_scale": ("F32", torch.tensor(0.5)),
+    }
 
 
 def nvfp4_value(parts) -> torch.Tensor:
@@ -64,8 +73,9 @@ def nvfp4_value(parts) -> torch.Tensor:
 
 def stored_tensors(reader) -> dict[str, tuple[str, torch.Tensor]]:
     """Every tensor of a folder as ``write_safetensors`` takes it (F8_E8M0 as its bytes)."""
-    return {n: (i.dtype, reader.e8m0_bytes(n) if i.dtype == "F8_E8M0" else reader.get(n))
-            for n, i in reader.tensors.items()}
+    return {
+        n: (i.dtype, reader.e8m0_bytes(n) if i.dtype == "F8_E8M0" else reader.get(n)) for n, i in reader.tensors.items()
+    }
 
 
 def build_nvfp4_checkpoint(root, seed: int = 5):
@@ -150,10 +160,13 @@ def test_fused_model_matches_transformers_on_the_dequantized_model(converted):
     assert rel_err(got_fp8, want) <= FP8_EXPERTS.logits_rel
 
 
-@pytest.mark.parametrize("tensor, dtype, shape, words", [
-    ("weight_scale", "F8_E4M3", (64, 3), "one e4m3 scale per 16 inputs"),
-    ("weight_scale_2", "BF16", (), "the NVFP4 global scale"),
-])
+@pytest.mark.parametrize(
+    "tensor, dtype, shape, words",
+    [
+        ("weight_scale", "F8_E4M3", (64, 3), "one e4m3 scale per 16 inputs"),
+        ("weight_scale_2", "BF16", (), "the NVFP4 global scale"),
+    ],
+)
 def test_bad_headers_refused_in_one_line(tmp_path, tensor, dtype, shape, words):
     src, _ = build_nvfp4_checkpoint(tmp_path)
     name = "layers.1.ffn.experts.0.w2." + tensor
@@ -177,8 +190,10 @@ def test_real_nvfp4_inventory_plan_and_dry_run(tmp_path):
     MXFP4 experts as MXFP4, and --dry-run writes nothing."""
     config = fixture_config("deepseek-v4-flash")
     config.pop("quantization_config", None)
-    config["quantization_config"] = {**MODELOPT_QC, "quantized_layers": {f"layers.{i}.ffn.experts": {"group_size": 16,
-                                                                         "quant_algo": "NVFP4"} for i in range(43)}}
+    config["quantization_config"] = {
+        **MODELOPT_QC,
+        "quantized_layers": {f"layers.{i}.ffn.experts": {"group_size": 16, "quant_algo": "NVFP4"} for i in range(43)},
+    }
     config["expert_dtype"] = "fp4"
     inventory = read_inventory(NVFP4_REAL)
     path = build_skeleton(NVFP4_REAL, tmp_path / "skel", config=config)

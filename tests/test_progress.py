@@ -25,10 +25,18 @@ def test_bar_and_summary_use_the_same_units(monkeypatch):
 
 def test_no_bar_when_stderr_is_not_a_terminal(tmp_path):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "fuse_tool.cli", "convert", "examples/tiny-deepseek-v3", str(out)],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "fuse_tool.cli", "convert", "examples/tiny-deepseek-v3", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "converting" not in r.stderr and "it/s" not in r.stderr and "B/s" not in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "fuse_tool.cli", "verify", str(out), "--checksums"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "fuse_tool.cli", "verify", str(out), "--checksums"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "0.00 GB" not in r.stdout and " MB) matches" in r.stdout, r.stdout + r.stderr

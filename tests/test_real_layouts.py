@@ -57,7 +57,11 @@ def test_plan_of_real_layout(name, skeleton_root):
     assert len(plan.source.tensors) == n_src
     assert [lp.layer for lp in plan.layers if not lp.is_mtp] == list(decoder)
     assert [lp.layer for lp in plan.layers if lp.is_mtp] == mtp
-    assert (plan.block.num_routed_experts, plan.block.num_fused_shared_experts, plan.block.expert_intermediate_size) == (E, S, I)
+    assert (
+        plan.block.num_routed_experts,
+        plan.block.num_fused_shared_experts,
+        plan.block.expert_intermediate_size,
+    ) == (E, S, I)
     assert {lp.source_format for lp in plan.layers} == {fmt}
 
     # Count the output independently from the inventory: shared tensors (and scales) become S slots
@@ -83,14 +87,22 @@ def test_plan_of_real_layout(name, skeleton_root):
         assert set(plan.bytes_by_kind()) <= {"copy", "cast", "constant"}, "FP8 releases are copied, not requantized"
         assert {m for lp in plan.layers for m in lp.shared_modes} == {"copy"}
     if fmt == "int4":
-        assert plan.converted_weights()["int4"] == sum(n.endswith(".weight_packed") for n in inventory) == len(plan.layers) * E * 3
+        assert (
+            plan.converted_weights()["int4"]
+            == sum(n.endswith(".weight_packed") for n in inventory)
+            == len(plan.layers) * E * 3
+        )
         assert {m for lp in plan.layers for m in lp.shared_modes} == {"quantize"}
         vision = [n for n in inventory if n.startswith(("vision_tower.", "mm_projector."))]
-        assert len(vision) == 335 and all(out_tensors[n].dtype == "BF16" for n in vision), "the vision tower is copied unchanged"
+        assert len(vision) == 335 and all(out_tensors[n].dtype == "BF16" for n in vision), (
+            "the vision tower is copied unchanged"
+        )
         expert = f"{plan.layers[-1].block_prefix}.experts.{E - 1}.down_proj.weight"
         assert out_tensors[expert].dtype == "F8_E4M3" and out_tensors[expert].shape == (7168, 2048)
         assert out_tensors[expert + "_scale_inv"].shape == (56, 16)
-        assert out_tensors[L.block_prefix.replace(".mlp", ".self_attn.q_a_proj.weight")].dtype == "BF16", "the release's BF16 choices kept"
+        assert out_tensors[L.block_prefix.replace(".mlp", ".self_attn.q_a_proj.weight")].dtype == "BF16", (
+            "the release's BF16 choices kept"
+        )
     assert all(s.nbytes <= 5 * 10**9 or len(s.tensors) <= 2 for s in plan.shards)
 
 
@@ -101,13 +113,26 @@ def test_solar_open_plan_from_its_config_and_documented_names(skeleton_root):
     plan = plan_conversion(path, ConvertOptions(precision="source"))
     assert len(plan.source.tensors) == 18_963  # SOURCE.txt: 48 x (4 + 2 + 2 + 384 + 3) + 3
     assert [lp.layer for lp in plan.layers] == list(range(48)) and not any(lp.is_mtp for lp in plan.layers)
-    assert (plan.block.num_routed_experts, plan.block.num_fused_shared_experts, plan.block.expert_intermediate_size) == (128, 1, 1280)
+    assert (
+        plan.block.num_routed_experts,
+        plan.block.num_fused_shared_experts,
+        plan.block.expert_intermediate_size,
+    ) == (128, 1, 1280)
     r = plan.block.routing
-    assert (r.scoring, r.top_k, r.n_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == ("sigmoid", 8, 1, True, 1.0, True)
+    assert (r.scoring, r.top_k, r.n_group, r.renormalize, r.routed_scaling_factor, r.has_bias) == (
+        "sigmoid",
+        8,
+        1,
+        True,
+        1.0,
+        True,
+    )
     out = {t.name: t for s in plan.shards for t in s.tensors}
     assert out["model.layers.47.mlp.experts.128.down_proj.weight"].shape == (4096, 1280)
     assert "model.layers.0.mlp.experts.129.up_proj.weight" not in out and not any(".shared_experts." in n for n in out)
-    assert plan.num_tensors == 18_963 + 3 * 48  # the shared trio becomes one slot; three SwiGLU parameter tensors per layer
+    assert (
+        plan.num_tensors == 18_963 + 3 * 48
+    )  # the shared trio becomes one slot; three SwiGLU parameter tensors per layer
     fp8 = plan_conversion(path)
     fp8_out = {t.name: t for s in fp8.shards for t in s.tensors}
     assert fp8_out["model.layers.0.mlp.experts.128.gate_proj.weight"].dtype == "F8_E4M3"
@@ -154,8 +179,15 @@ def test_kimi_k2_6_inspect_and_dry_run_cli(skeleton_root, tmp_path):
     path = build_skeleton("kimi-k2.6", skeleton_root / "kimi-k2.6-cli")
     r = CliRunner().invoke(main, ["inspect", str(path)])
     assert r.exit_code == 0, r.output
-    assert "kimi_k25 (Kimi-K2.5 / K2.6)" in r.output and "E=384 routed + S=1" in r.output and "60 decoder (1-60) + 0 MTP" in r.output
-    assert "208,550 tensors" in r.output and "quantization: compressed-tensors int4 pack-quantized (symmetric, groups of 32)" in r.output
+    assert (
+        "kimi_k25 (Kimi-K2.5 / K2.6)" in r.output
+        and "E=384 routed + S=1" in r.output
+        and "60 decoder (1-60) + 0 MTP" in r.output
+    )
+    assert (
+        "208,550 tensors" in r.output
+        and "quantization: compressed-tensors int4 pack-quantized (symmetric, groups of 32)" in r.output
+    )
     assert "source format int4" in r.output and "INT4 -> FP8    69,120 tensors requantized" in r.output
     assert "sigmoid, top-8, renormalized, rsf 2.827, with selection bias" in r.output
     out = tmp_path / "out"

@@ -18,25 +18,58 @@ from runtime.families import REGISTRY, RefusedFamily, describe_model, family_for
 # placeholder of a block built without one.
 SHARED_MODULE = re.compile(r"self\.(shared_experts?|shared_mlp|share_expert)\s*=\s*(?!None\b)")
 # The model classes a user converts: text generation, image-text-to-text and multimodal language models.
-GENERATION_MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
-                       "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES")
+GENERATION_MAPPINGS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+)
 # Issue 22's list (transformers 5.25), with step3p5: Step-3.7's text config, which has no model class of its own.
-ISSUE_22 = ("axk1", "axk2", "aria", "cohere2_moe", "deepseek_ocr2", "dots3_note", "ergo", "ernie4_5_vl_moe", "exaone_moe",
-            "flint", "granitemoe_swa", "granitemoehybrid", "hy_v4_vl", "inkling_mm_model", "kolibri1", "kolibri1_1",
-            "laguna", "lara_mini", "minicpm5_moe", "qwen3_omni_moe", "solar_open", "step3p5", "unlimited_ocr")
+ISSUE_22 = (
+    "axk1",
+    "axk2",
+    "aria",
+    "cohere2_moe",
+    "deepseek_ocr2",
+    "dots3_note",
+    "ergo",
+    "ernie4_5_vl_moe",
+    "exaone_moe",
+    "flint",
+    "granitemoe_swa",
+    "granitemoehybrid",
+    "hy_v4_vl",
+    "inkling_mm_model",
+    "kolibri1",
+    "kolibri1_1",
+    "laguna",
+    "lara_mini",
+    "minicpm5_moe",
+    "qwen3_omni_moe",
+    "solar_open",
+    "step3p5",
+    "unlimited_ocr",
+)
 
 
 @lru_cache(maxsize=1)
 def shared_expert_model_types() -> tuple[str, ...]:
     """The model types with a generation class whose transformers modeling code builds a shared expert module."""
     models = Path(transformers.__file__).parent / "models"
-    with_shared = {d.name for d in models.iterdir() if d.is_dir()
-                   and any(SHARED_MODULE.search(f.read_text(encoding="utf-8")) for f in d.glob("modeling_*.py"))}
+    with_shared = {
+        d.name
+        for d in models.iterdir()
+        if d.is_dir() and any(SHARED_MODULE.search(f.read_text(encoding="utf-8")) for f in d.glob("modeling_*.py"))
+    }
     generating = set()
     for mapping in GENERATION_MAPPINGS:
         generating |= set(getattr(modeling_auto, mapping, {}))
-    return tuple(sorted(mt for mt in configuration_auto.CONFIG_MAPPING_NAMES
-                        if mt in generating and configuration_auto.model_type_to_module_name(mt) in with_shared))
+    return tuple(
+        sorted(
+            mt
+            for mt in configuration_auto.CONFIG_MAPPING_NAMES
+            if mt in generating and configuration_auto.model_type_to_module_name(mt) in with_shared
+        )
+    )
 
 
 def default_config(model_type: str) -> dict:
@@ -58,8 +91,10 @@ def test_the_scan_finds_the_known_shared_expert_families():
 @pytest.mark.parametrize("model_type", sorted(set(shared_expert_model_types()) | set(ISSUE_22)))
 def test_every_shared_expert_model_type_is_fused_or_refused_by_name(model_type):
     assert model_type in configuration_auto.CONFIG_MAPPING_NAMES, f"{model_type} is not a transformers model type"
-    assert model_type in REGISTRY, (f"transformers has {model_type!r} with a shared expert, and no family in "
-                                    "runtime/families/ fuses or refuses it: add a module")
+    assert model_type in REGISTRY, (
+        f"transformers has {model_type!r} with a shared expert, and no family in "
+        "runtime/families/ fuses or refuses it: add a module"
+    )
     family = family_for({"model_type": model_type})
     config = default_config(model_type)
     if issubclass(family, RefusedFamily):

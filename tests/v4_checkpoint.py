@@ -24,18 +24,57 @@ from runtime.safetensors_io import build_header
 E, I, H, LAYERS, HASH_LAYERS, TOP_K, VOCAB = 8, 128, 256, 3, 1, 2, 64  # noqa: E741
 
 RELEASE_CONFIG = {
-    "architectures": ["DeepseekV4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
-    "hc_eps": 1e-06, "hc_mult": 2, "hc_sinkhorn_iters": 20, "head_dim": 64, "hidden_act": "silu", "hidden_size": H,
-    "index_head_dim": 32, "index_n_heads": 2, "index_topk": 4, "initializer_range": 0.02, "max_position_embeddings": 256,
-    "model_type": "deepseek_v4", "moe_intermediate_size": I, "n_routed_experts": E, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_attention_heads": 2, "num_experts_per_tok": TOP_K, "num_hidden_layers": LAYERS, "num_hash_layers": HASH_LAYERS,
-    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 2, "o_lora_rank": 64, "q_lora_rank": 64,
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hc_eps": 1e-06,
+    "hc_mult": 2,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": H,
+    "index_head_dim": 32,
+    "index_n_heads": 2,
+    "index_topk": 4,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 256,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": I,
+    "n_routed_experts": E,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 2,
+    "num_experts_per_tok": TOP_K,
+    "num_hidden_layers": LAYERS,
+    "num_hash_layers": HASH_LAYERS,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "q_lora_rank": 64,
     "qk_rope_head_dim": 16,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
-                            "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 8,
-    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
-    "vocab_size": VOCAB, "compress_rope_theta": 160000, "compress_ratios": [0, 4, 128, 0],
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 8,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": VOCAB,
+    "compress_rope_theta": 160000,
+    "compress_ratios": [0, 4, 128, 0],
 }
 
 # transformers module names -> release names (the inverse of runtime/families/deepseek_v4.py's renames), in order.
@@ -69,7 +108,9 @@ _TO_RELEASE = (
     (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
 )
 # Release linears stored as FP8 e4m3 + E8M0 128x128 .scale (the rest of the 2-D weights are BF16).
-FP8_LINEAR = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj|main_proj)\.weight$")
+FP8_LINEAR = re.compile(
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj|main_proj)\.weight$"
+)
 
 
 def to_release(name: str) -> str:
@@ -82,7 +123,11 @@ def transformers_model(config: dict | None = None, seed: int = 0):
     """The random transformers DeepseekV4ForCausalLM the tiny checkpoint is made from (float32)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    cfg = {k: v for k, v in (config or RELEASE_CONFIG).items() if k not in ("quantization_config", "expert_dtype", "architectures")}
+    cfg = {
+        k: v
+        for k, v in (config or RELEASE_CONFIG).items()
+        if k not in ("quantization_config", "expert_dtype", "architectures")
+    }
     torch.manual_seed(seed)
     return DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).eval()
 
@@ -122,7 +167,9 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, torch.Tensor]]) 
             f.write(_raw(tensors[n][1]))
 
 
-def release_tensors(model, outlier_experts: tuple[tuple[int, int], ...] = ((1, 0),)) -> dict[str, tuple[str, torch.Tensor]]:
+def release_tensors(
+    model, outlier_experts: tuple[tuple[int, int], ...] = ((1, 0),)
+) -> dict[str, tuple[str, torch.Tensor]]:
     """The model's weights under release names and dtypes. ``outlier_experts``: (layer, expert) pairs whose w1 gets one
     32-group shrunk by 2^-16, so that block's group scales span more than LAYOUT's exactness rule allows."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
@@ -143,7 +190,10 @@ def release_tensors(model, outlier_experts: tuple[tuple[int, int], ...] = ((1, 0
                     out[f"{m.group(1)}.{e}.{p}.scale"] = ("F8_E8M0", scale)
             continue
         if name.endswith("tid2eid"):
-            out[name] = ("I64", torch.randint(0, E, (t.shape[0], TOP_K), dtype=torch.int64, generator=torch.Generator().manual_seed(7)))
+            out[name] = (
+                "I64",
+                torch.randint(0, E, (t.shape[0], TOP_K), dtype=torch.int64, generator=torch.Generator().manual_seed(7)),
+            )
         elif FP8_LINEAR.search(name):
             q, s = quantize_fp8_e8m0(t)
             out[name] = ("F8_E4M3", q)
@@ -160,7 +210,7 @@ def _mtp_block(tensors: dict, n: int, source_layer: int, heads: dict) -> dict:
     block = {}
     for name, v in tensors.items():
         if name.startswith(f"layers.{source_layer}.") and ".compressor." not in name and ".indexer." not in name:
-            block[f"mtp.{n}." + name[len(f"layers.{source_layer}."):]] = v
+            block[f"mtp.{n}." + name[len(f"layers.{source_layer}.") :]] = v
     for name, (dtype, shape) in heads.items():
         full = f"mtp.{n}.{name}"
         if dtype == "F8_E4M3":
@@ -172,7 +222,9 @@ def _mtp_block(tensors: dict, n: int, source_layer: int, heads: dict) -> dict:
     return block
 
 
-def build_v4_checkpoint(out: Path, style: str = "flash", seed: int = 0, outlier_experts: tuple[tuple[int, int], ...] = ((1, 0),)) -> Path:
+def build_v4_checkpoint(
+    out: Path, style: str = "flash", seed: int = 0, outlier_experts: tuple[tuple[int, int], ...] = ((1, 0),)
+) -> Path:
     """Write a tiny V4 release-format checkpoint (two shards, an index, config.json) of ``transformers_model(seed=seed)``;
     returns ``out``. ``outlier_experts``: see :func:`release_tensors`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -182,31 +234,68 @@ def build_v4_checkpoint(out: Path, style: str = "flash", seed: int = 0, outlier_
     torch.manual_seed(seed + 1)
     config = json.loads(json.dumps(RELEASE_CONFIG))
     if style == "flash":
-        tensors.update(_mtp_block(tensors, 0, last, {
-            "e_proj": ("F8_E4M3", (H, H)), "h_proj": ("F8_E4M3", (H, H)), "enorm.weight": ("BF16", (H,)), "hnorm.weight": ("BF16", (H,)),
-            "norm.weight": ("BF16", (H,)), "hc_head_base": ("F32", (2,)), "hc_head_fn": ("F32", (2, 2 * H)), "hc_head_scale": ("F32", (1,)),
-        }))
+        tensors.update(
+            _mtp_block(
+                tensors,
+                0,
+                last,
+                {
+                    "e_proj": ("F8_E4M3", (H, H)),
+                    "h_proj": ("F8_E4M3", (H, H)),
+                    "enorm.weight": ("BF16", (H,)),
+                    "hnorm.weight": ("BF16", (H,)),
+                    "norm.weight": ("BF16", (H,)),
+                    "hc_head_base": ("F32", (2,)),
+                    "hc_head_fn": ("F32", (2, 2 * H)),
+                    "hc_head_scale": ("F32", (1,)),
+                },
+            )
+        )
     elif style == "0731":
         config["expert_dtype"] = "fp4"
         config["compress_ratios"] = config["compress_ratios"] + [0, 0]
-        config.update({"dspark_block_size": 5, "dspark_noise_token_id": 60, "dspark_target_layer_ids": [0, 1, 2], "dspark_markov_rank": 16})
-        tensors.update(_mtp_block(tensors, 0, last, {"main_norm.weight": ("BF16", (H,)), "main_proj": ("F8_E4M3", (H, 3 * H))}))
+        config.update(
+            {
+                "dspark_block_size": 5,
+                "dspark_noise_token_id": 60,
+                "dspark_target_layer_ids": [0, 1, 2],
+                "dspark_markov_rank": 16,
+            }
+        )
+        tensors.update(
+            _mtp_block(tensors, 0, last, {"main_norm.weight": ("BF16", (H,)), "main_proj": ("F8_E4M3", (H, 3 * H))})
+        )
         tensors.update(_mtp_block(tensors, 1, last, {}))
-        tensors.update(_mtp_block(tensors, 2, last, {
-            "norm.weight": ("BF16", (H,)), "hc_head_base": ("F32", (2,)), "hc_head_fn": ("F32", (2, 2 * H)), "hc_head_scale": ("F32", (1,)),
-            "confidence_head.proj.weight": ("BF16", (1, H + 16)), "markov_head.markov_w1.weight": ("BF16", (VOCAB, 16)),
-            "markov_head.markov_w2.weight": ("BF16", (VOCAB, 16)),
-        }))
+        tensors.update(
+            _mtp_block(
+                tensors,
+                2,
+                last,
+                {
+                    "norm.weight": ("BF16", (H,)),
+                    "hc_head_base": ("F32", (2,)),
+                    "hc_head_fn": ("F32", (2, 2 * H)),
+                    "hc_head_scale": ("F32", (1,)),
+                    "confidence_head.proj.weight": ("BF16", (1, H + 16)),
+                    "markov_head.markov_w1.weight": ("BF16", (VOCAB, 16)),
+                    "markov_head.markov_w2.weight": ("BF16", (VOCAB, 16)),
+                },
+            )
+        )
     else:
         raise ValueError(style)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": [n for n in names if not n.startswith("mtp.")],
-              "model-00002-of-00002.safetensors": [n for n in names if n.startswith("mtp.")]}
+    shards = {
+        "model-00001-of-00002.safetensors": [n for n in names if not n.startswith("mtp.")],
+        "model-00002-of-00002.safetensors": [n for n in names if n.startswith("mtp.")],
+    }
     weight_map = {}
     for fname, members in shards.items():
         write_safetensors(out / fname, {n: tensors[n] for n in members})
         weight_map.update({n: fname for n in members})
     total = sum(t.numel() * t.element_size() for _, t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     return out

@@ -2,8 +2,20 @@
 
 from ..errors import HubError
 from .transfer import (
-    check_push_access, is_hub_reference, parse_hub_reference, push_checkpoint, resolve_model_source, verify_remote,
+    check_push_access,
+    is_hub_reference,
+    parse_hub_reference,
+    push_checkpoint,
+    resolve_model_source,
+    verify_remote,
 )
 
-__all__ = ["HubError", "check_push_access", "is_hub_reference", "parse_hub_reference", "push_checkpoint",
-           "resolve_model_source", "verify_remote"]
+__all__ = [
+    "HubError",
+    "check_push_access",
+    "is_hub_reference",
+    "parse_hub_reference",
+    "push_checkpoint",
+    "resolve_model_source",
+    "verify_remote",
+]

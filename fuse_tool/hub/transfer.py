@@ -50,8 +50,6 @@ _REF_SHAPE = re.compile(r"^(?P<repo>\w[\w.\-]*/\w[\w.\-]*)(?:@(?P<rev>[^@\s]+))?
 _LOOSE_REF = re.compile(r"^(?![.~/])[^/\s@]+/[^/\s@]+(?:@\S*)?$")
 
 
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -225,9 +223,15 @@ def _translate(
         from .timeouts import hub_timeouts
 
         t = hub_timeouts()
-        which, var = ("connect", "HF_HUB_ETAG_TIMEOUT") if isinstance(e, httpx2.ConnectTimeout) else ("read", "HF_HUB_DOWNLOAD_TIMEOUT")
-        msg = (f"the Hub at {endpoint} did not answer within {t[which]:g} s ({which} timeout) to {action}; "
-               f"check the network and HF_ENDPOINT, or raise {var}")
+        which, var = (
+            ("connect", "HF_HUB_ETAG_TIMEOUT")
+            if isinstance(e, httpx2.ConnectTimeout)
+            else ("read", "HF_HUB_DOWNLOAD_TIMEOUT")
+        )
+        msg = (
+            f"the Hub at {endpoint} did not answer within {t[which]:g} s ({which} timeout) to {action}; "
+            f"check the network and HF_ENDPOINT, or raise {var}"
+        )
     elif (e := find(httpx2.TransportError, ConnectionError, TimeoutError)) is not None:
         msg = f"cannot reach the Hub at {endpoint} to {action} ({_reason(e)}); check the network and HF_ENDPOINT"
     else:
@@ -283,7 +287,9 @@ def resolve_model_source(
                 f"{ref} is not (completely) in the cache {cache} and offline mode is on (HF_HUB_OFFLINE=1): "
                 "unset HF_HUB_OFFLINE to download it"
             ) from None
-        err = _translate(e, action=f"download {ref}", endpoint=ep, repo_id=repo_id, revision=revision or "main", token=token)
+        err = _translate(
+            e, action=f"download {ref}", endpoint=ep, repo_id=repo_id, revision=revision or "main", token=token
+        )
         if str(err).startswith(f"{repo_id} not found"):
             err = HubError(f"{err}; and there is no local folder named {s}")
         raise err from None
@@ -291,7 +297,9 @@ def resolve_model_source(
     if not (path / CONFIG_NAME).exists():
         raise HubError(f"{repo_id}: the repo has no config.json at its root (not a transformers model repo?)")
     if not any(p.name.endswith(".safetensors") for p in path.iterdir()):
-        raise HubError(f"{repo_id}: the repo has no .safetensors weights at its root (only safetensors checkpoints can be converted)")
+        raise HubError(
+            f"{repo_id}: the repo has no .safetensors weights at its root (only safetensors checkpoints can be converted)"
+        )
     return path
 
 
@@ -321,7 +329,9 @@ def verify_remote(
     from huggingface_hub.utils import sha as hf_sha
 
     remote = {
-        f.path: f for f in api.list_repo_tree(repo_id, revision=revision, recursive=True, token=token) if isinstance(f, RepoFile)
+        f.path: f
+        for f in api.list_repo_tree(repo_id, revision=revision, recursive=True, token=token)
+        if isinstance(f, RepoFile)
     }
     problems: list[str] = []
     for rel, size in sorted(files.items()):
@@ -345,8 +355,9 @@ def verify_remote(
     return problems, extra
 
 
-def check_push_access(repo_id: str, *, revision: str | None = None, token: str | None = None,
-                      endpoint: str | None = None) -> str:
+def check_push_access(
+    repo_id: str, *, revision: str | None = None, token: str | None = None, endpoint: str | None = None
+) -> str:
     """What ``push_checkpoint`` checks before it sends anything, without a folder: the repo id and revision are
     well-formed, the Hub is reachable and the token is there and may write. ``convert --push-to`` calls it before
     converting (hours at real size). Returns the full repo id (``owner/name``); raises HubError in one line."""
@@ -370,12 +381,15 @@ def _push_access(repo_id: str, revision: str | None, token: str | None, endpoint
     try:
         me = api.whoami()
     except Exception as e:
-        raise _translate(e, action="check the token", endpoint=ep, repo_id=repo_id, revision=revision, writing=False,
-                         token=token) from None
+        raise _translate(
+            e, action="check the token", endpoint=ep, repo_id=repo_id, revision=revision, writing=False, token=token
+        ) from None
     role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
-        raise HubError(f"the token of {me.get('name', 'this user')} is read-only: pushing to {repo_id} needs a token "
-                       "with write access")
+        raise HubError(
+            f"the token of {me.get('name', 'this user')} is read-only: pushing to {repo_id} needs a token "
+            "with write access"
+        )
     if "/" not in repo_id:
         repo_id = f"{me['name']}/{repo_id}"
     return api, repo_id, token, ep
@@ -403,7 +417,11 @@ def push_checkpoint(
     branch ``revision`` too; ``upload_folder`` sends what the Hub does not have yet (rerun to resume);
     then the remote file list is checked against the local files (size, sha256 of LFS files).
     """
-    say = log if log is not None else ((lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None))
+    say = (
+        log
+        if log is not None
+        else ((lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None))
+    )
     bound_hub_requests()
     repo_id = _validate_repo_id(repo_id, need_namespace=False)
     revision = _validate_revision(revision)
@@ -415,7 +433,9 @@ def push_checkpoint(
     api, repo_id, token, ep = _push_access(repo_id, revision, token, endpoint)
 
     def fail(e: BaseException, action: str, writing: bool = True) -> HubError:
-        return _translate(e, action=action, endpoint=ep, repo_id=repo_id, revision=revision, writing=writing, token=token)
+        return _translate(
+            e, action=action, endpoint=ep, repo_id=repo_id, revision=revision, writing=writing, token=token
+        )
 
     if write_card:
         card = render_model_card(checked, repo_id=repo_id, base_model=base_model, revision=revision)
@@ -439,7 +459,10 @@ def push_checkpoint(
         + (f" (branch {revision})" if revision else "")
         + "; files the Hub already has are skipped"
     )
-    message = commit_message or f"Upload fused-shared checkpoint ({len(checked.shards)} shards, {human_bytes(checked.total_size)})"
+    message = (
+        commit_message
+        or f"Upload fused-shared checkpoint ({len(checked.shards)} shards, {human_bytes(checked.total_size)})"
+    )
     # Weights first, then the files that make the repo look loadable (config, index, manifest, card): a
     # push interrupted midway never leaves a config.json on the Hub that points at missing shards.
     last = [p for p in LAST_FILES if p in files]
@@ -462,7 +485,9 @@ def push_checkpoint(
                 )
         except Exception as e:
             err = fail(e, f"upload to {where}")
-            raise HubError(f"{err}; the upload is resumable: rerun the same push to send only what is missing") from None
+            raise HubError(
+                f"{err}; the upload is resumable: rerun the same push to send only what is missing"
+            ) from None
 
     if verify:
         say(f"verifying {len(files)} files on {ep}/{repo_id}")
@@ -474,7 +499,9 @@ def push_checkpoint(
             raise fail(e, f"list the files of {where}", writing=False) from None
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise HubError(f"upload verification failed for {where}: {'; '.join(problems[:3])}{more}; rerun the push to resend them")
+            raise HubError(
+                f"upload verification failed for {where}: {'; '.join(problems[:3])}{more}; rerun the push to resend them"
+            )
         if extra:
             shown = ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else "")
             say(f"note: {where} also holds {len(extra)} file(s) not in OUT_DIR, left untouched: {shown}")

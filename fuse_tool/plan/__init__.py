@@ -34,8 +34,21 @@ from .output_config import output_config
 from .shards import assign_shards
 from .source_weights import source_quantization
 from .tasks import (
-    CastTask, ConstantTask, ConversionPlan, CopyTask, Cut, Group, LayerPlan, Matrix, OutputTensor, PlannedShard, ProjectionTask,
-    SourceWeight, Target, Task, task_output_bytes,
+    CastTask,
+    ConstantTask,
+    ConversionPlan,
+    CopyTask,
+    Cut,
+    Group,
+    LayerPlan,
+    Matrix,
+    OutputTensor,
+    PlannedShard,
+    ProjectionTask,
+    SourceWeight,
+    Target,
+    Task,
+    task_output_bytes,
 )
 
 
@@ -47,23 +60,32 @@ def _plan_inputs(src: SourceCheckpoint, options: ConvertOptions) -> PlanInputs:
         src_fmt = scale_fmt_of(src.config)
         group_size = declared.group_size(src.config) if declared is not None else None
     except ModelError as e:  # config checks name the field; name the file it is in
-        raise type(e)(e.detail, file=config_path if e.file in (None, CONFIG_NAME) else e.file, tensor=e.tensor, field=e.field) from None
+        raise type(e)(
+            e.detail, file=config_path if e.file in (None, CONFIG_NAME) else e.file, tensor=e.tensor, field=e.field
+        ) from None
     scale_fmt = options.scale_fmt or src_fmt
     if arch.names.scale_storage == "e8m0":  # one-byte power-of-two scales: ue8m0 whatever the config says
         if options.scale_fmt == "float":
-            raise ConversionError(f"--scale-fmt float: {arch.family} files store every FP8 scale as one F8_E8M0 byte (a power of two); "
-                                  "use --scale-fmt ue8m0 or leave it out", file=config_path)
+            raise ConversionError(
+                f"--scale-fmt float: {arch.family} files store every FP8 scale as one F8_E8M0 byte (a power of two); "
+                "use --scale-fmt ue8m0 or leave it out",
+                file=config_path,
+            )
         scale_fmt = src_fmt = "ue8m0"  # (the source's too, whatever its quantization_config, e.g. ModelOpt's, says)
     if options.precision == "source" and quant != "none":
         raise ConversionError(
             f"--precision source keeps the source's precision and writes no FP8, but this source is already "
             f"quantized ({quant}); use --precision fp8 "
-            + (f"(its {declared.label} experts are requantized to FP8 blocks, with the error reported)"
-               if declared and declared.whole_only else "(its FP8 blocks are copied unchanged)"),
+            + (
+                f"(its {declared.label} experts are requantized to FP8 blocks, with the error reported)"
+                if declared and declared.whole_only
+                else "(its FP8 blocks are copied unchanged)"
+            ),
             file=config_path,
         )
-    return PlanInputs(src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt, group_size=group_size,
-                      declared=declared)
+    return PlanInputs(
+        src.root, src.tensors, arch, options, quant, src_fmt, scale_fmt, group_size=group_size, declared=declared
+    )
 
 
 def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[int]]:
@@ -73,19 +95,28 @@ def _moe_layers(inputs: PlanInputs, parts: PlanParts) -> tuple[list[int], list[i
     moe_layers = list(arch.moe_layers)
     for layer in moe_layers:
         if layer not in with_experts:
-            raise inputs.error(f"config.json makes layer {layer} a MoE layer, but the checkpoint has no expert tensors under {arch.layer_prefix}{layer}.")
+            raise inputs.error(
+                f"config.json makes layer {layer} a MoE layer, but the checkpoint has no expert tensors under {arch.layer_prefix}{layer}."
+            )
     mtp_fused = [layer for layer in arch.mtp_layers if layer in with_experts]
-    if arch.names.mtp_prefix:  # MTP blocks under their own prefix are found from the names, whatever the config announces
+    if (
+        arch.names.mtp_prefix
+    ):  # MTP blocks under their own prefix are found from the names, whatever the config announces
         mtp_fused = sorted(layer for layer in with_experts if layer >= arch.num_hidden_layers)
         if len(mtp_fused) != len(arch.mtp_layers):
-            parts.notes.append(f"config.json announces {len(arch.mtp_layers)} MTP block(s) (num_nextn_predict_layers); the checkpoint has "
-                               f"{len(mtp_fused)} under {arch.names.mtp_prefix}N: all {len(mtp_fused)} are fused")
+            parts.notes.append(
+                f"config.json announces {len(arch.mtp_layers)} MTP block(s) (num_nextn_predict_layers); the checkpoint has "
+                f"{len(mtp_fused)} under {arch.names.mtp_prefix}N: all {len(mtp_fused)} are fused"
+            )
     for layer in arch.mtp_layers:
         if layer not in with_experts:
             parts.notes.append(f"MTP layer {layer} is announced by the config but not in the checkpoint")
     for layer, name in sorted(with_experts.items()):
         if layer not in moe_layers and layer not in mtp_fused:
-            raise inputs.error(f"config.json makes layer {layer} dense (first_k_dense_replace / moe_layer_freq / mlp_layer_types), but it has expert tensors", name)
+            raise inputs.error(
+                f"config.json makes layer {layer} dense (first_k_dense_replace / moe_layer_freq / mlp_layer_types), but it has expert tensors",
+                name,
+            )
     return moe_layers, mtp_fused
 
 
@@ -108,7 +139,10 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
     E, I, W = arch.num_routed_experts, arch.expert_width, arch.shared_width  # noqa: E741
     S = num_shared_slots(W, I)
     if S == 0:
-        raise ConversionError(f"{arch.family}: the config describes no shared expert (shared width 0): nothing to fuse", file=src.root / CONFIG_NAME)
+        raise ConversionError(
+            f"{arch.family}: the config describes no shared expert (shared width 0): nothing to fuse",
+            file=src.root / CONFIG_NAME,
+        )
     geometry = Geometry(E, I, W, S)
 
     moe_layers, mtp_fused = _moe_layers(inputs, parts)
@@ -129,8 +163,10 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
     routing = family.planned_routing(arch, bool(bias_seen and all(bias_seen)), hash_layers)
     config_hash = family.config_hash_layers(src.config)
     if config_hash != hash_layers:
-        parts.notes.append(f"config.json makes layers {list(config_hash)} hash-routed; the checkpoint has gate tables on layers "
-                           f"{list(hash_layers)}: the tables decide")
+        parts.notes.append(
+            f"config.json makes layers {list(config_hash)} hash-routed; the checkpoint has gate tables on layers "
+            f"{list(hash_layers)}: the tables decide"
+        )
     source_quantization = inputs.source_quantization
     for fmt in REGISTRY:  # a format the quantization_config does not declare (DeepSeek-V4's MXFP4 experts under "fp8")
         if fmt.whole_only and fmt is not inputs.declared and any(lp.source_format == fmt.name for lp in layer_plans):
@@ -139,8 +175,10 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         parts.notes.append("no e_score_correction_bias in the checkpoint: routing without a selection bias")
     router_dtypes = {inputs.tensors[lp.block_prefix + "." + arch.names.router].dtype for lp in layer_plans}
     if arch.router_in_model_dtype and router_dtypes - {"F32"}:
-        parts.notes.append(f"{arch.family} computes its router logits in the model's dtype ({', '.join(sorted(router_dtypes))}); the fused "
-                           "router scores in float32 from the exactly upcast weight, so the two differ by that rounding only")
+        parts.notes.append(
+            f"{arch.family} computes its router logits in the model's dtype ({', '.join(sorted(router_dtypes))}); the fused "
+            "router scores in float32 from the exactly upcast weight, so the two differ by that rounding only"
+        )
 
     plan_other_tensors(inputs, parts)
 
@@ -157,16 +195,39 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
     )
     modules = sorted(parts.not_converted)
     return ConversionPlan(
-        source=src, arch=arch, options=options, block=block, layers=layer_plans,
+        source=src,
+        arch=arch,
+        options=options,
+        block=block,
+        layers=layer_plans,
         shards=assign_shards(parts.groups, options.max_shard_size),
         config=output_config(src.config, arch.config_key, block, inputs.out_fp8, inputs.scale_fmt, modules),
-        scale_fmt=inputs.scale_fmt, source_quantization=source_quantization,
-        modules_to_not_convert=modules, notes=parts.notes,
+        scale_fmt=inputs.scale_fmt,
+        source_quantization=source_quantization,
+        modules_to_not_convert=modules,
+        notes=parts.notes,
     )
 
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_SIZE", "OTHER_LINEAR", "PRECISIONS", "CastTask", "ConstantTask", "ConversionPlan", "ConvertOptions", "CopyTask", "Cut",
-    "Group", "LayerPlan", "Matrix", "OutputTensor", "PlannedShard", "ProjectionTask", "SourceWeight", "Target", "Task", "build_plan",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "OTHER_LINEAR",
+    "PRECISIONS",
+    "CastTask",
+    "ConstantTask",
+    "ConversionPlan",
+    "ConvertOptions",
+    "CopyTask",
+    "Cut",
+    "Group",
+    "LayerPlan",
+    "Matrix",
+    "OutputTensor",
+    "PlannedShard",
+    "ProjectionTask",
+    "SourceWeight",
+    "Target",
+    "Task",
+    "build_plan",
     "task_output_bytes",
 ]

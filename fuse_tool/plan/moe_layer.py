@@ -8,8 +8,17 @@ from dataclasses import dataclass
 
 from runtime.formats import has_weight
 from runtime.layout import (
-    GEMM1_PARAMS, PER_EXPERT_NAMES, STACKED_FORMS, STACKED_SPLIT_NAMES, block_scale_tensor, gemm1_param_names, scale_grid, scale_name,
-    selection_bias_shapes, slot_params, stacked_names,
+    GEMM1_PARAMS,
+    PER_EXPERT_NAMES,
+    STACKED_FORMS,
+    STACKED_SPLIT_NAMES,
+    block_scale_tensor,
+    gemm1_param_names,
+    scale_grid,
+    scale_name,
+    selection_bias_shapes,
+    slot_params,
+    stacked_names,
 )
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
@@ -28,7 +37,11 @@ def _expert_tensor_of(rest: str, names) -> bool:
         inside = f"{b}." if b else ""
         if any(rest == f"{inside}{n}" for form in STACKED_FORMS.values() for n in form):
             return True
-        if rest.startswith(f"{inside}{names.experts}.") if names.experts else rest in (f"{inside}{n}" for n in STACKED_SPLIT_NAMES):
+        if (
+            rest.startswith(f"{inside}{names.experts}.")
+            if names.experts
+            else rest in (f"{inside}{n}" for n in STACKED_SPLIT_NAMES)
+        ):
             return True
     return False
 
@@ -37,7 +50,8 @@ def _first_expert_tensors(P: str, X: str) -> tuple[str, ...]:
     """Weights of which one is stored (``runtime.formats.has_weight``) in a MoE block at ``P`` with experts at ``X``:
     expert 0's gate, or a stacked gate(_up)."""
     return (f"{X}.0.gate_proj.weight", f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(
-        stacked_names(P, f)[0] for f in STACKED_FORMS)
+        stacked_names(P, f)[0] for f in STACKED_FORMS
+    )
 
 
 @dataclass(frozen=True)
@@ -57,7 +71,7 @@ def layers_with_experts(inputs: PlanInputs) -> dict[int, str]:
     names = inputs.arch.names
     for name in inputs.tensors:
         if names.mtp_prefix and name.startswith(names.mtp_prefix):
-            n, _, rest = name[len(names.mtp_prefix):].partition(".")
+            n, _, rest = name[len(names.mtp_prefix) :].partition(".")
             if n.isdigit() and _expert_tensor_of(rest, names):
                 found.setdefault(inputs.arch.num_hidden_layers + int(n), name)
             continue
@@ -85,12 +99,21 @@ def block_prefix(inputs: PlanInputs, layer: int) -> str:
         p = names.block(root, b)
         if any(has_weight(inputs.tensors, n) for n in _first_expert_tensors(p, names.experts_prefix(p))):
             return p
-    looked = ", ".join(_first_expert_tensors(names.block(root, names.block_names[0]), names.experts_prefix(names.block(root, names.block_names[0]))))
-    raise inputs.error(f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {looked}"
-                       + (f", and the same under blocks {', '.join(names.block_names[1:])}" if len(names.block_names) > 1 else "") + ")")
+    looked = ", ".join(
+        _first_expert_tensors(
+            names.block(root, names.block_names[0]), names.experts_prefix(names.block(root, names.block_names[0]))
+        )
+    )
+    raise inputs.error(
+        f"layer {layer}: expert tensors found but not expert 0's gate projection (looked for {looked}"
+        + (f", and the same under blocks {', '.join(names.block_names[1:])}" if len(names.block_names) > 1 else "")
+        + ")"
+    )
 
 
-def _routed_experts(inputs: PlanInputs, parts: PlanParts, P: str, X: str, g: Geometry, H: int) -> tuple[str, str, list[tuple[SourceWeight, ...]]]:
+def _routed_experts(
+    inputs: PlanInputs, parts: PlanParts, P: str, X: str, g: Geometry, H: int
+) -> tuple[str, str, list[tuple[SourceWeight, ...]]]:
     """The storage form, the stacked form (:data:`STACKED_FORMS`, for stacked storage) and (gate, up, down) source
     weights of each routed expert of the block at ``P`` whose experts are at ``X``."""
     E, I = g.E, g.I  # noqa: E741
@@ -101,18 +124,22 @@ def _routed_experts(inputs: PlanInputs, parts: PlanParts, P: str, X: str, g: Geo
             dn = source_weight(inputs, parts, dn_name, expect=(E, H, I))
             return "stacked", form, [(half(a, 0, I), half(a, 1, I), d) for a, d in zip(gu, dn)]
     if f"{X}.{STACKED_SPLIT_NAMES[0]}" in inputs.tensors and f"{X}.0.gate_proj.weight" not in inputs.tensors:
-        gate, up, down = (source_weight(inputs, parts, f"{X}.{n}", expect=shape)
-                          for n, shape in zip(STACKED_SPLIT_NAMES, ((E, I, H), (E, I, H), (E, H, I))))
+        gate, up, down = (
+            source_weight(inputs, parts, f"{X}.{n}", expect=shape)
+            for n, shape in zip(STACKED_SPLIT_NAMES, ((E, I, H), (E, I, H), (E, H, I)))
+        )
         return "stacked_split", "", list(zip(gate, up, down))
     storage = "w13" if f"{X}.0.w1.weight" in inputs.tensors else "proj"
     routed = []
     for e in range(E):
         gate, up, down = (f"{X}.{e}.{p}.weight" for p in PER_EXPERT_NAMES[storage])
-        routed.append((
-            source_weight(inputs, parts, gate, expect=(I, H))[0],
-            source_weight(inputs, parts, up, expect=(I, H))[0],
-            source_weight(inputs, parts, down, expect=(H, I))[0],
-        ))
+        routed.append(
+            (
+                source_weight(inputs, parts, gate, expect=(I, H))[0],
+                source_weight(inputs, parts, up, expect=(I, H))[0],
+                source_weight(inputs, parts, down, expect=(H, I))[0],
+            )
+        )
     return storage, "experts", routed
 
 
@@ -132,8 +159,10 @@ def _shared_mlp(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, W: int
                 source_weight(inputs, parts, f"{SH}.{up}.weight", expect=(W, H))[0],
                 source_weight(inputs, parts, f"{SH}.{down}.weight", expect=(H, W))[0],
             )
-    raise inputs.error(f"MoE layer {layer} has no shared expert (expected {SH}.gate_proj.weight [{W}, {H}] or {SH}.gate_up_proj.weight)",
-                       f"{SH}.gate_proj.weight")
+    raise inputs.error(
+        f"MoE layer {layer} has no shared expert (expected {SH}.gate_proj.weight [{W}, {H}] or {SH}.gate_up_proj.weight)",
+        f"{SH}.gate_proj.weight",
+    )
 
 
 def _slot_cuts(g: Geometry, H: int) -> list[tuple[Cut, Cut, Cut]]:
@@ -207,11 +236,16 @@ def _mixed_formats_ok(inputs: PlanInputs, routed: SourceWeight, shared: SourceWe
     """Routed experts of a format converted whole (DeepSeek-V4's MXFP4, Kimi-K2.5 / K2.6's INT4) beside a shared expert
     in float, FP8 blocks or a format converted whole (V4: FP8 blocks; Kimi: BF16; V4.1: 32x32 tiles): all become FP8
     blocks."""
-    return inputs.out_fp8 and routed.format.whole_only and (shared.scale is None or shared.format.keeps_blocks
-                                                             or shared.format.whole_only)
+    return (
+        inputs.out_fp8
+        and routed.format.whole_only
+        and (shared.scale is None or shared.format.keeps_blocks or shared.format.whole_only)
+    )
 
 
-def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int, is_mtp: bool) -> tuple[LayerPlan, bool]:
+def plan_moe_layer(
+    inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int, is_mtp: bool
+) -> tuple[LayerPlan, bool]:
     """Plan one MoE layer; returns its LayerPlan and whether it has a selection bias."""
     names = inputs.arch.names
     P = block_prefix(inputs, layer)
@@ -221,9 +255,13 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
     if gate_info is None:
         raise inputs.error(f"MoE layer {layer} has no router (expected {router_name} [{g.E}, H])", router_name)
     if len(gate_info.shape) != 2 or gate_info.shape[0] != g.E:
-        raise inputs.error(f"has shape {list(gate_info.shape)}, expected [{g.E}, H] for {g.E} routed experts", gate_info.name)
+        raise inputs.error(
+            f"has shape {list(gate_info.shape)}, expected [{g.E}, H] for {g.E} routed experts", gate_info.name
+        )
     if gate_info.dtype not in FLOAT_DTYPES:
-        raise inputs.error(f"has dtype {gate_info.dtype}, expected a float router (F32/F16/BF16) to write as F32", gate_info.name)
+        raise inputs.error(
+            f"has dtype {gate_info.dtype}, expected a float router (F32/F16/BF16) to write as F32", gate_info.name
+        )
     H = gate_info.shape[1]
 
     storage, form, routed = _routed_experts(inputs, parts, P, X, g, H)
@@ -231,12 +269,17 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
     for trio in routed:
         for sw in trio:
             if sw.fmt != fmt:
-                raise inputs.error(f"is stored as {sw.fmt}, but routed expert 0 is {fmt}: all experts must share one format", sw.weight.info.name)
+                raise inputs.error(
+                    f"is stored as {sw.fmt}, but routed expert 0 is {fmt}: all experts must share one format",
+                    sw.weight.info.name,
+                )
     shared = _shared_mlp(inputs, parts, P, layer, g.W, H)
     for sw in shared:
         if sw.fmt != fmt and not _mixed_formats_ok(inputs, routed[0][0], sw):
-            raise inputs.error(f"shared expert is stored as {sw.fmt} but the routed experts as {fmt}: shared and routed experts must share one format",
-                               sw.weight.info.name)
+            raise inputs.error(
+                f"shared expert is stored as {sw.fmt} but the routed experts as {fmt}: shared and routed experts must share one format",
+                sw.weight.info.name,
+            )
 
     slots = list(routed) + [shared] * g.S
     cuts = _slot_cuts(g, H)
@@ -248,8 +291,18 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
 
     # Router in float32, bias unchanged, SwiGLU parameters per slot.
     parts.consumed.add(gate_info.name)
-    router_task = CopyTask(gate_info, Target(gate_info.name)) if gate_info.dtype == "F32" else CastTask(gate_info, Target(gate_info.name), "F32")
-    parts.groups.append(Group([OutputTensor(gate_info.name, "F32", gate_info.shape)], [router_task], (str(gate_info.file), gate_info.offset)))
+    router_task = (
+        CopyTask(gate_info, Target(gate_info.name))
+        if gate_info.dtype == "F32"
+        else CastTask(gate_info, Target(gate_info.name), "F32")
+    )
+    parts.groups.append(
+        Group(
+            [OutputTensor(gate_info.name, "F32", gate_info.shape)],
+            [router_task],
+            (str(gate_info.file), gate_info.offset),
+        )
+    )
     has_bias = False
     for bias_name in (f"{P}.{b}" for b in names.bias):
         if bias_name in inputs.tensors:
@@ -259,12 +312,22 @@ def plan_moe_layer(inputs: PlanInputs, parts: PlanParts, g: Geometry, layer: int
             if b.dtype not in FLOAT_DTYPES:
                 raise inputs.error(f"has dtype {b.dtype}, expected a float selection bias (F32/F16/BF16)", bias_name)
             parts.consumed.add(bias_name)
-            parts.groups.append(Group([OutputTensor(bias_name, b.dtype, b.shape)], [CopyTask(b, Target(bias_name))], (str(b.file), b.offset)))
+            parts.groups.append(
+                Group(
+                    [OutputTensor(bias_name, b.dtype, b.shape)],
+                    [CopyTask(b, Target(bias_name))],
+                    (str(b.file), b.offset),
+                )
+            )
             has_bias = True
     is_hash = _plan_hash_table(inputs, parts, P, layer, g, has_bias)
-    values = slot_params(*inputs.arch.slot_activation(layer), g.E, g.S)  # routed slots, then shared: per layer, per slot kind
+    values = slot_params(
+        *inputs.arch.slot_activation(layer), g.E, g.S
+    )  # routed slots, then shared: per layer, per slot kind
     for pname, key in zip(gemm1_param_names(X), GEMM1_PARAMS):
-        parts.groups.append(Group([OutputTensor(pname, "F32", (g.E + g.S,))], [ConstantTask(values[key], Target(pname))], order))
+        parts.groups.append(
+            Group([OutputTensor(pname, "F32", (g.E + g.S,))], [ConstantTask(values[key], Target(pname))], order)
+        )
 
     return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash), has_bias
 
@@ -277,15 +340,28 @@ def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g
         return False
     K = inputs.arch.routing.top_k
     if len(info.shape) != 2 or info.shape[1] != K or info.dtype not in ("I64", "I32"):
-        raise inputs.error(f"has shape {list(info.shape)} and dtype {info.dtype}, expected an I64 [vocab, {K}] table of expert ids", info.name)
+        raise inputs.error(
+            f"has shape {list(info.shape)} and dtype {info.dtype}, expected an I64 [vocab, {K}] table of expert ids",
+            info.name,
+        )
     if has_bias:
-        raise inputs.error(f"layer {layer} has a hash-routing table and a selection bias; hash-routed layers are bias-free", info.name)
+        raise inputs.error(
+            f"layer {layer} has a hash-routing table and a selection bias; hash-routed layers are bias-free", info.name
+        )
     parts.consumed.add(info.name)
-    parts.groups.append(Group([OutputTensor(info.name, info.dtype, info.shape)], [CopyTask(info, Target(info.name))], (str(info.file), info.offset)))
+    parts.groups.append(
+        Group(
+            [OutputTensor(info.name, info.dtype, info.shape)],
+            [CopyTask(info, Target(info.name))],
+            (str(info.file), info.offset),
+        )
+    )
     return True
 
 
-def check_nothing_else_in_moe_blocks(inputs: PlanInputs, parts: PlanParts, layers: list[LayerPlan], num_routed_experts: int) -> None:
+def check_nothing_else_in_moe_blocks(
+    inputs: PlanInputs, parts: PlanParts, layers: list[LayerPlan], num_routed_experts: int
+) -> None:
     """Every tensor under a planned MoE block must have been placed: anything else is not something the layout knows.
 
     One pass over the names (a block prefix has a fixed number of dots per storage), not one per layer.
@@ -303,7 +379,13 @@ def check_nothing_else_in_moe_blocks(inputs: PlanInputs, parts: PlanParts, layer
         for depth in depths:
             block = ".".join(pieces[:depth])
             if block in blocks and len(pieces) > depth:
-                m = re.match(r"(\d+)\." if block.endswith(".experts") else r"experts\.(\d+)\.", name[len(block) + 1:])
+                m = re.match(r"(\d+)\." if block.endswith(".experts") else r"experts\.(\d+)\.", name[len(block) + 1 :])
                 if m and int(m.group(1)) >= num_routed_experts:
-                    raise inputs.error(f"config.json says {num_routed_experts} routed experts, but the checkpoint has expert {m.group(1)}", name)
-                raise inputs.error(f"unexpected tensor in MoE layer {blocks[block]} (not an expert, shared expert, router or bias)", name)
+                    raise inputs.error(
+                        f"config.json says {num_routed_experts} routed experts, but the checkpoint has expert {m.group(1)}",
+                        name,
+                    )
+                raise inputs.error(
+                    f"unexpected tensor in MoE layer {blocks[block]} (not an expert, shared expert, router or bias)",
+                    name,
+                )

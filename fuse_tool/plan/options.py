@@ -29,5 +29,3 @@ class ConvertOptions:
             raise ConversionError(f"--scale-fmt must be 'float' or 'ue8m0', got {self.scale_fmt!r}")
         if self.max_shard_size <= 0:
             raise ConversionError("--max-shard-size must be positive")
-
-

@@ -18,7 +18,12 @@ _NORM_RE = re.compile(r"(^|_|\.)(norm|layernorm|layer_norm|ln)(\b|_|\d|$)")
 
 def is_linear_weight(info: TensorInfo, rest: str) -> bool:
     """A 2-D ``.weight`` that is not a norm or an embedding."""
-    return len(info.shape) == 2 and rest.endswith(".weight") and not _NORM_RE.search(rest.rsplit(".", 2)[-2]) and "embed" not in rest
+    return (
+        len(info.shape) == 2
+        and rest.endswith(".weight")
+        and not _NORM_RE.search(rest.rsplit(".", 2)[-2])
+        and "embed" not in rest
+    )
 
 
 def _is_quantizable_linear(inputs: PlanInputs, info: TensorInfo, in_decoder: bool, rest: str) -> bool:
@@ -40,7 +45,10 @@ def _plan_linear(inputs: PlanInputs, parts: PlanParts, name: str, sw: SourceWeig
     w = sw.weight
     s_name, s_dtype = block_scale_tensor(name, inputs.arch.names.scale_storage)
     task = projection_task(inputs, sw, Cut.whole(w.rows, w.cols), True, Target(name), Target(s_name))
-    tensors = [OutputTensor(name, FP8_DTYPE_CODE, (w.rows, w.cols)), OutputTensor(s_name, s_dtype, scale_grid(w.rows, w.cols))]
+    tensors = [
+        OutputTensor(name, FP8_DTYPE_CODE, (w.rows, w.cols)),
+        OutputTensor(s_name, s_dtype, scale_grid(w.rows, w.cols)),
+    ]
     parts.groups.append(Group(tensors, [task], order))
 
 
@@ -61,13 +69,21 @@ def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
     """Place every source tensor no MoE layer consumed; a scale left without its weight is an error."""
     arch = inputs.arch
     decoder_layers = set(range(arch.num_hidden_layers)) | set(arch.mtp_layers)
-    e8m0 = arch.names.scale_storage == "e8m0"  # scales are F8_E8M0 "<module>.scale" (names like hc_head_scale are not scales)
+    e8m0 = (
+        arch.names.scale_storage == "e8m0"
+    )  # scales are F8_E8M0 "<module>.scale" (names like hc_head_scale are not scales)
     for name, info in inputs.tensors.items():
         if name in parts.consumed:
             continue
-        if (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale")) if e8m0 else _is_scale_name(name, inputs.tensors):
+        if (
+            (info.dtype == E8M0_DTYPE_CODE and name.endswith(".scale"))
+            if e8m0
+            else _is_scale_name(name, inputs.tensors)
+        ):
             continue  # claimed by their weight below; leftovers are checked at the end
-        if (stored_in := weight_stored_in(inputs.tensors, name)) is not None:  # INT4 outside the experts: refused, with why
+        if (
+            stored_in := weight_stored_in(inputs.tensors, name)
+        ) is not None:  # INT4 outside the experts: refused, with why
             source_weight(inputs, parts, stored_in)
         m = LAYER_RE.match(name)
         in_decoder = bool(m and m.group("prefix") == arch.layer_prefix and int(m.group("layer")) in decoder_layers)
@@ -76,7 +92,10 @@ def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
         if info.dtype == FP8_DTYPE_CODE or _is_quantizable_linear(inputs, info, in_decoder, rest):
             sw = source_weight(inputs, parts, name)[0] if len(info.shape) == 2 else None
             if sw is None:
-                raise inputs.error(f"FP8 tensor of shape {list(info.shape)}: only 2-D FP8 weights are supported outside the experts", name)
+                raise inputs.error(
+                    f"FP8 tensor of shape {list(info.shape)}: only 2-D FP8 weights are supported outside the experts",
+                    name,
+                )
             _plan_linear(inputs, parts, name, sw, order)
             continue
         parts.consumed.add(name)

@@ -18,8 +18,9 @@ CT_SCALE_SUFFIX = "_scale"  # compressed-tensors: weight_scale
 CT_INPUT_SCALE = "input_scale"
 
 
-def source_quantization(config: Mapping, tensors: Mapping[str, TensorInfo], config_path
-                        ) -> tuple[WeightFormat | None, str]:
+def source_quantization(
+    config: Mapping, tensors: Mapping[str, TensorInfo], config_path
+) -> tuple[WeightFormat | None, str]:
     """The format the source's quantization_config declares (None without one) and how the source is quantized, in
     words (``runtime.formats.declared_format``); an undeclarable one is refused naming config.json."""
     try:
@@ -28,7 +29,9 @@ def source_quantization(config: Mapping, tensors: Mapping[str, TensorInfo], conf
         raise ConversionError(e.message, file=config_path) from None
 
 
-def source_weight(inputs: PlanInputs, parts: PlanParts, name: str, *, expect: tuple[int, ...] | None = None) -> list[SourceWeight]:
+def source_weight(
+    inputs: PlanInputs, parts: PlanParts, name: str, *, expect: tuple[int, ...] | None = None
+) -> list[SourceWeight]:
     """The weight named ``name`` with its scale, as 2-D matrices (one per leading index of a stacked tensor), its format
     recognised and checked by ``runtime.formats``."""
     tensors = inputs.tensors
@@ -92,11 +95,15 @@ def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
     w, fmt = sw.weight, sw.format
     if fmt.whole_only:
         if not out_fp8:
-            raise inputs.error(f"is {fmt.label}; --precision source cannot keep it (convert with --precision fp8)",
-                               w.info.name)
+            raise inputs.error(
+                f"is {fmt.label}; --precision source cannot keep it (convert with --precision fp8)", w.info.name
+            )
         if not cut.is_whole(w.rows, sw.cols):
-            raise inputs.error(f"is {fmt.label} and would be cut into shared-expert slots; only whole {fmt.label} weights are "
-                               "converted", w.info.name)
+            raise inputs.error(
+                f"is {fmt.label} and would be cut into shared-expert slots; only whole {fmt.label} weights are "
+                "converted",
+                w.info.name,
+            )
         return "convert"
     if not out_fp8:
         if sw.scale is not None:
@@ -110,13 +117,19 @@ def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
     return "quantize"
 
 
-def projection_task(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: bool, weight: Target, scale: Target | None) -> ProjectionTask:
+def projection_task(
+    inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: bool, weight: Target, scale: Target | None
+) -> ProjectionTask:
     mode = projection_mode(inputs, sw, cut, out_fp8)
     if scale is not None and inputs.arch.names.scale_storage == "e8m0":
         if mode not in ("copy", "convert"):  # a converted format's ue8m0 block scales are powers of two: one byte each
-            raise inputs.error(f"would be {'cut mid-tensor' if mode == 'region' else 'requantized'} into F8_E8M0-scaled FP8; "
-                               "this family's files keep one-byte scales, and only whole FP8 copies and whole "
-                               "conversions write them",
-                               sw.weight.info.name)
+            raise inputs.error(
+                f"would be {'cut mid-tensor' if mode == 'region' else 'requantized'} into F8_E8M0-scaled FP8; "
+                "this family's files keep one-byte scales, and only whole FP8 copies and whole "
+                "conversions write them",
+                sw.weight.info.name,
+            )
         return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE, weight, scale, inputs.scale_fmt, E8M0_DTYPE_CODE)
-    return ProjectionTask(sw, cut, mode, FP8_DTYPE_CODE if out_fp8 else sw.weight.dtype, weight, scale, inputs.scale_fmt)
+    return ProjectionTask(
+        sw, cut, mode, FP8_DTYPE_CODE if out_fp8 else sw.weight.dtype, weight, scale, inputs.scale_fmt
+    )

@@ -16,6 +16,7 @@ from runtime.safetensors_io import DTYPE_SIZES, TensorInfo
 from ..source.checkpoint import SourceCheckpoint
 from .options import ConvertOptions
 
+
 @dataclass(frozen=True)
 class Matrix:
     """A row-major 2-D view into a source tensor: ``rows x cols`` elements from byte ``offset``."""
@@ -36,7 +37,6 @@ class Matrix:
     @property
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
-
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,10 @@ class Cut:
 
     def block_aligned(self, rows: int, cols: int, block: int = WEIGHT_BLOCK) -> bool:
         """True when the cut keeps whole source blocks, so FP8 bytes and scales can be copied."""
+
         def ok(start: int, stop: int, size: int) -> bool:
             return start % block == 0 and (stop % block == 0 or stop == size)
+
         return ok(self.r0, self.r1, rows) and ok(self.c0, self.c1, cols)
 
 

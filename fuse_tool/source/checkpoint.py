@@ -23,7 +23,6 @@ from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_N
 from runtime.safetensors_io import TensorInfo, read_header, read_small_file
 
 
-
 @dataclass
 class SourceCheckpoint:
     """Config, tensor locations and the non-weight files of a Hugging Face model folder."""
@@ -68,7 +67,9 @@ class SourceCheckpoint:
                 found, _ = read_header(path)
                 for name, info in found.items():
                     if name in tensors:
-                        raise ConversionError(f"tensor is stored twice, also in {tensors[name].file.name}", file=path, tensor=name)
+                        raise ConversionError(
+                            f"tensor is stored twice, also in {tensors[name].file.name}", file=path, tensor=name
+                        )
                     tensors[name] = info
         weight_files = set(shard_files) | ({index_path} if index_path else set())
         other, skipped = _files_to_copy(root, weight_files, inside)
@@ -80,8 +81,29 @@ class SourceCheckpoint:
 
 
 # Weight files of other frameworks: never copied beside the converted safetensors.
-_FOREIGN_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".ggml", ".h5", ".msgpack", ".onnx", ".onnx_data", ".ckpt", ".npz",
-                            ".npy", ".ot", ".tflite", ".pb", ".pkl", ".pickle", ".joblib", ".mlmodel", ".engine", ".plan")
+_FOREIGN_WEIGHT_SUFFIXES = (
+    ".bin",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".ggml",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".onnx_data",
+    ".ckpt",
+    ".npz",
+    ".npy",
+    ".ot",
+    ".tflite",
+    ".pb",
+    ".pkl",
+    ".pickle",
+    ".joblib",
+    ".mlmodel",
+    ".engine",
+    ".plan",
+)
 
 
 def is_tool_name(name: str) -> bool:
@@ -98,7 +120,9 @@ class Containment:
         self.root = root
         real = Path(os.path.realpath(root))
         self.allowed = [real]
-        if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        if real.parent.name == "snapshots" and real.parent.parent.name.startswith(
+            ("models--", "datasets--", "spaces--")
+        ):
             self.allowed.append(real.parent.parent)
 
     def target(self, path: Path) -> Path | None:
@@ -118,7 +142,9 @@ class Containment:
             )
 
 
-def _files_to_copy(root: Path, weight_files: set[Path], inside: Containment) -> tuple[list[Path], list[tuple[str, str]]]:
+def _files_to_copy(
+    root: Path, weight_files: set[Path], inside: Containment
+) -> tuple[list[Path], list[tuple[str, str]]]:
     """The files copied into the output beside the converted weights, and those skipped (with why)."""
     copy: list[Path] = []
     skipped: list[tuple[str, str]] = []
@@ -170,11 +196,15 @@ def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[li
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         if not isinstance(fname, str) or not fname:
-            raise ConversionError(f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name)
+            raise ConversionError(
+                f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name
+            )
         by_file.setdefault(fname, []).append(name)
     for fname, names in by_file.items():  # once per shard, not per tensor
         if fname.startswith("/") or ".." in Path(fname).parts:
-            raise ConversionError(f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=names[0])
+            raise ConversionError(
+                f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=names[0]
+            )
     tensors: dict[str, TensorInfo] = {}
     shard_files = []
     for fname in sorted(by_file):
@@ -183,20 +213,34 @@ def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[li
             what = "the file does not exist"
             if path.is_symlink():
                 what = f"it is a symlink to {os.readlink(path)!r}, which does not exist (a Hub cache blob missing? download it again)"
-            raise ConversionError(f"the index names {fname!r} (for {len(by_file[fname])} tensors, e.g. {by_file[fname][0]!r}) but {what}", file=index_path)
+            raise ConversionError(
+                f"the index names {fname!r} (for {len(by_file[fname])} tensors, e.g. {by_file[fname][0]!r}) but {what}",
+                file=index_path,
+            )
         inside.require(path)
         shard_files.append(path)
         found, _ = read_header(path)
         for name in by_file[fname]:
             if name not in found:
-                raise ConversionError(f"the index places this tensor in {fname}, whose header does not have it", file=index_path, tensor=name)
+                raise ConversionError(
+                    f"the index places this tensor in {fname}, whose header does not have it",
+                    file=index_path,
+                    tensor=name,
+                )
         for name, info in found.items():
             owner = weight_map.get(name)
             if owner is not None and owner != fname:
-                raise ConversionError(f"tensor is stored in {fname} too, but the index places it in {owner}: duplicate tensor names across shards", file=path, tensor=name)
+                raise ConversionError(
+                    f"tensor is stored in {fname} too, but the index places it in {owner}: duplicate tensor names across shards",
+                    file=path,
+                    tensor=name,
+                )
             if owner is None:  # loaders would drop it without a word: the model would lose a weight
-                raise ConversionError(f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a damaged or "
-                                      "stale index (expected every stored tensor in its weight_map)", file=path,
-                                      tensor=name)
+                raise ConversionError(
+                    f"tensor is stored in {fname}, but {INDEX_NAME} does not list it: a damaged or "
+                    "stale index (expected every stored tensor in its weight_map)",
+                    file=path,
+                    tensor=name,
+                )
             tensors[name] = info
     return shard_files, tensors

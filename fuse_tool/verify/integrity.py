@@ -31,8 +31,15 @@ from typing import Any
 from runtime.errors import ModelError
 from runtime.families import MoEArchitecture, check_hidden_size, describe_model, family_for, router_tensor_names
 from runtime.layout import (
-    CONFIG_KEY, WEIGHT_BLOCK, ExpertTensorNames, FusedSharedExperts, LayoutError, block_scale_tensor,
-    converted_moe_layers, read_config_block, scale_grid,
+    CONFIG_KEY,
+    WEIGHT_BLOCK,
+    ExpertTensorNames,
+    FusedSharedExperts,
+    LayoutError,
+    block_scale_tensor,
+    converted_moe_layers,
+    read_config_block,
+    scale_grid,
     selection_bias_shapes,
 )
 from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read_small_file
@@ -44,7 +51,15 @@ from ..errors import FuseSharedError, VerifyError
 from ..source.checkpoint import Containment
 from ..write.out_dir import output_locked
 from ..files import (
-    CONFIG_NAME, DONE_SUFFIX, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION, PARTIAL_SUFFIX, SINGLE_NAME,
+    CONFIG_NAME,
+    DONE_SUFFIX,
+    INDEX_NAME,
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    PARTIAL_SUFFIX,
+    SINGLE_NAME,
     is_unfinished_write_name,
 )
 
@@ -138,12 +153,16 @@ def _check_not_in_progress(root: Path) -> None:
         raise _fail(f"{JOURNAL_NAME} is present: the conversion did not finish; rerun convert with --resume", root)
     for p in sorted(root.iterdir()):
         if p.name == LOCK_NAME:
-            raise _fail("converter lock file: a conversion did not finish, or is still running; rerun convert with --resume", p)
+            raise _fail(
+                "converter lock file: a conversion did not finish, or is still running; rerun convert with --resume", p
+            )
         if p.name.startswith(".") and p.name.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)):
             raise _fail("leftover temporary file: the conversion did not finish; rerun convert with --resume", p)
 
 
-def _want(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] | None, why: str) -> TensorInfo:
+def _want(
+    tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] | None, why: str
+) -> TensorInfo:
     t = tensors.get(name)
     if t is None:
         raise _fail(f"is missing ({why})", INDEX_NAME, name)
@@ -154,7 +173,9 @@ def _want(tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...], dty
     return t
 
 
-def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple[int, ...], storage: str = "f32") -> None:
+def _check_scale(
+    tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple[int, ...], storage: str = "f32"
+) -> None:
     """An FP8 weight's 128x128 block scales: float32 ``<weight>_scale_inv``, or (``storage="e8m0"``, DeepSeek-V4)
     one-byte ``F8_E8M0`` ``<module>.scale``; a float weight has neither."""
     name, dtype = block_scale_tensor(weight.name, storage)
@@ -164,8 +185,9 @@ def _check_scale(tensors: dict[str, TensorInfo], weight: TensorInfo, grid: tuple
         raise _fail(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[name].file, name)
 
 
-def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo],
-                        config: dict) -> None:
+def _check_layer_shapes(
+    layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo], config: dict
+) -> None:
     E, n, I = block.num_routed_experts, block.num_expert_slots, block.expert_intermediate_size
     router_name, bias_names = router_tensor_names(config, names.block_prefix)  # under the family's own names
     router = tensors.get(router_name)
@@ -174,18 +196,28 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
     if len(router.shape) != 2 or router.shape[0] != E:
         raise _fail(f"has shape {list(router.shape)}, expected [{E}, H] ({E} routed experts)", router.file, router.name)
     if router.dtype != "F32":
-        raise _fail(f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name)
+        raise _fail(
+            f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name
+        )
     H = router.shape[1]
     for b in bias_names:
         if b in tensors and tensors[b].shape not in selection_bias_shapes(E):
-            raise _fail(f"has shape {list(tensors[b].shape)}, expected [{E}] (one selection bias per routed expert; [1, {E}] "
-                        "where the family stores it so)", tensors[b].file, b)
+            raise _fail(
+                f"has shape {list(tensors[b].shape)}, expected [{E}] (one selection bias per routed expert; [1, {E}] "
+                "where the family stores it so)",
+                tensors[b].file,
+                b,
+            )
     table = tensors.get(names.hash_table())
     if layer in block.routing.hash_layers:  # LAYOUT v2 section 5: the token table, K routed ids per token
         K = block.routing.top_k
         if table is None or len(table.shape) != 2 or table.shape[1] != K or table.dtype not in ("I64", "I32"):
-            raise _fail(f"MoE layer {layer} is hash-routed (routing.hash_layers) and needs its token table, int64 [vocab, {K}]"
-                        + ("" if table is None else f"; found {table.dtype} {list(table.shape)}"), INDEX_NAME, names.hash_table())
+            raise _fail(
+                f"MoE layer {layer} is hash-routed (routing.hash_layers) and needs its token table, int64 [vocab, {K}]"
+                + ("" if table is None else f"; found {table.dtype} {list(table.shape)}"),
+                INDEX_NAME,
+                names.hash_table(),
+            )
     elif table is not None:
         raise _fail(f"is a hash-routing table, but layer {layer} is not in routing.hash_layers", table.file, table.name)
     for p in names.gemm1_params():
@@ -196,10 +228,19 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
         # [H, I]; or gate, up [I, H] and down apart
         r, c = scale_grid(I, H)
         if names.storage == "stacked":
-            stacks = zip(names.stacked(), ((2 * I, H), (H, I)), (2 * r, scale_grid(H, I)[0]), ("gate and up rows [2I, H]", "[H, I]"))
+            stacks = zip(
+                names.stacked(),
+                ((2 * I, H), (H, I)),
+                (2 * r, scale_grid(H, I)[0]),
+                ("gate and up rows [2I, H]", "[H, I]"),
+            )
         else:
-            stacks = zip(names.stacked_split(), ((I, H), (I, H), (H, I)), (r, r, scale_grid(H, I)[0]),
-                         ("gate [I, H]", "up [I, H]", "[H, I]"))
+            stacks = zip(
+                names.stacked_split(),
+                ((I, H), (I, H), (H, I)),
+                (r, r, scale_grid(H, I)[0]),
+                ("gate [I, H]", "up [I, H]", "[H, I]"),
+            )
         for name, shape, grid_rows, what in stacks:
             t = _want(tensors, name, (n, *shape), None, f"E+S = {n} experts of {what}")
             _check_scale(tensors, t, (n, grid_rows, scale_grid(*shape)[1]), names.scale_storage)
@@ -217,7 +258,11 @@ def _check_layer_shapes(layer: int, names: ExpertTensorNames, block: FusedShared
                 if rest.isdigit() and int(rest) >= n:
                     raise _fail(f"expert {rest} is beyond E+S = {n}", tensors[name].file, name)
     if len(dtypes) > 1:
-        raise _fail(f"MoE layer {layer}: experts are stored in more than one dtype ({sorted(dtypes)})", INDEX_NAME, names.experts_prefix)
+        raise _fail(
+            f"MoE layer {layer}: experts are stored in more than one dtype ({sorted(dtypes)})",
+            INDEX_NAME,
+            names.experts_prefix,
+        )
 
 
 def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Manifest, dict[str, dict], list[str]]:
@@ -234,15 +279,20 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Man
     if version not in (1, MANIFEST_VERSION):
         raise _fail(f"manifest_version {version!r}: this fuse-shared reads versions 1 and {MANIFEST_VERSION}", path)
     if version == 1 and checksums:
-        raise _fail(f"written by an older fuse-shared that listed only the shards: --checksums cannot vouch for {CONFIG_NAME}, "
-                   "the index and the tokenizer files; convert again for a complete manifest (verify without --checksums "
-                   "still checks the shards)", path)
+        raise _fail(
+            f"written by an older fuse-shared that listed only the shards: --checksums cannot vouch for {CONFIG_NAME}, "
+            "the index and the tokenizer files; convert again for a complete manifest (verify without --checksums "
+            "still checks the shards)",
+            path,
+        )
     required = list(shards) + ([CONFIG_NAME, INDEX_NAME] if version == MANIFEST_VERSION else [])
     for name in required:
         entry = files.get(name)
         if not is_file_entry(entry):
-            raise _fail(f"the file is not listed in {MANIFEST_NAME} with a size and sha256 (expected every file the conversion wrote)",
-                       root / name)
+            raise _fail(
+                f"the file is not listed in {MANIFEST_NAME} with a size and sha256 (expected every file the conversion wrote)",
+                root / name,
+            )
     listed = list(shards) + sorted(set(files) - set(shards))
     inside = Containment(root)  # a Hub-cache snapshot's files are symlinks into its repo's blobs/
     for name in listed:
@@ -250,11 +300,20 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Man
         if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name):
             raise _fail(f"lists {name!r}, which is not a file name in the output folder", path)
         if not is_file_entry(entry):
-            raise _fail(f"the entry for {name!r} is {entry!r}, expected {{size: a whole number of bytes, sha256: a hex digest}}", path)
+            raise _fail(
+                f"the entry for {name!r} is {entry!r}, expected {{size: a whole number of bytes, sha256: a hex digest}}",
+                path,
+            )
         p = root / name
         outside = inside.target(p) if p.is_symlink() else None
         if outside is not None or not p.is_file():
-            what = f"a symlink to {str(outside)!r}, outside the folder" if outside else "missing" if not p.exists() else "not a regular file"
+            what = (
+                f"a symlink to {str(outside)!r}, outside the folder"
+                if outside
+                else "missing"
+                if not p.exists()
+                else "not a regular file"
+            )
             raise _fail(f"is {what}, but {MANIFEST_NAME} lists it as a file the conversion wrote", p)
         size = p.stat().st_size
         if size != entry["size"]:
@@ -262,8 +321,9 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Man
     return manifest, files, listed
 
 
-def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progress: bool = False,
-                 require_manifest: bool = True) -> CheckedOutput:
+def check_output(
+    out_dir: str | os.PathLike, *, checksums: bool = False, progress: bool = False, require_manifest: bool = True
+) -> CheckedOutput:
     """Check that ``out_dir`` is a complete, intact converted checkpoint (module docstring, steps 1-4).
 
     Args:
@@ -303,7 +363,9 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
         meta = index.get("metadata") or {}
         declared = meta.get("total_size") if isinstance(meta, dict) else None
         if not isinstance(declared, int) or isinstance(declared, bool):
-            raise _fail(f"{root / INDEX_NAME}: metadata.total_size is {declared!r}, expected the tensor bytes as an integer")
+            raise _fail(
+                f"{root / INDEX_NAME}: metadata.total_size is {declared!r}, expected the tensor bytes as an integer"
+            )
     elif os.path.lexists(root / SINGLE_NAME):
         index_file, weight_map, declared = None, None, None
     else:
@@ -329,7 +391,9 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
                 if not os.path.lexists(spath):
                     raise _fail(f"{spath}: shard named by {INDEX_NAME} is missing")
                 read_safetensors_header(spath)  # says what it is: a FIFO, a device, a dangling link
-                raise _fail(f"{spath}: shard named by {INDEX_NAME} lies behind a symlinked folder, which is not followed")
+                raise _fail(
+                    f"{spath}: shard named by {INDEX_NAME} lies behind a symlinked folder, which is not followed"
+                )
             t, metadata = read_safetensors_header(spath)
             _check_format(metadata, spath)
             for tname in by_shard[shard]:
@@ -342,7 +406,9 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
 
     total = sum(t.nbytes for t in tensors.values())
     if declared is not None and declared != total:
-        raise _fail(f"{root / INDEX_NAME}: metadata.total_size is {declared} but the shard headers hold {total} tensor bytes")
+        raise _fail(
+            f"{root / INDEX_NAME}: metadata.total_size is {declared} but the shard headers hold {total} tensor bytes"
+        )
 
     try:
         layers = converted_moe_layers(tensors, config)
@@ -351,12 +417,16 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
     listed = set(block.moe_layers)
     for layer in sorted(listed):
         if layer not in layers:
-            raise _fail(f"{root}: MoE layer {layer} (listed in {CONFIG_KEY}.moe_layers) has no converted expert tensors "
-                        f"(no ...layers.{layer}...experts.gemm1_alpha)")
+            raise _fail(
+                f"{root}: MoE layer {layer} (listed in {CONFIG_KEY}.moe_layers) has no converted expert tensors "
+                f"(no ...layers.{layer}...experts.gemm1_alpha)"
+            )
         _check_layer_shapes(layer, layers[layer], block, tensors, config)
     extra = sorted(set(layers) - listed)
     if extra:
-        raise _fail(f"{root}: layers {extra} have converted expert tensors but {CONFIG_KEY}.moe_layers does not list them")
+        raise _fail(
+            f"{root}: layers {extra} have converted expert tensors but {CONFIG_KEY}.moe_layers does not list them"
+        )
 
     arch = _check_config_fields(root, config)
     _check_block_against_config(root, config, block, arch)
@@ -372,15 +442,28 @@ def check_output(out_dir: str | os.PathLike, *, checksums: bool = False, progres
             for name in to_hash:
                 got, want = sha256_file(root / name, "a safetensors file", on_chunk=bar.update), entries[name]["sha256"]
                 if got != want:
-                    raise _fail(f"sha256 {got} differs from {want} recorded in {MANIFEST_NAME}: the file is damaged or was edited", root / name)
+                    raise _fail(
+                        f"sha256 {got} differs from {want} recorded in {MANIFEST_NAME}: the file is damaged or was edited",
+                        root / name,
+                    )
                 hashed += entries[name]["size"]
         finally:
             bar.close()
 
     return CheckedOutput(
-        path=root, config=config, block=block, weight_map={str(k): str(v) for k, v in weight_map.items()}, shards=shards,
-        total_size=total, index_file=index_file, moe_layers=layers, manifest=manifest, files=files, tensors=tensors,
-        files_checked=len(to_hash), bytes_hashed=hashed,
+        path=root,
+        config=config,
+        block=block,
+        weight_map={str(k): str(v) for k, v in weight_map.items()},
+        shards=shards,
+        total_size=total,
+        index_file=index_file,
+        moe_layers=layers,
+        manifest=manifest,
+        files=files,
+        tensors=tensors,
+        files_checked=len(to_hash),
+        bytes_hashed=hashed,
     )
 
 
@@ -394,16 +477,27 @@ def _check_config_fields(root: Path, config: dict) -> MoEArchitecture:
 
 # Routing fields of the block that the source's top-level fields decide (has_bias and hash_layers come from the
 # tensors).
-_ROUTING_FROM_CONFIG = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor",
-                        "group_score", "renormalize_form", "renormalize_eps")
+_ROUTING_FROM_CONFIG = (
+    "scoring",
+    "top_k",
+    "n_group",
+    "topk_group",
+    "renormalize",
+    "routed_scaling_factor",
+    "group_score",
+    "renormalize_form",
+    "renormalize_eps",
+)
 
 
 def _check_block_against_config(root: Path, config: dict, block: FusedSharedExperts, arch: MoEArchitecture) -> None:
     """The block against the top-level fields it was derived from: an edited block loads and routes differently."""
     path = root / CONFIG_NAME
-    counts = (("num_routed_experts", block.num_routed_experts, arch.num_routed_experts),
-              ("expert_intermediate_size", block.expert_intermediate_size, arch.expert_width),
-              ("source_shared_intermediate_size", block.source_shared_intermediate_size, arch.shared_width))
+    counts = (
+        ("num_routed_experts", block.num_routed_experts, arch.num_routed_experts),
+        ("expert_intermediate_size", block.expert_intermediate_size, arch.expert_width),
+        ("source_shared_intermediate_size", block.source_shared_intermediate_size, arch.shared_width),
+    )
     for name, got, want in counts:
         if got != want:
             raise _fail(f"{path}: {CONFIG_KEY}.{name} is {got}, but the model's own fields say {want}")
@@ -414,17 +508,27 @@ def _check_block_against_config(root: Path, config: dict, block: FusedSharedExpe
             raise _fail(f"{path}: {CONFIG_KEY}.routing.{name} is {got!r}, but the model's own fields give {expected!r}")
     wbs = block.weight_block_size
     if wbs is not None and wbs != (WEIGHT_BLOCK, WEIGHT_BLOCK):
-        raise _fail(f"{path}: {CONFIG_KEY}.weight_block_size is {list(wbs)}, expected [{WEIGHT_BLOCK}, {WEIGHT_BLOCK}] "
-                    "(the layout's FP8 scales are of 128x128 blocks) or null")
+        raise _fail(
+            f"{path}: {CONFIG_KEY}.weight_block_size is {list(wbs)}, expected [{WEIGHT_BLOCK}, {WEIGHT_BLOCK}] "
+            "(the layout's FP8 scales are of 128x128 blocks) or null"
+        )
     qc = config.get("quantization_config")
     declared = qc.get("weight_block_size") if isinstance(qc, dict) else None
     if declared is not None and (wbs is None or list(declared) != list(wbs)):
-        raise _fail(f"{path}: quantization_config.weight_block_size is {json.dumps(declared)[:40]}, but "
-                    f"{CONFIG_KEY}.weight_block_size is {json.dumps(None if wbs is None else list(wbs))}")
+        raise _fail(
+            f"{path}: quantization_config.weight_block_size is {json.dumps(declared)[:40]}, but "
+            f"{CONFIG_KEY}.weight_block_size is {json.dumps(None if wbs is None else list(wbs))}"
+        )
 
 
-def _check_config_against_tensors(root: Path, config: dict, block: FusedSharedExperts, arch: MoEArchitecture,
-                                  layers: dict[int, ExpertTensorNames], tensors: dict[str, TensorInfo]) -> None:
+def _check_config_against_tensors(
+    root: Path,
+    config: dict,
+    block: FusedSharedExperts,
+    arch: MoEArchitecture,
+    layers: dict[int, ExpertTensorNames],
+    tensors: dict[str, TensorInfo],
+) -> None:
     """hidden_size against every router's width; FP8 experts exactly where the block declares a weight_block_size."""
     fp8_layers = []
     for layer in sorted(block.moe_layers):
@@ -437,8 +541,10 @@ def _check_config_against_tensors(root: Path, config: dict, block: FusedSharedEx
         if any(tensors[n].dtype == FP8_DTYPE_CODE for n in _expert_weights(layers[layer], tensors)):
             fp8_layers.append(layer)
     if fp8_layers and block.weight_block_size is None:
-        raise _fail(f"{root / CONFIG_NAME}: {CONFIG_KEY}.weight_block_size is null, but MoE layer {fp8_layers[0]} has "
-                    "FP8 experts")
+        raise _fail(
+            f"{root / CONFIG_NAME}: {CONFIG_KEY}.weight_block_size is null, but MoE layer {fp8_layers[0]} has "
+            "FP8 experts"
+        )
 
 
 def _expert_weights(names: ExpertTensorNames, tensors: dict[str, TensorInfo]) -> list[str]:

@@ -62,8 +62,9 @@ class Bounds:
 
 # No FP8 anywhere in the converted experts: the fusion is a re-indexing of the same float math,
 # so only float32 summation order differs (measured 2e-7..4e-7 on the tiny models).
-EXACT = Bounds(moe_rel=1e-5, logits_rel=1e-5, min_top1=0.99,
-               why="no FP8: the fusion is exact up to float32 summation order")
+EXACT = Bounds(
+    moe_rel=1e-5, logits_rel=1e-5, min_top1=0.99, why="no FP8: the fusion is exact up to float32 summation order"
+)
 # FP8 e4m3 keeps 3 mantissa bits: round-to-nearest error <= 2^-4 relative, ~2.4% RMS. A MoE block
 # rounds its weights and both GEMM inputs (1x128 dynamic activation groups): ~5-6% RMS expected,
 # 5.7-6.7% measured on every family. 0.12 is 2x that and still far below what a wrong, missing or
@@ -72,17 +73,24 @@ EXACT = Bounds(moe_rel=1e-5, logits_rel=1e-5, min_top1=0.99,
 # tiny random test models, matched *random* noise injected into the float model reproduces the
 # FP8 logits error (tests/integration/test_fp8_bounds.py), so the logits bounds are measured
 # maxima with margin, not fusion properties.
-FP8_EXPERTS = Bounds(moe_rel=0.12, logits_rel=0.3, min_top1=0.75,
-                     why="FP8 e4m3 experts: 2^-4 relative rounding of weights and activations")
+FP8_EXPERTS = Bounds(
+    moe_rel=0.12,
+    logits_rel=0.3,
+    min_top1=0.75,
+    why="FP8 e4m3 experts: 2^-4 relative rounding of weights and activations",
+)
 # With the non-expert linears FP8 too, the tiny models' logits move by up to 0.70 (GLM-5's DSA
 # indexer keeps 4 keys: rounding flips which ones); end to end this only catches gross breakage.
-FP8_ALL = Bounds(moe_rel=0.12, logits_rel=0.9, min_top1=0.3,
-                 why="FP8 e4m3 experts and non-expert linears: 2^-4 relative rounding, amplified end to end")
+FP8_ALL = Bounds(
+    moe_rel=0.12,
+    logits_rel=0.9,
+    min_top1=0.3,
+    why="FP8 e4m3 experts and non-expert linears: 2^-4 relative rounding, amplified end to end",
+)
 # Both models in bf16 (no FP8): each rounds differently (the source sums routed and shared outputs
 # in bf16, MiniMax's source router even scores in bf16 while the fused one is float32), measured
 # up to 0.046 per MoE layer and 0.086 on logits.
-BF16 = Bounds(moe_rel=0.1, logits_rel=0.15, min_top1=0.9,
-              why="bf16 compute: both models round, differently")
+BF16 = Bounds(moe_rel=0.1, logits_rel=0.15, min_top1=0.9, why="bf16 compute: both models round, differently")
 
 
 @dataclass
@@ -142,22 +150,42 @@ def deterministic_tokens(config: dict, batch: int, seq_len: int, seed: int) -> t
     return ids
 
 
-def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, batch: int = 4, seq_len: int = 32,
-                   seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   bounds: Bounds | None = None, backend: str | None = None) -> VerifyResult:
+def verify_against(
+    out_dir: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    *,
+    batch: int = 4,
+    seq_len: int = 32,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    bounds: Bounds | None = None,
+    backend: str | None = None,
+) -> VerifyResult:
     """Compare the converted checkpoint in ``out_dir`` with the source in ``model_dir`` (see module doc)."""
     from runtime.integrations.transformers import StreamedModel
 
     conv = StreamedModel(out_dir, kind="fused", dtype=dtype, device=device, backend=backend)
     orig = StreamedModel(model_dir, kind="source", dtype=dtype, device=device)
     if conv.family.name != orig.family.name or conv.num_layers != orig.num_layers:
-        raise ValueError(f"{out_dir} ({conv.family.name}, {conv.num_layers} layers) is not a conversion of "
-                         f"{model_dir} ({orig.family.name}, {orig.num_layers} layers)")
+        raise ValueError(
+            f"{out_dir} ({conv.family.name}, {conv.num_layers} layers) is not a conversion of "
+            f"{model_dir} ({orig.family.name}, {orig.num_layers} layers)"
+        )
     fp8 = _has_fp8_experts(conv)
     fp8_linear = _adds_fp8_linears(conv, orig)
     default = (FP8_ALL if fp8_linear else FP8_EXPERTS) if fp8 else (EXACT if dtype == torch.float32 else BF16)
-    res = VerifyResult(str(out_dir), str(model_dir), conv.family.name, (batch, seq_len), seed, str(dtype).replace("torch.", ""),
-                       fp8, bounds or default, fp8_linear)
+    res = VerifyResult(
+        str(out_dir),
+        str(model_dir),
+        conv.family.name,
+        (batch, seq_len),
+        seed,
+        str(dtype).replace("torch.", ""),
+        fp8,
+        bounds or default,
+        fp8_linear,
+    )
     ids = deterministic_tokens(orig.reader.config, batch, seq_len, seed).to(device)
     moe_layers = set(conv.plan.fused_moe_layers)
     moe_name, shared_name = conv.family.moe_module, conv.family.shared_module
@@ -173,8 +201,11 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
                 moe_like[:] = [mlp]
                 cap = {}
                 # kwargs too: a hash-routed block (DeepSeek-V4) gets the layer's input_ids, and so must the fused one
-                h = mlp.register_forward_hook(lambda m, a, k, o: cap.update(x=_first(a), kw=dict(k), y=_first(o)), with_kwargs=True)
+                h = mlp.register_forward_hook(
+                    lambda m, a, k, o: cap.update(x=_first(a), kw=dict(k), y=_first(o)), with_kwargs=True
+                )
                 module._fs_capture = (cap, h)
+
         return hook
 
     def post(i):
@@ -189,13 +220,16 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
                     h.remove()
                     del module._fs_capture
                     y_c = getattr(c_layer, moe_name)(cap["x"], **cap["kw"])
-                    if shared_name:  # a shared MLP beside the source block (GraniteMoE-Shared): the fused block holds both
+                    if (
+                        shared_name
+                    ):  # a shared MLP beside the source block (GraniteMoE-Shared): the fused block holds both
                         cap["y"] = cap["y"] + getattr(module, shared_name)(cap["x"])
                     lr.moe_rel, lr.moe_max_abs = rel_err(y_c, cap["y"]), (y_c - cap["y"]).abs().max().item()
                     last_moe_input[:] = [cap["x"]]
             conv.release_layer(i)
             orig.release_layer(i)
             res.layers.append(lr)
+
         return hook
 
     handles = []
@@ -224,7 +258,9 @@ def verify_against(out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, 
     # ---- pass 2: the converted model's own forward, streamed
     handles = []
     for i, layer in enumerate(conv.layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, k, i=i: (conv.load_layer(i), None)[1], with_kwargs=True))
+        handles.append(
+            layer.register_forward_pre_hook(lambda m, a, k, i=i: (conv.load_layer(i), None)[1], with_kwargs=True)
+        )
         handles.append(layer.register_forward_hook(lambda m, a, k, o, i=i: conv.release_layer(i), with_kwargs=True))
     conv.load_rest()
     with torch.no_grad():
@@ -275,11 +311,17 @@ def format_result(r: VerifyResult) -> str:
     ]
     fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
     for lr in r.layers:
-        lines.append(f"{lr.index:>6}  {lr.kind:<5}  {fmt(lr.moe_rel):>11}  {fmt(lr.moe_max_abs):>11}  {fmt(lr.layer_rel):>13}")
+        lines.append(
+            f"{lr.index:>6}  {lr.kind:<5}  {fmt(lr.moe_rel):>11}  {fmt(lr.moe_max_abs):>11}  {fmt(lr.layer_rel):>13}"
+        )
     n = r.tokens[0] * r.tokens[1]
-    lines.append(f"final logits: rel err {r.logits_rel:.3e}, max abs {r.logits_max_abs:.3e}, "
-                 f"top-1 agreement {r.top1:.4f} ({round(r.top1 * n)}/{n})")
-    lines.append(f"tolerance ({b.why}): MoE rel err <= {b.moe_rel:g}, logits rel err <= {b.logits_rel:g}, top-1 >= {b.min_top1:g}")
+    lines.append(
+        f"final logits: rel err {r.logits_rel:.3e}, max abs {r.logits_max_abs:.3e}, "
+        f"top-1 agreement {r.top1:.4f} ({round(r.top1 * n)}/{n})"
+    )
+    lines.append(
+        f"tolerance ({b.why}): MoE rel err <= {b.moe_rel:g}, logits rel err <= {b.logits_rel:g}, top-1 >= {b.min_top1:g}"
+    )
     if r.passed:
         lines.append("PASS")
     else:
@@ -301,13 +343,26 @@ def parse_tokens(text: str) -> tuple[int, int]:
     if batch < 1 or seq < 1:
         raise VerifyError(f"{text!r}: batch and sequence length must be at least 1")
     if batch * seq > MAX_VERIFY_TOKENS:
-        raise VerifyError(f"{text!r} is {batch * seq} tokens, expected at most {MAX_VERIFY_TOKENS} "
-                          "(both models' logits are held: tokens x vocab x 4 bytes each)")
+        raise VerifyError(
+            f"{text!r} is {batch * seq} tokens, expected at most {MAX_VERIFY_TOKENS} "
+            "(both models' logits are held: tokens x vocab x 4 bytes each)"
+        )
     return batch, seq
 
 
-def run_verify_cli(out_dir, model_dir, tokens: str, seed: int, dtype: str, device: str,
-                   max_moe_err=None, max_logits_err=None, min_top1=None, echo=None, backend: str | None = None) -> int:
+def run_verify_cli(
+    out_dir,
+    model_dir,
+    tokens: str,
+    seed: int,
+    dtype: str,
+    device: str,
+    max_moe_err=None,
+    max_logits_err=None,
+    min_top1=None,
+    echo=None,
+    backend: str | None = None,
+) -> int:
     """``fuse-shared verify OUT_DIR --against MODEL_DIR``: print the table, return the exit status.
 
     ``echo(text, err=False)`` prints (click.echo in the CLI).
@@ -326,17 +381,31 @@ def run_verify_cli(out_dir, model_dir, tokens: str, seed: int, dtype: str, devic
         echo(f"error: --tokens: {e}", err=True)
         return 2
     try:
-        res = verify_against(out_dir, model_dir, batch=batch, seq_len=seq_len, seed=seed,
-                             dtype=getattr(torch, dtype), device=device, backend=backend)
+        res = verify_against(
+            out_dir,
+            model_dir,
+            batch=batch,
+            seq_len=seq_len,
+            seed=seed,
+            dtype=getattr(torch, dtype),
+            device=device,
+            backend=backend,
+        )
     except Exception as e:  # noqa: BLE001 - a one-line message, like every other command
         echo(f"error: {e}", err=True)
         return 1
     if (max_moe_err, max_logits_err, min_top1) != (None, None, None):
         b = res.bounds
-        res = rescore(res, dataclasses.replace(
-            b, moe_rel=b.moe_rel if max_moe_err is None else max_moe_err,
-            logits_rel=b.logits_rel if max_logits_err is None else max_logits_err,
-            min_top1=b.min_top1 if min_top1 is None else min_top1, why=b.why + "; overridden on the command line"))
+        res = rescore(
+            res,
+            dataclasses.replace(
+                b,
+                moe_rel=b.moe_rel if max_moe_err is None else max_moe_err,
+                logits_rel=b.logits_rel if max_logits_err is None else max_logits_err,
+                min_top1=b.min_top1 if min_top1 is None else min_top1,
+                why=b.why + "; overridden on the command line",
+            ),
+        )
     echo(format_result(res))
     return 0 if res.passed else 1
 
@@ -348,7 +417,9 @@ def rescore(res: VerifyResult, bounds: Bounds) -> VerifyResult:
     out = dataclasses.replace(res, bounds=bounds, failures=[])
     for lr in out.layers:
         if lr.moe_rel is not None and not lr.moe_rel <= bounds.moe_rel:
-            out.failures.append(f"layer {lr.index} ({lr.kind}): MoE output rel err {lr.moe_rel:.3e} > {bounds.moe_rel:g}")
+            out.failures.append(
+                f"layer {lr.index} ({lr.kind}): MoE output rel err {lr.moe_rel:.3e} > {bounds.moe_rel:g}"
+            )
     if not out.logits_rel <= bounds.logits_rel:
         out.failures.append(f"final logits rel err {out.logits_rel:.3e} > {bounds.logits_rel:g}")
     if not out.top1 >= bounds.min_top1:

@@ -32,6 +32,7 @@ from .transform import CopyRange, finite_checker, run_task
 from ..durable import disk_error, fsync_dir, sha256_bytes, stage_bytes, stage_copy
 from .writer import SHARD_METADATA, ShardWriter
 
+
 class ShardPipeline:
     """Each shard is hashed while it is written and fsynced on its own thread (ShardWriter); once its
     digest is ready it is renamed to .done and journalled, while the next shards are written: the main
@@ -52,7 +53,9 @@ class ShardPipeline:
             try:
                 digest = fut.result()
             except OSError as e:
-                raise ConversionError(f"cannot re-read the shard just written: {e.strerror or e}", file=self.out / partial_name(name)) from None
+                raise ConversionError(
+                    f"cannot re-read the shard just written: {e.strerror or e}", file=self.out / partial_name(name)
+                ) from None
             try:
                 os.replace(self.out / partial_name(name), self.out / done_name(name))
             except OSError as e:
@@ -77,8 +80,17 @@ class ShardPipeline:
             except Exception:  # noqa: BLE001
                 pass
 
-def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, out_dir: Path, device: str, progress: bool,
-             allow_non_finite: bool, source_id: str) -> tuple[list[str], Measurements]:
+
+def execute(
+    plan: ConversionPlan,
+    headers: dict[str, bytes],
+    journal: Journal,
+    out_dir: Path,
+    device: str,
+    progress: bool,
+    allow_non_finite: bool,
+    source_id: str,
+) -> tuple[list[str], Measurements]:
     """Write every shard the journal does not have, then finalize; returns the files written and what the conversions
     that change a weight's number format measured (those of shards kept by --resume are not measured again)."""
     todo = [s for s in plan.shards if s.filename not in journal.completed]
@@ -93,8 +105,9 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         torch.set_num_threads(1)  # the quantizer runs one thread per core itself (transform.strip_pool)
     try:
         for shard in todo:
-            digest = write_shard(shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite,
-                                 measurements)
+            digest = write_shard(
+                shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite, measurements
+            )
             pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes, digest)
         pipeline.collect(block=True)
         pipeline.close(salvage=False)
@@ -113,8 +126,17 @@ def execute(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal, o
         for fd in source_fds.values():
             os.close(fd)
 
-def write_shard(shard: PlannedShard, header: bytes, out_dir: Path, source_fds: dict[Path, int], bar, device: str,
-                allow_non_finite: bool, measurements: Measurements) -> Future:
+
+def write_shard(
+    shard: PlannedShard,
+    header: bytes,
+    out_dir: Path,
+    source_fds: dict[Path, int],
+    bar,
+    device: str,
+    allow_non_finite: bool,
+    measurements: Measurements,
+) -> Future:
     """Write one shard, adding what its conversions measured to ``measurements``; returns the Future of its sha256
     (hashed as written, fsynced on the shard's own thread)."""
     writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)
@@ -157,17 +179,24 @@ def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan, trans
     if "--resume" in message:
         return f"{message} ({n} of {len(plan.shards)} shards are complete and kept)"
     if not transient:  # the same input fails the same way again: resuming alone would only repeat it
-        return (f"{message} ({n} of {len(plan.shards)} shards are complete and kept: once the cause is fixed, rerun with "
-                "--resume to continue if the source is unchanged, else with --overwrite to start over)")
+        return (
+            f"{message} ({n} of {len(plan.shards)} shards are complete and kept: once the cause is fixed, rerun with "
+            "--resume to continue if the source is unchanged, else with --overwrite to start over)"
+        )
     return f"{message} ({n} of {len(plan.shards)} shards are complete and kept: rerun with --resume to continue)"
 
-def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, measurements: Measurements) -> list[str]:
+
+def finalize(
+    plan: ConversionPlan, journal: Journal, out: Path, source_id: str, measurements: Measurements
+) -> list[str]:
     """Stage every small file under a temporary name, then rename everything into place, config.json last.
 
     The manifest lists every file the conversion wrote (shards, copied files, index, config.json) with its size and
     sha256, so ``verify --checksums`` covers all of them and ``--overwrite`` later deletes exactly these."""
-    manifest_files = {s.filename: {"size": journal.completed[s.filename]["size"], "sha256": journal.completed[s.filename]["sha256"]}
-                      for s in plan.shards}
+    manifest_files = {
+        s.filename: {"size": journal.completed[s.filename]["size"], "sha256": journal.completed[s.filename]["sha256"]}
+        for s in plan.shards
+    }
     index = {
         "metadata": {"total_size": plan.total_size},
         "weight_map": {t.name: s.filename for s in plan.shards for t in sorted(s.tensors, key=lambda t: t.name)},
@@ -183,9 +212,15 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
             manifest_files[p.name] = _file_entry(tmp.read_bytes())
         manifest_files[INDEX_NAME] = _file_entry(index_bytes)
         manifest_files[CONFIG_NAME] = _file_entry(config_bytes)
-        manifest = Manifest(manifest_files, __version__, source_id, plan.options_used(), journal.fingerprint,
-                            measurements=measurements.manifest_entries(plan.converted_weights()),  # the model card shows them
-                            extra=_source_license(plan))
+        manifest = Manifest(
+            manifest_files,
+            __version__,
+            source_id,
+            plan.options_used(),
+            journal.fingerprint,
+            measurements=measurements.manifest_entries(plan.converted_weights()),  # the model card shows them
+            extra=_source_license(plan),
+        )
         staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
         staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump()), out / MANIFEST_NAME))
         config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)
@@ -210,6 +245,7 @@ def finalize(plan: ConversionPlan, journal: Journal, out: Path, source_id: str, 
     fsync_dir(out)
     return [s.filename for s in plan.shards] + [p.name for p in others] + [INDEX_NAME, MANIFEST_NAME, CONFIG_NAME]
 
+
 def _source_license(plan: ConversionPlan) -> dict:
     """The manifest's ``source_license`` field, when the source's card declares one (the card is not copied)."""
     lic = read_source_license(plan.source.root)
@@ -219,6 +255,6 @@ def _source_license(plan: ConversionPlan) -> dict:
 def _file_entry(data: bytes) -> dict:
     return {"size": len(data), "sha256": sha256_bytes(data)}
 
+
 def _json(obj) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode()
-

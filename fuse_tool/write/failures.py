@@ -43,7 +43,9 @@ def _expected(task) -> str:
     return "a tensor the plan describes"
 
 
-def unexpected_error(e: BaseException, task=None, shard: str | None = None, where: Path | None = None) -> ConversionError:
+def unexpected_error(
+    e: BaseException, task=None, shard: str | None = None, where: Path | None = None
+) -> ConversionError:
     """``e`` as a one-line ConversionError naming the source file and tensor of ``task`` (or ``where``)."""
     file, tensor, dtype = _source_of(task)
     target = getattr(getattr(task, "target", None) or getattr(task, "weight", None), "tensor", None)
@@ -51,11 +53,17 @@ def unexpected_error(e: BaseException, task=None, shard: str | None = None, wher
         tensor = target
     into = f" (writing {shard})" if shard else ""
     if isinstance(e, OSError):
-        return ConversionError(f"I/O error: {e.strerror or e}{into}; "
-                               "expected a readable source and a writable output folder", file=e.filename or file or where, tensor=tensor)
+        return ConversionError(
+            f"I/O error: {e.strerror or e}{into}; expected a readable source and a writable output folder",
+            file=e.filename or file or where,
+            tensor=tensor,
+        )
     if isinstance(e, KeyError) and dtype is not None and e.args == (dtype,) and dtype not in TORCH_DTYPES:
-        return ConversionError(f"has dtype {dtype}, which the converter cannot read{into}; expected {_expected(task)}",
-                               file=file, tensor=tensor)
+        return ConversionError(
+            f"has dtype {dtype}, which the converter cannot read{into}; expected {_expected(task)}",
+            file=file,
+            tensor=tensor,
+        )
     detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     expected = f"; expected {_expected(task)}" if task is not None else ""
     err = ConversionError(f"unexpected failure ({detail}){into}{expected}", file=file or where, tensor=tensor)

@@ -164,8 +164,13 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
 def _changed(a: Any, b: dict[str, Any]) -> str | None:
     if not isinstance(a, dict):
         return "recorded differently"
-    for k, what in (("size", "size"), ("header_sha256", "header"), ("blob", "Hub blob"), ("pages_sha256", "data"),
-                    ("mtime_ns", "modification time")):
+    for k, what in (
+        ("size", "size"),
+        ("header_sha256", "header"),
+        ("blob", "Hub blob"),
+        ("pages_sha256", "data"),
+        ("mtime_ns", "modification time"),
+    ):
         if a.get(k) != b.get(k):
             return what
     return None
@@ -191,15 +196,24 @@ class Journal:
             raw = json.loads(path.read_bytes())
             version = raw.get("journal_version") if isinstance(raw, dict) else None
             if isinstance(version, int) and 0 < version < JOURNAL_VERSION:
-                raise ConversionError(f"cannot resume: the journal was written by an older fuse-shared (journal version {version}, "
-                                      f"this one resumes version {JOURNAL_VERSION} only); rerun with --overwrite to start over", file=path)
+                raise ConversionError(
+                    f"cannot resume: the journal was written by an older fuse-shared (journal version {version}, "
+                    f"this one resumes version {JOURNAL_VERSION} only); rerun with --overwrite to start over",
+                    file=path,
+                )
             if not isinstance(raw, dict) or raw.get("journal_version") != JOURNAL_VERSION:
-                raise ValueError(f"journal_version {raw.get('journal_version') if isinstance(raw, dict) else None!r}, expected {JOURNAL_VERSION}")
+                raise ValueError(
+                    f"journal_version {raw.get('journal_version') if isinstance(raw, dict) else None!r}, expected {JOURNAL_VERSION}"
+                )
             inputs, completed = raw["inputs"], raw["completed"]
             if not isinstance(inputs, dict) or not isinstance(completed, dict):
                 raise ValueError("inputs or completed is not an object")
             for name, entry in completed.items():
-                if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+                if not (
+                    isinstance(entry, dict)
+                    and isinstance(entry.get("size"), int)
+                    and isinstance(entry.get("sha256"), str)
+                ):
                     raise ValueError(f"entry for {name!r} is not {{size, sha256}}")
             if raw.get("fingerprint") != fingerprint(inputs):
                 raise ValueError("its fingerprint does not match its inputs")
@@ -208,7 +222,9 @@ class Journal:
                 raise ValueError("outputs is not a list of file names")
             return cls(path, inputs, int(raw.get("num_shards", 0)), completed, outputs)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ConversionError(f"the resume journal is unreadable ({e}); rerun with --overwrite to start over", file=path) from None
+            raise ConversionError(
+                f"the resume journal is unreadable ({e}); rerun with --overwrite to start over", file=path
+            ) from None
 
     def save(self) -> None:
         data = {
@@ -233,7 +249,11 @@ class Journal:
         if not isinstance(raw, dict):
             return None
         names: set[str] = set()
-        for value in (raw.get("outputs"), raw.get("completed"), (raw.get("inputs") or {}).get("other_files") if isinstance(raw.get("inputs"), dict) else None):
+        for value in (
+            raw.get("outputs"),
+            raw.get("completed"),
+            (raw.get("inputs") or {}).get("other_files") if isinstance(raw.get("inputs"), dict) else None,
+        ):
             if isinstance(value, (list, dict)):
                 names |= {n for n in value if isinstance(n, str)}
         return names | {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}

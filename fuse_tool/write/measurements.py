@@ -63,23 +63,31 @@ def _pow2(x: float) -> str:
     return "0" if x == 0 else f"2^{math.log2(x):g}" if math.log2(x).is_integer() else f"{x:.3g}"
 
 
-def describe_exactness(report: ExactnessReport, planned: int | None = None, limit: int = 20, label: str = "MXFP4") -> list[str]:
+def describe_exactness(
+    report: ExactnessReport, planned: int | None = None, limit: int = 20, label: str = "MXFP4"
+) -> list[str]:
     """Summary lines: how many blocks were converted exactly, and each tensor that was not (worst first, up to ``limit``).
     ``planned``: how many tensors the plan converts (more than were measured when --resume kept some shards)."""
     if not report.tensors:
         return []
     bad = report.inexact()
-    lines = [f"{label + ' -> FP8':<14} {len(report.tensors):,} tensors, {report.blocks:,} blocks of 128x128: "
-             f"{report.blocks - report.inexact_blocks:,} exact, {report.inexact_blocks:,} not exact in {len(bad):,} tensors"
-             + (f" (values moved by at most {_pow2(report.max_moved)} of the block scale)" if bad else "")]
+    lines = [
+        f"{label + ' -> FP8':<14} {len(report.tensors):,} tensors, {report.blocks:,} blocks of 128x128: "
+        f"{report.blocks - report.inexact_blocks:,} exact, {report.inexact_blocks:,} not exact in {len(bad):,} tensors"
+        + (f" (values moved by at most {_pow2(report.max_moved)} of the block scale)" if bad else "")
+    ]
     worst = sorted(bad.items(), key=lambda kv: (-kv[1].inexact_blocks, kv[0]))
     for name, t in worst[:limit]:
-        lines.append(f"  not exact    {name}: {t.inexact_blocks} of {t.blocks} blocks, moved by at most {_pow2(t.max_moved)} of the block scale")
+        lines.append(
+            f"  not exact    {name}: {t.inexact_blocks} of {t.blocks} blocks, moved by at most {_pow2(t.max_moved)} of the block scale"
+        )
     if len(worst) > limit:
         lines.append(f"  not exact    ... and {len(worst) - limit} more tensors")
     if planned is not None and planned > len(report.tensors):
-        lines.append(f"  measured     {len(report.tensors):,} of the plan's {planned:,} {label} tensors (the others are in shards written by "
-                     "an earlier run and kept by --resume)")
+        lines.append(
+            f"  measured     {len(report.tensors):,} of the plan's {planned:,} {label} tensors (the others are in shards written by "
+            "an earlier run and kept by --resume)"
+        )
     return lines
 
 
@@ -102,7 +110,9 @@ class RequantizationReport:
     def worst(self, limit: int) -> list[tuple[str, RequantizationError]]:
         return sorted(self.tensors.items(), key=lambda kv: (-kv[1].rel, kv[0]))[:limit]
 
-    def summary(self, planned: int, limit: int = 10, source_format: str = "int4 pack-quantized (compressed-tensors)") -> dict:
+    def summary(
+        self, planned: int, limit: int = 10, source_format: str = "int4 pack-quantized (compressed-tensors)"
+    ) -> dict:
         """A JSON-ready summary (the manifest's ``requantization``): totals and the ``limit`` worst tensors."""
         t = self.total()
         return {
@@ -114,7 +124,9 @@ class RequantizationReport:
             "relative_error": t.rel,
             "max_abs_error": t.max_abs,
             "worst_tensor_relative_error": max((e.rel for e in self.tensors.values()), default=0.0),
-            "worst_tensors": [{"tensor": n, "relative_error": e.rel, "max_abs_error": e.max_abs} for n, e in self.worst(limit)],
+            "worst_tensors": [
+                {"tensor": n, "relative_error": e.rel, "max_abs_error": e.max_abs} for n, e in self.worst(limit)
+            ],
         }
 
     def describe(self, label: str, planned: int, limit: int = 5) -> list[str]:
@@ -124,21 +136,29 @@ class RequantizationReport:
         return "requantization", self.summary(planned, source_format=fmt.description)  # the model card shows it
 
 
-def describe_requantization(report: RequantizationReport, planned: int, limit: int = 5, label: str = "INT4") -> list[str]:
+def describe_requantization(
+    report: RequantizationReport, planned: int, limit: int = 5, label: str = "INT4"
+) -> list[str]:
     """Summary lines: the total relative error of the requantization to FP8 and the worst tensors."""
     head = f"{label + ' -> FP8':<14}"
     if not report.tensors:
         return [] if not planned else [f"{head} {planned:,} tensors requantized (errors measured while converting)"]
     t = report.total()
-    lines = [f"{head} {len(report.tensors):,} tensors ({t.elements:,} values) requantized to FP8 128x128 blocks: relative error "
-             f"{t.rel:.3e} against the dequantized {label} source in total, max |error| {t.max_abs:.3g}"]
+    lines = [
+        f"{head} {len(report.tensors):,} tensors ({t.elements:,} values) requantized to FP8 128x128 blocks: relative error "
+        f"{t.rel:.3e} against the dequantized {label} source in total, max |error| {t.max_abs:.3g}"
+    ]
     for name, e in report.worst(limit):
         lines.append(f"  error        {name}: relative {e.rel:.3e}, max |error| {e.max_abs:.3g}")
     if len(report.tensors) > limit:
-        lines.append(f"  error        ... and {len(report.tensors) - limit:,} more tensors (the manifest lists the worst)")
+        lines.append(
+            f"  error        ... and {len(report.tensors) - limit:,} more tensors (the manifest lists the worst)"
+        )
     if planned > len(report.tensors):
-        lines.append(f"  measured     {len(report.tensors):,} of the plan's {planned:,} {label} tensors (the others are in shards written by "
-                     "an earlier run and kept by --resume)")
+        lines.append(
+            f"  measured     {len(report.tensors):,} of the plan's {planned:,} {label} tensors (the others are in shards written by "
+            "an earlier run and kept by --resume)"
+        )
     return lines
 
 

@@ -27,7 +27,17 @@ import shutil
 from pathlib import Path
 
 from ..errors import ConversionError
-from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, MANIFEST_VERSION, done_name, is_temporary_name, partial_name
+from ..files import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    done_name,
+    is_temporary_name,
+    partial_name,
+)
 from ..plan import ConversionPlan, PlannedShard
 from .journal import Journal, describe_difference, fingerprint
 from ..durable import disk_error, sha256_file
@@ -35,11 +45,14 @@ from ..manifest import Manifest
 
 SPACE_MARGIN = 64 << 20
 
+
 def check_out_dir_name(out_dir: str | os.PathLike) -> None:
     """An empty OUT_DIR or ``.`` names the current directory by accident: refused, never written into."""
     text = os.fspath(out_dir)
     if not text.strip() or os.path.normpath(text) == ".":
-        raise ConversionError(f"OUT_DIR {text!r} is the current directory: name the output folder explicitly (for example ../model-fused)")
+        raise ConversionError(
+            f"OUT_DIR {text!r} is the current directory: name the output folder explicitly (for example ../model-fused)"
+        )
 
 
 def _identity(path: Path | str) -> tuple[int, int]:
@@ -63,13 +76,19 @@ def check_paths(model_dir: Path, out_dir: Path) -> None:
     try:
         model = _identity(model_dir)
         if any(_identity(d) == model for d in _real_chain(out_dir)):
-            raise ConversionError(f"OUT_DIR is the model folder or inside it (the same folder on disk as {model_dir}); "
-                                  "choose a folder outside the source", file=out_dir)
+            raise ConversionError(
+                f"OUT_DIR is the model folder or inside it (the same folder on disk as {model_dir}); "
+                "choose a folder outside the source",
+                file=out_dir,
+            )
         if out_dir.exists():
             out = _identity(out_dir)
             if any(_identity(d) == out for d in _real_chain(model_dir)):
-                raise ConversionError(f"OUT_DIR holds the model folder {model_dir}; choose a folder outside the source "
-                                      "(--overwrite must never reach the model's files)", file=out_dir)
+                raise ConversionError(
+                    f"OUT_DIR holds the model folder {model_dir}; choose a folder outside the source "
+                    "(--overwrite must never reach the model's files)",
+                    file=out_dir,
+                )
     except OSError as e:
         raise ConversionError(f"cannot inspect: {e.strerror or e}", file=e.filename or out_dir) from None
 
@@ -110,18 +129,23 @@ def make_out_dir(out_dir: Path) -> bool:
         raise ConversionError(f"cannot create the output folder: {e.strerror or e}", file=out_dir) from None
     return True
 
+
 def remove_if_empty(out_dir: Path) -> None:
     try:
         out_dir.rmdir()
     except OSError:
         pass
 
+
 def our_names(plan: ConversionPlan) -> set[str]:
     """Final names this conversion writes."""
     names = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME} | {s.filename for s in plan.shards}
     return names | {p.name for p in plan.source.other_files}
 
-def prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes], inputs: dict, overwrite: bool, resume: bool) -> tuple[Journal, int]:
+
+def prepare_out_dir(
+    out: Path, plan: ConversionPlan, headers: dict[str, bytes], inputs: dict, overwrite: bool, resume: bool
+) -> tuple[Journal, int]:
     """Decide what OUT_DIR holds and what is left to do. Returns the journal to continue and how many shards were kept."""
     entries = [p for p in out.iterdir() if p.name != LOCK_NAME]
     jpath = out / JOURNAL_NAME
@@ -145,7 +169,10 @@ def prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes], 
                 f"OUT_DIR holds an interrupted conversion ({done}); rerun with --resume to continue it, or --overwrite to start over",
                 file=out,
             )
-        raise ConversionError("OUT_DIR is not empty; pass --overwrite to replace a previous conversion there (or --resume to continue one)", file=out)
+        raise ConversionError(
+            "OUT_DIR is not empty; pass --overwrite to replace a previous conversion there (or --resume to continue one)",
+            file=out,
+        )
 
     if has_journal:
         journal = Journal.load(jpath)
@@ -191,8 +218,15 @@ def prepare_out_dir(out: Path, plan: ConversionPlan, headers: dict[str, bytes], 
     journal = Journal(jpath, inputs, len(plan.shards), kept, outputs)
     return journal, len(kept)
 
+
 def _plain_name(name) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def previous_output(out: Path) -> tuple[set[str], bool, bool]:
@@ -204,8 +238,11 @@ def previous_output(out: Path) -> tuple[set[str], bool, bool]:
     if manifest is not None and isinstance(manifest.converter_version, str):
         bad = [n for n in manifest.files if not _plain_name(n) or n == MANIFEST_NAME]
         if bad:
-            raise ConversionError(f"lists {bad[0]!r}, which is not a file of OUT_DIR: not a manifest fuse-shared wrote; "
-                                  "remove it or choose another output folder", file=out / MANIFEST_NAME)
+            raise ConversionError(
+                f"lists {bad[0]!r}, which is not a file of OUT_DIR: not a manifest fuse-shared wrote; "
+                "remove it or choose another output folder",
+                file=out / MANIFEST_NAME,
+            )
         found = True
         names |= set(manifest.files) | {MANIFEST_NAME}
         if manifest.version != MANIFEST_VERSION:  # listed only the shards; config, index and copies were not listed
@@ -235,7 +272,11 @@ def remove_previous_output(out: Path, entries: list[Path], ours: set[str]) -> No
         elif name in ours:
             foreign.append(name + ("/" if p.is_dir() and not p.is_symlink() else ""))
     if foreign:
-        why = f"no {MANIFEST_NAME} or journal of an earlier conversion lists" if not found else f"the earlier conversion's {MANIFEST_NAME} does not list"
+        why = (
+            f"no {MANIFEST_NAME} or journal of an earlier conversion lists"
+            if not found
+            else f"the earlier conversion's {MANIFEST_NAME} does not list"
+        )
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise ConversionError(
             f"OUT_DIR holds {', '.join(sorted(foreign)[:3])}{more}, which this conversion would replace but {why}: "
@@ -255,6 +296,7 @@ def load_journal_quietly(path: Path) -> Journal | None:
     except ConversionError:
         return None
 
+
 def completed_from_manifest(out: Path, inputs: dict) -> dict[str, dict] | None:
     """A finished (or almost finished) conversion: its manifest's files, if it was made from these inputs."""
     manifest = Manifest.load_lenient(out)
@@ -266,6 +308,7 @@ def completed_from_manifest(out: Path, inputs: dict) -> dict[str, dict] | None:
             file=out,
         )
     return manifest.entries()
+
 
 def intact(out: Path, shard: PlannedShard, header: bytes, entry: dict) -> bool:
     """A journalled shard is kept if its file (still .done, or already renamed) has the recorded size and the planned header."""
@@ -283,6 +326,7 @@ def intact(out: Path, shard: PlannedShard, header: bytes, entry: dict) -> bool:
             continue
     return False
 
+
 def bytes_still_needed(plan: ConversionPlan, headers: dict[str, bytes], journal: Journal) -> int:
     shards = sum(len(headers[s.filename]) + s.nbytes for s in plan.shards if s.filename not in journal.completed)
     others = sum(p.stat().st_size for p in plan.source.other_files)
@@ -290,6 +334,7 @@ def bytes_still_needed(plan: ConversionPlan, headers: dict[str, bytes], journal:
     names = sum(len(t.name) + 64 for s in plan.shards for t in s.tensors)
     small = 2 * (names + 400 * (len(plan.shards) + len(plan.source.shard_files)) + len(json.dumps(plan.config)) + 4096)
     return shards + others + small
+
 
 def check_free_space(out_dir: Path, needed: int) -> None:
     free = shutil.disk_usage(out_dir).free
@@ -300,11 +345,13 @@ def check_free_space(out_dir: Path, needed: int) -> None:
             file=out_dir,
         )
 
+
 def _size(n: int) -> str:
     for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n} B"
+
 
 class OutputLock:
     """An exclusive lock on OUT_DIR, so two converts cannot write into one folder at once.
@@ -370,8 +417,10 @@ class OutputLock:
             os.close(self.fd)
             self.fd = -1
 
+
 def _busy(out_dir: Path) -> ConversionError:
     return ConversionError("another fuse-shared convert is writing into this folder", file=out_dir)
+
 
 def output_locked(out_dir: Path) -> bool:
     """True while a convert holds OUT_DIR's lock (for ``verify``)."""

@@ -31,7 +31,9 @@ from .measurements import Measured
 
 T = TypeVar("T")
 CHUNK_BYTES = 64 << 20
-QUANTIZE_CHUNK_BYTES = 16 << 20  # float32-equivalent rows quantized per chunk: several per expert, so reading and writing overlap the math
+QUANTIZE_CHUNK_BYTES = (
+    16 << 20
+)  # float32-equivalent rows quantized per chunk: several per expert, so reading and writing overlap the math
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,14 @@ Piece = Write | CopyRange
 def run_task(task: Task, device: str = "cpu", allow_non_finite: bool = False) -> Iterator[Piece | Measured]:
     """The pieces that make up a task's output tensors (and what a conversion measured, last)."""
     if isinstance(task, CopyTask):
-        yield CopyRange(task.target.tensor, task.target.offset, task.source.file, task.source.offset, task.source.nbytes, task.source)
+        yield CopyRange(
+            task.target.tensor,
+            task.target.offset,
+            task.source.file,
+            task.source.offset,
+            task.source.nbytes,
+            task.source,
+        )
     elif isinstance(task, ProjectionTask):
         yield from _projection(task, device, allow_non_finite)
     elif isinstance(task, CastTask):
@@ -86,7 +95,11 @@ def _read_matrix_f32(m: Matrix) -> torch.Tensor:
 
 
 def _non_finite_error(info: TensorInfo, bad: int) -> ConversionError:
-    return ConversionError(f"has {bad} non-finite values (NaN or Inf); pass --allow-non-finite to convert anyway", file=info.file, tensor=info.name)
+    return ConversionError(
+        f"has {bad} non-finite values (NaN or Inf); pass --allow-non-finite to convert anyway",
+        file=info.file,
+        tensor=info.name,
+    )
 
 
 def _check_finite(t: torch.Tensor, info: TensorInfo, allow: bool) -> None:
@@ -168,9 +181,12 @@ def _check_positive(scales: torch.Tensor, info: TensorInfo) -> None:
     scales are powers of two, positive by construction.)"""
     bad = int((scales <= 0).sum())
     if bad:
-        raise ConversionError(f"has {bad} FP8 block scales that are 0 or negative, expected every scale > 0 (a "
-                              "damaged checkpoint); pass --allow-non-finite to convert anyway", file=info.file,
-                              tensor=info.name)
+        raise ConversionError(
+            f"has {bad} FP8 block scales that are 0 or negative, expected every scale > 0 (a "
+            "damaged checkpoint); pass --allow-non-finite to convert anyway",
+            file=info.file,
+            tensor=info.name,
+        )
 
 
 def _check_block_scales(scales: torch.Tensor, info: TensorInfo, allow: bool) -> None:
@@ -201,8 +217,15 @@ def _projection(task: ProjectionTask, device: str, allow_non_finite: bool) -> It
         yield CopyRange(task.weight.tensor, task.weight.offset, w.info.file, w.info.offset + w.offset, w.nbytes, w.info)
         if task.scale is not None:
             s = sw.scale
-            yield CopyRange(task.scale.tensor, task.scale.offset, s.info.file, s.info.offset + s.offset, s.nbytes,
-                            s.info, block_scales=True)
+            yield CopyRange(
+                task.scale.tensor,
+                task.scale.offset,
+                s.info.file,
+                s.info.offset + s.offset,
+                s.nbytes,
+                s.info,
+                block_scales=True,
+            )
         return
     if task.mode == "region":
         yield from _region(task, allow_non_finite)
@@ -236,12 +259,18 @@ def _region(task: ProjectionTask, allow_non_finite: bool = False) -> Iterator[Pi
         B = WEIGHT_BLOCK
         rb, cb = cut.r0 // B, cut.c0 // B
         nr, nc = math.ceil((cut.r1 - cut.r0) / B), math.ceil((cut.c1 - cut.c0) / B)
-        out_grid = torch.full(scale_grid(cut.out_rows, cut.out_cols), _zero_block_scale(task.scale_fmt), dtype=torch.float32)
+        out_grid = torch.full(
+            scale_grid(cut.out_rows, cut.out_cols), _zero_block_scale(task.scale_fmt), dtype=torch.float32
+        )
         out_grid[:nr, :nc] = grid[rb : rb + nr, cb : cb + nc]
         yield Write(task.scale.tensor, task.scale.offset, out_grid)
 
 
-_PLAIN = {"BF16", "F16", "F32"}  # float sources whose float32 values are exact: quantized strip by strip from their bytes
+_PLAIN = {
+    "BF16",
+    "F16",
+    "F32",
+}  # float sources whose float32 values are exact: quantized strip by strip from their bytes
 _workers = threading.local()
 _pool: ThreadPoolExecutor | None = None
 
@@ -260,7 +289,9 @@ def strip_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def start_on_strips(convert: Callable[[int, int], T], rows: int, device: str, per: int = WEIGHT_BLOCK) -> Callable[[], list[T]]:
+def start_on_strips(
+    convert: Callable[[int, int], T], rows: int, device: str, per: int = WEIGHT_BLOCK
+) -> Callable[[], list[T]]:
     """Start ``convert(r0, r1)`` over the rows ``[0, rows)``: on the CPU in pieces of ``per`` rows on the quantizer's
     threads (torch's ops release the GIL), on a GPU in one call, now. Returns what waits for the results, in row order."""
     if device != "cpu":
@@ -282,11 +313,16 @@ def _workspace(cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This thread's float32 strip and its |x| buffer (reused: fresh pages cost more than the math)."""
     ws = getattr(_workers, "ws", None)
     if ws is None or ws[0].shape[1] != cols:
-        ws = _workers.ws = (torch.empty((WEIGHT_BLOCK, cols), dtype=torch.float32), torch.empty((WEIGHT_BLOCK, cols), dtype=torch.float32))
+        ws = _workers.ws = (
+            torch.empty((WEIGHT_BLOCK, cols), dtype=torch.float32),
+            torch.empty((WEIGHT_BLOCK, cols), dtype=torch.float32),
+        )
     return ws
 
 
-def _quantize_strip(raw: torch.Tensor, r: int, c0: int, c1: int, q: torch.Tensor, scale: torch.Tensor, scale_fmt: str) -> None:
+def _quantize_strip(
+    raw: torch.Tensor, r: int, c0: int, c1: int, q: torch.Tensor, scale: torch.Tensor, scale_fmt: str
+) -> None:
     """Output rows ``[r, r + 128)`` of a chunk: source rows ``raw[r:]``, columns ``[c0, c1)``, zero-padded."""
     B = WEIGHT_BLOCK
     rows, cols = min(B, q.shape[0] - r), q.shape[1]
@@ -321,7 +357,11 @@ def _read_rows_into(m: Matrix, r0: int, r1: int, slot: int) -> torch.Tensor:
         except OSError as e:
             raise CheckpointError(f"cannot read: {e.strerror or e}", file=info.file, tensor=info.name) from None
         if got != n:  # the same words as runtime.safetensors_io.read_bytes
-            raise CheckpointError(f"short read: wanted {n} bytes at {info.offset + m.offset + r0 * m.row_bytes}, got {got} (file truncated?)", file=info.file, tensor=info.name)
+            raise CheckpointError(
+                f"short read: wanted {n} bytes at {info.offset + m.offset + r0 * m.row_bytes}, got {got} (file truncated?)",
+                file=info.file,
+                tensor=info.name,
+            )
         return torch.frombuffer(view, dtype=TORCH_DTYPES[m.dtype]).reshape(r1 - r0, m.cols)
     return torch.empty((0, m.cols), dtype=TORCH_DTYPES[m.dtype])
 
@@ -340,7 +380,9 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
         _check_block_scales(scales, sw.scale.info, allow_non_finite)
     plain = sw.scale is None and w.dtype in _PLAIN
     threaded = plain and device == "cpu"
-    step = _rows_per_chunk(4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK, QUANTIZE_CHUNK_BYTES if threaded else CHUNK_BYTES)
+    step = _rows_per_chunk(
+        4 * max(w.cols, cut.out_cols), WEIGHT_BLOCK, QUANTIZE_CHUNK_BYTES if threaded else CHUNK_BYTES
+    )
     scale_rows: list[torch.Tensor] = []
     running: list = []  # (t0, q, s, jobs) of the chunk the pool is quantizing
     try:
@@ -348,14 +390,29 @@ def _quantize(task: ProjectionTask, device: str, allow_non_finite: bool) -> Iter
             t1 = min(cut.out_rows, t0 + step)
             s0, s1 = cut.r0 + t0, min(cut.r0 + t1, cut.r1)
             if plain:
-                raw = _read_rows_into(w, s0, s1, k % 2) if threaded else _read_rows(w, s0, s1) if s1 > s0 else torch.empty((0, w.cols), dtype=TORCH_DTYPES[w.dtype])
+                raw = (
+                    _read_rows_into(w, s0, s1, k % 2)
+                    if threaded
+                    else _read_rows(w, s0, s1)
+                    if s1 > s0
+                    else torch.empty((0, w.cols), dtype=TORCH_DTYPES[w.dtype])
+                )
                 if not allow_non_finite and (bad := count_non_finite(raw, w.dtype)):
                     raise _non_finite_error(w.info, bad)
             if threaded:
                 q = torch.empty((t1 - t0, cut.out_cols), dtype=FP8_DTYPE)
                 s = torch.empty((-(-(t1 - t0) // WEIGHT_BLOCK), -(-cut.out_cols // WEIGHT_BLOCK)), dtype=torch.float32)
-                running.append((t0, q, s, [strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt)
-                                           for r in range(0, t1 - t0, WEIGHT_BLOCK)]))
+                running.append(
+                    (
+                        t0,
+                        q,
+                        s,
+                        [
+                            strip_pool().submit(_quantize_strip, raw, r, cut.c0, cut.c1, q, s, task.scale_fmt)
+                            for r in range(0, t1 - t0, WEIGHT_BLOCK)
+                        ],
+                    )
+                )
                 if len(running) == 2:
                     yield from _finish_chunk(task, running.pop(0), scale_rows)
                 continue
@@ -400,10 +457,14 @@ def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Itera
     try:
         fmt.check_values(sw.stored, lambda info: bytes_to_tensor(read_bytes(info), info.dtype, info.shape))
     except FormatError as e:
-        info = next(t for t in (sw.stored.data, sw.stored.scale, *sw.stored.companions) if t is not None and t.name == e.tensor)
+        info = next(
+            t for t in (sw.stored.data, sw.stored.scale, *sw.stored.companions) if t is not None and t.name == e.tensor
+        )
         raise ConversionError(e.message, file=info.file, tensor=info.name) from None
     per = fmt.scale_rows_per  # (strips start on 128-row boundaries: whole scale rows)
-    step = max(WEIGHT_BLOCK, CHUNK_BYTES // (64 * cols) // WEIGHT_BLOCK * WEIGHT_BLOCK)  # 2 strips of ~16 float32 copies in flight
+    step = max(
+        WEIGHT_BLOCK, CHUNK_BYTES // (64 * cols) // WEIGHT_BLOCK * WEIGHT_BLOCK
+    )  # 2 strips of ~16 float32 copies in flight
 
     def start(r0: int) -> Callable[[], list]:
         r1 = min(w.rows, r0 + step)
@@ -411,6 +472,7 @@ def _convert(task: ProjectionTask, device: str, allow_non_finite: bool) -> Itera
         if not allow_non_finite and (bad := count_non_finite(scales, s.dtype)):
             raise _non_finite_error(s.info, bad)
         data, scales = _read_rows(w, r0, r1).to(device), scales.to(device)
+
         def convert(a: int, b: int):
             return fmt.to_fp8_rows(data[a:b], scales[a // per : -(-b // per)], sw.stored, task.scale_fmt)
 

@@ -30,7 +30,9 @@ from ..plan import OutputTensor, PlannedShard
 from runtime.safetensors_io import build_header
 
 COPY_CHUNK = 256 << 20
-CHECKED_COPY_CHUNK = 4 << 20  # checked copies pass through buffers of this size: read, scanned, written and hashed while in cache
+CHECKED_COPY_CHUNK = (
+    4 << 20
+)  # checked copies pass through buffers of this size: read, scanned, written and hashed while in cache
 COPY_BUFFERS = 8  # a ring of them per shard; a buffer is reused once its hash is done
 HASH_BACKLOG = 256 << 20  # bytes handed to the hashing thread and not yet hashed, at most
 SHARD_METADATA = {"format": "pt"}
@@ -68,7 +70,9 @@ class ShardWriter:
         self._failed: BaseException | None = None
         self.fd = -1
         try:
-            self.fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o644)  # read too: the hash reads back what was written ahead of it
+            self.fd = os.open(
+                path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o644
+            )  # read too: the hash reads back what was written ahead of it
         except OSError as e:
             raise disk_error(e, path) from None
         try:
@@ -81,7 +85,9 @@ class ShardWriter:
 
     def _place(self, tensor: str, offset: int, length: int) -> int:
         if tensor not in self.sizes or offset < 0 or offset + length > self.sizes[tensor]:
-            raise AssertionError(f"write of {length} bytes at {offset} outside {tensor} ({self.sizes.get(tensor)} bytes)")
+            raise AssertionError(
+                f"write of {length} bytes at {offset} outside {tensor} ({self.sizes.get(tensor)} bytes)"
+            )
         self.written[tensor] += length
         return self.data_start + self.offsets[tensor] + offset
 
@@ -118,7 +124,11 @@ class ShardWriter:
         if pos != self._hashed:
             self._ahead[pos] = n
             return None
-        fut = self._hash_job(self._sha.update, data) if data is not None else self._hash_job(self._hash_file, self.fd, pos, n)
+        fut = (
+            self._hash_job(self._sha.update, data)
+            if data is not None
+            else self._hash_job(self._hash_file, self.fd, pos, n)
+        )
         self._hashed += n
         self._bound(fut, n)
         while self._hashed in self._ahead:  # pieces written ahead are now next in line: read back from the page cache
@@ -141,9 +151,13 @@ class ShardWriter:
             try:
                 chunk = os.pread(fd, min(16 << 20, end - pos), pos)
             except OSError as e:
-                raise ConversionError(f"cannot re-read the shard just written: {e.strerror or e}", file=self.path) from None
+                raise ConversionError(
+                    f"cannot re-read the shard just written: {e.strerror or e}", file=self.path
+                ) from None
             if not chunk:
-                raise ConversionError(f"cannot re-read the shard just written: it ends at {pos}, {end - pos} bytes early", file=self.path)
+                raise ConversionError(
+                    f"cannot re-read the shard just written: it ends at {pos}, {end - pos} bytes early", file=self.path
+                )
             self._sha.update(chunk)
             pos += len(chunk)
 
@@ -167,7 +181,9 @@ class ShardWriter:
         self._hash_written(pos, len(raw), raw)
         return len(raw)
 
-    def copy(self, tensor: str, offset: int, src_fd: int, src_offset: int, length: int, src_path: Path, check=None) -> int:
+    def copy(
+        self, tensor: str, offset: int, src_fd: int, src_offset: int, length: int, src_path: Path, check=None
+    ) -> int:
         """Copy ``length`` source bytes into a tensor. With ``check`` (a callable taking the bytes
         and their offset in the copy), the bytes pass through buffers, are checked, written and
         hashed from there; otherwise they never enter Python (``copy_file_range``)."""
@@ -190,7 +206,10 @@ class ShardWriter:
                     continue
                 raise disk_error(e, self.path) from None
             if got == 0:
-                raise ConversionError(f"source ended early: {length - done} bytes short at {src_offset + done} (file truncated?)", file=src_path)
+                raise ConversionError(
+                    f"source ended early: {length - done} bytes short at {src_offset + done} (file truncated?)",
+                    file=src_path,
+                )
             self._hash_written(pos + done, got)
             done += got
         return length
@@ -206,7 +225,10 @@ class ShardWriter:
             except OSError as e:
                 raise ConversionError(f"read failed: {e.strerror or e}", file=src_path) from None
             if got != n:
-                raise ConversionError(f"source ended early: {length - done - got} bytes short at {src_offset + done + got} (file truncated?)", file=src_path)
+                raise ConversionError(
+                    f"source ended early: {length - done - got} bytes short at {src_offset + done + got} (file truncated?)",
+                    file=src_path,
+                )
             check(view, done)
             self._pwrite(view, pos + done)
             self._bufs[i] = (self._bufs[i][0], self._hash_written(pos + done, n, view))
@@ -219,9 +241,13 @@ class ShardWriter:
         missing = {t: self.sizes[t] - w for t, w in self.written.items() if w != self.sizes[t]}
         if missing or self._ahead or self._hashed != self.size:
             self.abort()
-            raise AssertionError(f"{self.path.name}: tensors not fully written: {list(missing)[:5] or list(self._ahead)[:5]}")
+            raise AssertionError(
+                f"{self.path.name}: tensors not fully written: {list(missing)[:5] or list(self._ahead)[:5]}"
+            )
         fd, self.fd = self.fd, -1
-        fut = self._hasher.submit(self._seal, fd, fsync)  # not through _run: it must close the file even after a failure
+        fut = self._hasher.submit(
+            self._seal, fd, fsync
+        )  # not through _run: it must close the file even after a failure
         self._hasher.shutdown(wait=False)
         return fut
 

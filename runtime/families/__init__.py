@@ -27,6 +27,17 @@ for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["REGISTRY", "Family", "MoEArchitecture", "MoENames", "RefusedFamily", "TransformersClasses",
-           "check_hidden_size", "describe_model", "family_for", "refused_model_types", "router_tensor_names",
-           "supported_model_types"]
+__all__ = [
+    "REGISTRY",
+    "Family",
+    "MoEArchitecture",
+    "MoENames",
+    "RefusedFamily",
+    "TransformersClasses",
+    "check_hidden_size",
+    "describe_model",
+    "family_for",
+    "refused_model_types",
+    "router_tensor_names",
+    "supported_model_types",
+]

@@ -28,10 +28,15 @@ class AXK2(DeepSeekStyleFamily):
     fixed = {"scoring": "sigmoid", "n_group": 1}
     # The gated norms' low-rank gate MLPs stay unquantized, as transformers' conversion mapping keeps them, and so does
     # the indexer's weights_proj, as in DeepSeek-V3.2 (its base).
-    names = MoENames(keep_unquantized=("self_attn.indexer.weights_proj",) + tuple(
-        f"{norm}.{proj}" for norm in ("input_layernorm", "post_attention_layernorm") for proj in ("W_down", "W_up")))
+    names = MoENames(
+        keep_unquantized=("self_attn.indexer.weights_proj",)
+        + tuple(
+            f"{norm}.{proj}" for norm in ("input_layernorm", "post_attention_layernorm") for proj in ("W_down", "W_up")
+        )
+    )
     transformers = TransformersClasses(
-        "AXK2Config", "AXK2ForCausalLM",
+        "AXK2Config",
+        "AXK2ForCausalLM",
         renames=(  # transformers' conversion mapping "axk2": release names -> module names
             (r"\.W_down\.", ".mlp.fc1."),
             (r"\.W_up\.", ".mlp.fc2."),
@@ -45,5 +50,8 @@ class AXK2(DeepSeekStyleFamily):
             raise UnsupportedModelError(
                 "groups experts (n_group > 1) and fills the experts of dropped groups with a score of 0.0, not -inf "
                 "(AXK2TopkRouter), so one can outrank a kept expert whose biased score is negative: the layout has no "
-                "such group rule", file=where.split(" ")[0], field="n_group")
+                "such group rule",
+                file=where.split(" ")[0],
+                field="n_group",
+            )
         return super().routing(cfg, num_routed_experts, where)

@@ -14,7 +14,12 @@ LING_KEYS = {
     "n_shared_experts": ("num_shared_experts",),
 }
 # The short convolutions of the linear-attention layers are stored per q/k/v and run as one.
-CONV_QKV = (("self_attn.conv1d.weight", ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")),)
+CONV_QKV = (
+    (
+        "self_attn.conv1d.weight",
+        ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight"),
+    ),
+)
 FORGET_GATE_RENAMES = (
     (r"self_attn\.f_(a_|b_)?proj\.", r"self_attn.forget_gate.f_\1proj."),
     (r"self_attn\.dt_bias$", "self_attn.forget_gate.dt_bias"),
@@ -28,15 +33,23 @@ class BailingHybrid(DeepSeekStyleFamily):
     model_types = ("bailing_hybrid",)
     names = MoENames(bias=("gate.expert_bias", "gate.e_score_correction_bias"))
     config_keys = LING_KEYS
-    config_defaults = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 2, "n_shared_experts": 1}
+    config_defaults = {
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 2,
+        "n_shared_experts": 1,
+    }
     fixed = {"scoring": "sigmoid"}
     transformers = TransformersClasses(
-        "BailingHybridConfig", "BailingHybridForCausalLM",
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
         renames=(
             (r"^model\.word_embeddings\.", "model.embed_tokens."),
             (r"\.attention\.", ".self_attn."),
             (r"\.self_attn\.dense\.", ".self_attn.o_proj."),
             (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias"),
-        ) + FORGET_GATE_RENAMES,
+        )
+        + FORGET_GATE_RENAMES,
         concats=CONV_QKV,
     )

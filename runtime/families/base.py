@@ -50,14 +50,18 @@ class MoENames:
     shared: str = "shared_experts"
     shared_in_layer: bool = False
     experts: str = "experts"  # the routed experts' module inside the block; "" where they are the block's own tensors
-    shared_projections: tuple[tuple[str, str, str], ...] = ()  # the family's own (gate, up, down) shared MLP names, tried first
+    shared_projections: tuple[
+        tuple[str, str, str], ...
+    ] = ()  # the family's own (gate, up, down) shared MLP names, tried first
     # Layer-relative module names that are never FP8-quantized (MTP glue, indexers the release keeps in BF16).
     mtp_glue: tuple[str, ...] = ("eh_proj", "enorm", "hnorm", "shared_head", "embed_tokens")
     keep_unquantized: tuple[str, ...] = ()
     # MTP blocks stored under their own prefix (DeepSeek-V4 ``mtp.N.``), numbered num_hidden_layers + N, found from the names.
     mtp_prefix: str | None = None
     hash_table: str | None = None  # a hash-routed layer's token table inside the block (DeepSeek-V4 ``gate.tid2eid``)
-    scale_storage: str = "f32"  # block scales: "f32" (<weight>_scale_inv) or "e8m0" (<module>.scale, F8_E8M0), layout.SCALE_STORAGES
+    scale_storage: str = (
+        "f32"  # block scales: "f32" (<weight>_scale_inv) or "e8m0" (<module>.scale, F8_E8M0), layout.SCALE_STORAGES
+    )
 
     def block(self, layer_root: str, block_name: str) -> str:
         """The MoE block's prefix in the layer at ``layer_root`` (the layer itself for the block name ``""``)."""
@@ -149,11 +153,17 @@ class MoEArchitecture:
     shared_width: int  # W
     routing: RoutingSpec
     activation: str
-    activation_params: ActivationParams  # the routed experts' SwiGLU parameters (and the shared MLP's, unless said below)
+    activation_params: (
+        ActivationParams  # the routed experts' SwiGLU parameters (and the shared MLP's, unless said below)
+    )
     names: MoENames = MoENames()
     expects_bias: bool = True  # False: the family has no selection bias, so its absence is no news
-    router_in_model_dtype: bool = False  # the family's reference computes router logits in the model's dtype, not float32
-    shared_activation_params: ActivationParams | None = None  # the shared MLP's, where they differ from the routed experts'
+    router_in_model_dtype: bool = (
+        False  # the family's reference computes router logits in the model's dtype, not float32
+    )
+    shared_activation_params: ActivationParams | None = (
+        None  # the shared MLP's, where they differ from the routed experts'
+    )
     # Per-layer (routed, shared) parameters where a layer differs from the two above (Step-3.7's per-layer limits).
     layer_activation_params: Mapping[int, tuple[ActivationParams, ActivationParams]] = field(default_factory=dict)
 
@@ -216,8 +226,10 @@ class RefusedFamily(Family):
 
     @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
-        raise UnsupportedModelError(f"model_type {model_type!r} ({cls.family}) cannot be converted: {cls.refusal(config, model_type)}",
-                                    file="config.json")
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} ({cls.family}) cannot be converted: {cls.refusal(config, model_type)}",
+            file="config.json",
+        )
 
 
 REGISTRY: dict[str, type[Family]] = {}
@@ -254,7 +266,8 @@ def family_for(config: Mapping) -> type[Family]:
     if family is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}",
-            file="config.json", field="model_type",
+            file="config.json",
+            field="model_type",
         )
     return family
 
@@ -285,15 +298,29 @@ def describe_wrapped(config: Mapping, family: type[Family]) -> MoEArchitecture:
     if issubclass(family, RefusedFamily):
         raise UnsupportedModelError(
             f"model_type {outer!r} wraps a {family.family} text model (text_config.model_type {inner!r}), which cannot "
-            f"be converted: {family.refusal(text, inner)}", file="config.json", field="text_config.model_type")
+            f"be converted: {family.refusal(text, inner)}",
+            file="config.json",
+            field="text_config.model_type",
+        )
     refuse_latent_experts(config)
     arch = family.describe(text, inner)
     if arch.config_key is not None:
-        raise UnsupportedModelError(f"model_type {outer!r} wraps {inner!r}, itself a wrapper: no text model to describe",
-                                    file="config.json", field="text_config.model_type")
-    return replace(arch, model_type=outer, config_key="text_config",
-                   names=replace(arch.names, layer_prefix="model.language_model" + arch.names.layer_prefix[len("model"):]
-                                 if arch.names.layer_prefix.startswith("model.") else arch.names.layer_prefix))
+        raise UnsupportedModelError(
+            f"model_type {outer!r} wraps {inner!r}, itself a wrapper: no text model to describe",
+            file="config.json",
+            field="text_config.model_type",
+        )
+    return replace(
+        arch,
+        model_type=outer,
+        config_key="text_config",
+        names=replace(
+            arch.names,
+            layer_prefix="model.language_model" + arch.names.layer_prefix[len("model") :]
+            if arch.names.layer_prefix.startswith("model.")
+            else arch.names.layer_prefix,
+        ),
+    )
 
 
 def describe_model(config: Mapping) -> MoEArchitecture:
@@ -318,8 +345,11 @@ def check_hidden_size(config: Mapping, arch: MoEArchitecture, router_name: str, 
     cfg, where = (config[key], f"config.json {key}") if key else (config, "config.json")
     hidden = optional_int(cfg, "hidden_size", 0, where, minimum=1)
     if hidden and len(router_shape) == 2 and hidden != router_shape[1]:
-        raise ModelError(f"is {hidden}, but the router {router_name} is {list(router_shape)}: the tensors are "
-                         f"{router_shape[1]} wide", **_where(where, "hidden_size"))
+        raise ModelError(
+            f"is {hidden}, but the router {router_name} is {list(router_shape)}: the tensors are "
+            f"{router_shape[1]} wide",
+            **_where(where, "hidden_size"),
+        )
 
 
 def refuse_latent_experts(config: Mapping) -> None:
@@ -334,7 +364,9 @@ def refuse_latent_experts(config: Mapping) -> None:
             raise UnsupportedModelError(
                 f"its routed experts run in a latent space (moe_latent_size = {latent!r}) narrower than the hidden size "
                 f"({hidden!r}), projected in and out around them, while the shared expert runs at the hidden size: "
-                "they cannot be slots of one expert set", **_where(where, "moe_latent_size"))
+                "they cannot be slots of one expert set",
+                **_where(where, "moe_latent_size"),
+            )
 
 
 def refuse_shared_mlp_bias(config: Mapping, field: str, model_type: str, family: str) -> None:
@@ -344,7 +376,9 @@ def refuse_shared_mlp_bias(config: Mapping, field: str, model_type: str, family:
         raise UnsupportedModelError(
             f"model_type {model_type!r} ({family}) cannot be converted: {field} is true, so its shared MLP has gate, up "
             "and down biases, and the layout's expert slots have no bias terms (a bias cannot fold into a weight-1.0 slot)",
-            file="config.json", field=field)
+            file="config.json",
+            field=field,
+        )
 
 
 # ----------------------------------------------------------------------------- config fields
@@ -354,15 +388,18 @@ def _where(where: str, key: str) -> dict:
     return {"file": where.split(" ")[0], "field": key if " " not in where else f"{where.split(' ', 1)[1]}.{key}"}
 
 
-def require_int(cfg: Mapping, key: str, where: str = "config.json", *, minimum: int = 1, maximum: int = MAX_WIDTH) -> int:
+def require_int(
+    cfg: Mapping, key: str, where: str = "config.json", *, minimum: int = 1, maximum: int = MAX_WIDTH
+) -> int:
     """An integer field that must be present, within ``[minimum, maximum]`` (not a bool, not 8.7)."""
     if key not in cfg or cfg[key] is None:
         raise ModelError("is missing, and this model family needs it", **_where(where, key))
     return _checked_int(cfg[key], key, where, minimum, maximum)
 
 
-def optional_int(cfg: Mapping, key: str, default: int, where: str = "config.json", *, minimum: int = 0,
-                 maximum: int = MAX_WIDTH) -> int:
+def optional_int(
+    cfg: Mapping, key: str, default: int, where: str = "config.json", *, minimum: int = 0, maximum: int = MAX_WIDTH
+) -> int:
     """An integer field that may be absent or null (``default``); if present, checked like :func:`require_int`."""
     value = cfg.get(key)
     if value is None:
@@ -374,16 +411,28 @@ def _checked_int(value: Any, key: str, where: str, minimum: int, maximum: int) -
     if not is_integral(value):
         raise ModelError(f"is {value!r}, expected an integer", **_where(where, key))
     if isinstance(value, float):  # the output's config.json keeps it, and transformers cannot build a model from 8.0
-        raise ModelError(f"is {value!r}, expected an integer written without a decimal point (transformers builds the "
-                         "model from this field and cannot use a float)", **_where(where, key))
+        raise ModelError(
+            f"is {value!r}, expected an integer written without a decimal point (transformers builds the "
+            "model from this field and cannot use a float)",
+            **_where(where, key),
+        )
     value = int(value)
     if not minimum <= value <= maximum:
         raise ModelError(f"is {value}, expected an integer from {minimum} to {maximum}", **_where(where, key))
     return value
 
 
-def optional_float(cfg: Mapping, key: str, default: float, where: str = "config.json", *, minimum: float = 0.0,
-                   maximum: float = MAX_SCALING, allow_inf: bool = False, exclusive_minimum: bool = True) -> float:
+def optional_float(
+    cfg: Mapping,
+    key: str,
+    default: float,
+    where: str = "config.json",
+    *,
+    minimum: float = 0.0,
+    maximum: float = MAX_SCALING,
+    allow_inf: bool = False,
+    exclusive_minimum: bool = True,
+) -> float:
     """A finite float field (or +inf where ``allow_inf``), absent or null meaning ``default``."""
     value = cfg.get(key)
     if value is None:
@@ -418,20 +467,31 @@ def optional_str(cfg: Mapping, key: str, default: str, choices: tuple[str, ...],
     return value
 
 
-def moe_layers_from_config(cfg: Mapping, num_layers: int, where: str = "config.json", *,
-                           first_dense_key: str = "first_k_dense_replace", first_dense_default: int = 0) -> tuple[int, ...]:
+def moe_layers_from_config(
+    cfg: Mapping,
+    num_layers: int,
+    where: str = "config.json",
+    *,
+    first_dense_key: str = "first_k_dense_replace",
+    first_dense_default: int = 0,
+) -> tuple[int, ...]:
     """Which decoder layers are MoE: ``mlp_layer_types`` if present, else first_k_dense_replace/moe_layer_freq
     (``first_dense_key``: the family's name for the count of leading dense layers, ``first_dense_default`` its default)."""
     types = cfg.get("mlp_layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
-            raise ModelError(f"has {len(types) if isinstance(types, list) else repr(types)} entries, expected a list of {num_layers} "
-                             "('dense' or 'sparse')", **_where(where, "mlp_layer_types"))
+            raise ModelError(
+                f"has {len(types) if isinstance(types, list) else repr(types)} entries, expected a list of {num_layers} "
+                "('dense' or 'sparse')",
+                **_where(where, "mlp_layer_types"),
+            )
         return tuple(i for i, t in enumerate(types) if t == "sparse")
     freq = cfg.get("moe_layer_freq", 1)
     if isinstance(freq, list):
         if len(freq) != num_layers:
-            raise ModelError(f"has {len(freq)} entries, expected {num_layers} (one per layer)", **_where(where, "moe_layer_freq"))
+            raise ModelError(
+                f"has {len(freq)} entries, expected {num_layers} (one per layer)", **_where(where, "moe_layer_freq")
+            )
         return tuple(i for i, f in enumerate(freq) if f)
     first_dense = optional_int(cfg, first_dense_key, first_dense_default, where, maximum=num_layers)
     freq = optional_int(cfg, "moe_layer_freq", 1, where, minimum=1, maximum=max(num_layers, 1))
@@ -442,15 +502,25 @@ def checked_routing(where: str, num_routed_experts: int, **fields) -> RoutingSpe
     """A RoutingSpec whose counts are checked against E with messages that name the config field."""
     top_k, n_group, topk_group = fields["top_k"], fields.get("n_group", 1), fields.get("topk_group", 1)
     if top_k > num_routed_experts:
-        raise ModelError(f"is {top_k}, more than the {num_routed_experts} routed experts", **_where(where, "num_experts_per_tok"))
+        raise ModelError(
+            f"is {top_k}, more than the {num_routed_experts} routed experts", **_where(where, "num_experts_per_tok")
+        )
     if n_group > 1:
         if num_routed_experts % n_group:
-            raise ModelError(f"is {n_group}, which does not divide the {num_routed_experts} routed experts", **_where(where, "n_group"))
+            raise ModelError(
+                f"is {n_group}, which does not divide the {num_routed_experts} routed experts",
+                **_where(where, "n_group"),
+            )
         if not 1 <= topk_group <= n_group:
-            raise ModelError(f"is {topk_group}, expected 1 <= topk_group <= n_group = {n_group}", **_where(where, "topk_group"))
+            raise ModelError(
+                f"is {topk_group}, expected 1 <= topk_group <= n_group = {n_group}", **_where(where, "topk_group")
+            )
         if top_k > topk_group * (num_routed_experts // n_group):
-            raise ModelError(f"is {top_k}, more than the {topk_group * (num_routed_experts // n_group)} experts in the "
-                             f"{topk_group} kept groups", **_where(where, "num_experts_per_tok"))
+            raise ModelError(
+                f"is {top_k}, more than the {topk_group * (num_routed_experts // n_group)} experts in the "
+                f"{topk_group} kept groups",
+                **_where(where, "num_experts_per_tok"),
+            )
     return RoutingSpec(**fields)
 
 
@@ -490,26 +560,43 @@ class DeepSeekStyleFamily(Family):
     @classmethod
     def routing(cls, cfg: Mapping, num_routed_experts: int, where: str = "config.json") -> RoutingSpec:
         fixed, key, default = cls.fixed, cls.key, cls.default
-        n_group = fixed["n_group"] if "n_group" in fixed else optional_int(
-            cfg, key(cfg, "n_group"), default("n_group", 1), where, minimum=1, maximum=MAX_EXPERTS)
+        n_group = (
+            fixed["n_group"]
+            if "n_group" in fixed
+            else optional_int(cfg, key(cfg, "n_group"), default("n_group", 1), where, minimum=1, maximum=MAX_EXPERTS)
+        )
         topk_group = 1
         if n_group > 1:
-            topk_group = optional_int(cfg, key(cfg, "topk_group"), default("topk_group", n_group), where, minimum=1, maximum=MAX_EXPERTS)
+            topk_group = optional_int(
+                cfg, key(cfg, "topk_group"), default("topk_group", n_group), where, minimum=1, maximum=MAX_EXPERTS
+            )
         return checked_routing(
-            where, num_routed_experts,
-            scoring=fixed["scoring"] if "scoring" in fixed else optional_str(cfg, "scoring_func", cls.scoring, ("sigmoid", "softmax"), where),
+            where,
+            num_routed_experts,
+            scoring=fixed["scoring"]
+            if "scoring" in fixed
+            else optional_str(cfg, "scoring_func", cls.scoring, ("sigmoid", "softmax"), where),
             top_k=require_int(cfg, key(cfg, "num_experts_per_tok"), where, maximum=MAX_EXPERTS),
             n_group=n_group,
             topk_group=topk_group,
-            renormalize=fixed["renormalize"] if "renormalize" in fixed else optional_bool(
-                cfg, key(cfg, "norm_topk_prob"), default("norm_topk_prob", True), where),
-            routed_scaling_factor=fixed["routed_scaling_factor"] if "routed_scaling_factor" in fixed else optional_float(
-                cfg, key(cfg, "routed_scaling_factor"), default("routed_scaling_factor", 1.0), where),
+            renormalize=fixed["renormalize"]
+            if "renormalize" in fixed
+            else optional_bool(cfg, key(cfg, "norm_topk_prob"), default("norm_topk_prob", True), where),
+            routed_scaling_factor=fixed["routed_scaling_factor"]
+            if "routed_scaling_factor" in fixed
+            else optional_float(cfg, key(cfg, "routed_scaling_factor"), default("routed_scaling_factor", 1.0), where),
             has_bias=fixed.get("has_bias", True),
-            group_score=fixed.get("group_score"),  # None: the rule version 1 implies (top-2 sum with a bias, max without)
+            group_score=fixed.get(
+                "group_score"
+            ),  # None: the rule version 1 implies (top-2 sum with a bias, max without)
             renormalize_form=fixed.get("renormalize_form", "add"),
-            renormalize_eps=optional_float(cfg, key(cfg, "renormalize_eps"), default("renormalize_eps", DEFAULT_RENORMALIZE_EPS), where,
-                                           exclusive_minimum=False),
+            renormalize_eps=optional_float(
+                cfg,
+                key(cfg, "renormalize_eps"),
+                default("renormalize_eps", DEFAULT_RENORMALIZE_EPS),
+                where,
+                exclusive_minimum=False,
+            ),
         )
 
     @classmethod
@@ -520,14 +607,24 @@ class DeepSeekStyleFamily(Family):
     @classmethod
     def moe_layers(cls, cfg: Mapping, n_layers: int, where: str) -> tuple[int, ...]:
         """The decoder layers with a MoE block (DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq`` / ``mlp_layer_types``)."""
-        return moe_layers_from_config(cfg, n_layers, where, first_dense_key=cls.key(cfg, "first_k_dense_replace"),
-                                      first_dense_default=cls.default("first_k_dense_replace", 0))
+        return moe_layers_from_config(
+            cfg,
+            n_layers,
+            where,
+            first_dense_key=cls.key(cfg, "first_k_dense_replace"),
+            first_dense_default=cls.default("first_k_dense_replace", 0),
+        )
 
     @classmethod
     def shared_width(cls, cfg: Mapping, expert_width: int, where: str) -> int:
         """W: ``n_shared_experts`` routed widths (a family with a shared width of its own overrides this)."""
-        n_shared = cls.fixed["n_shared_experts"] if "n_shared_experts" in cls.fixed else optional_int(
-            cfg, cls.key(cfg, "n_shared_experts"), cls.default("n_shared_experts", 0), where, maximum=MAX_EXPERTS)
+        n_shared = (
+            cls.fixed["n_shared_experts"]
+            if "n_shared_experts" in cls.fixed
+            else optional_int(
+                cfg, cls.key(cfg, "n_shared_experts"), cls.default("n_shared_experts", 0), where, maximum=MAX_EXPERTS
+            )
+        )
         return n_shared * expert_width
 
     @classmethod

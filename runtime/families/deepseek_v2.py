@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..layout import RoutingSpec
-from .base import MAX_EXPERTS, DeepSeekStyleFamily, TransformersClasses, checked_routing, optional_float, optional_int, register, require_int
+from .base import (
+    MAX_EXPERTS,
+    DeepSeekStyleFamily,
+    TransformersClasses,
+    checked_routing,
+    optional_float,
+    optional_int,
+    register,
+    require_int,
+)
 
 
 @register
@@ -23,7 +32,8 @@ class DeepSeekV2(DeepSeekStyleFamily):
         grouped = cfg.get("topk_method", "greedy") == "group_limited_greedy"
         n_group = optional_int(cfg, "n_group", 1, minimum=1, maximum=MAX_EXPERTS) if grouped else 1
         return checked_routing(
-            where, num_routed_experts,
+            where,
+            num_routed_experts,
             scoring="softmax",
             top_k=require_int(cfg, "num_experts_per_tok", maximum=MAX_EXPERTS),
             n_group=n_group,

@@ -19,8 +19,18 @@ from typing import Mapping
 from ..errors import ModelError
 from ..layout import ActivationParams, RoutingSpec
 from .base import (
-    MAX_EXPERTS, MAX_LAYERS, Family, MoEArchitecture, MoENames, TransformersClasses, optional_bool, optional_float,
-    optional_int, optional_str, register, require_int,
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    Family,
+    MoEArchitecture,
+    MoENames,
+    TransformersClasses,
+    optional_bool,
+    optional_float,
+    optional_int,
+    optional_str,
+    register,
+    require_int,
 )
 
 # Release names -> transformers module names (transformers' conversion_mapping "deepseek_v4", plus the "model." prefix the
@@ -40,7 +50,10 @@ _RENAMES = (
     (r"\.attn_sink$", ".sinks"),
     (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
     (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.(compressor(?:\.indexer)?)\.norm\.", r".\1.kv_norm."),  # transformers' "\.norm\." (its top-level norm has no dot before)
+    (
+        r"\.(compressor(?:\.indexer)?)\.norm\.",
+        r".\1.kv_norm.",
+    ),  # transformers' "\.norm\." (its top-level norm has no dot before)
     (r"\.ape$", ".position_bias"),
     (r"\.wq_a\.", ".q_a_proj."),
     (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
@@ -75,9 +88,18 @@ RENORMALIZE_EPS = 1e-20  # transformers' DeepseekV4 routers: w / (sum + 1e-20)
 
 def v4_routing(top_k: int, routed_scaling_factor: float, has_bias: bool = True, hash_layers: tuple[int, ...] = ()):
     """V4's routing (LAYOUT v2 section 5): sqrtsoftplus, no groups, renormalized with eps 1e-20, rsf; hash layers bias-free."""
-    fields = dict(scoring="sqrtsoftplus", top_k=top_k, n_group=1, topk_group=1, renormalize=True,
-                  routed_scaling_factor=routed_scaling_factor, has_bias=has_bias, renormalize_form="add",
-                  renormalize_eps=RENORMALIZE_EPS, hash_layers=tuple(hash_layers))
+    fields = dict(
+        scoring="sqrtsoftplus",
+        top_k=top_k,
+        n_group=1,
+        topk_group=1,
+        renormalize=True,
+        routed_scaling_factor=routed_scaling_factor,
+        has_bias=has_bias,
+        renormalize_form="add",
+        renormalize_eps=RENORMALIZE_EPS,
+        hash_layers=tuple(hash_layers),
+    )
     return RoutingSpec(**fields)
 
 
@@ -86,7 +108,9 @@ class DeepSeekV4(Family):
     family = "DeepSeek-V4 (Flash, Pro, 0731)"
     model_types = ("deepseek_v4",)
     names = V4_NAMES
-    transformers = TransformersClasses("DeepseekV4Config", "DeepseekV4ForCausalLM", renames=_RENAMES, mtp_moe_prefix="mtp.{n}.ffn.")
+    transformers = TransformersClasses(
+        "DeepseekV4Config", "DeepseekV4ForCausalLM", renames=_RENAMES, mtp_moe_prefix="mtp.{n}.ffn."
+    )
 
     @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
@@ -97,15 +121,31 @@ class DeepSeekV4(Family):
         n_mtp = optional_int(config, "num_nextn_predict_layers", 0, maximum=MAX_LAYERS)
         optional_str(config, "scoring_func", "sqrtsoftplus", ("sqrtsoftplus",))
         if not optional_bool(config, "norm_topk_prob", True):
-            raise ModelError("is false, but DeepSeek-V4 always renormalizes its top-k weights", file="config.json", field="norm_topk_prob")
+            raise ModelError(
+                "is false, but DeepSeek-V4 always renormalizes its top-k weights",
+                file="config.json",
+                field="norm_topk_prob",
+            )
         types = config.get("mlp_layer_types")
         if types is not None:  # transformers' form: "hash_moe" / "moe" per layer (every V4 layer is MoE)
-            if not isinstance(types, list) or len(types) < n_layers or any(t not in ("hash_moe", "moe") for t in types[:n_layers]):
-                raise ModelError(f"is {types!r}, expected {n_layers} entries of 'hash_moe' or 'moe'", file="config.json", field="mlp_layer_types")
+            if (
+                not isinstance(types, list)
+                or len(types) < n_layers
+                or any(t not in ("hash_moe", "moe") for t in types[:n_layers])
+            ):
+                raise ModelError(
+                    f"is {types!r}, expected {n_layers} entries of 'hash_moe' or 'moe'",
+                    file="config.json",
+                    field="mlp_layer_types",
+                )
         top_k = require_int(config, "num_experts_per_tok", maximum=MAX_EXPERTS)
         rsf = optional_float(config, "routed_scaling_factor", 1.5)
         if top_k > num_routed:
-            raise ModelError(f"is {top_k}, more than the {num_routed} routed experts", file="config.json", field="num_experts_per_tok")
+            raise ModelError(
+                f"is {top_k}, more than the {num_routed} routed experts",
+                file="config.json",
+                field="num_experts_per_tok",
+            )
         limit = optional_float(config, "swiglu_limit", 10.0, allow_inf=True)
         return MoEArchitecture(
             family=cls.family,

@@ -26,8 +26,9 @@ def _text_config(config: Mapping) -> Mapping:
 
 
 def _refuse(why: str, field: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"DeepSeek-V4.1: {why}; fuse-shared's layout cannot hold it yet", file="config.json",
-                                 field=field)
+    return UnsupportedModelError(
+        f"DeepSeek-V4.1: {why}; fuse-shared's layout cannot hold it yet", file="config.json", field=field
+    )
 
 
 @register
@@ -41,15 +42,26 @@ class DeepSeekV41(Family):
         text = _text_config(config)
         where = "text_config." if text is not config else ""
         n_mtp = text.get("num_nextn_predict_layers") or 0
-        for key, decoder_key in (("dspark_n_routed_experts", "n_routed_experts"),
-                                 ("dspark_num_experts_per_tok", "num_experts_per_tok")):
+        for key, decoder_key in (
+            ("dspark_n_routed_experts", "n_routed_experts"),
+            ("dspark_num_experts_per_tok", "num_experts_per_tok"),
+        ):
             if n_mtp and text.get(key) is not None and text.get(key) != text.get(decoder_key):
-                raise _refuse(f"the MTP blocks have their own {key[len('dspark_'):]} ({text.get(key)!r}, the decoder "
-                              f"layers {text.get(decoder_key)!r})", where + key)
+                raise _refuse(
+                    f"the MTP blocks have their own {key[len('dspark_') :]} ({text.get(key)!r}, the decoder "
+                    f"layers {text.get(decoder_key)!r})",
+                    where + key,
+                )
         if isinstance(config.get("vision_config"), Mapping):
-            raise _refuse("tokens inside an image span select experts with their own bias (gate.bias_vl), a per-token "
-                          "modality the router does not take", "vision_config")
+            raise _refuse(
+                "tokens inside an image span select experts with their own bias (gate.bias_vl), a per-token "
+                "modality the router does not take",
+                "vision_config",
+            )
         if text.get("engram_layer_ids"):
-            raise _refuse(f"layers {text.get('engram_layer_ids')} hold Engram n-gram tables (FP8 with E8M0 scales per "
-                          "row and 32 columns) that are not copied unchanged", where + "engram_layer_ids")
+            raise _refuse(
+                f"layers {text.get('engram_layer_ids')} hold Engram n-gram tables (FP8 with E8M0 scales per "
+                "row and 32 columns) that are not copied unchanged",
+                where + "engram_layer_ids",
+            )
         return replace(DeepSeekV4.describe(text, model_type), family=cls.family)

@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import Mapping
 
 from .base import (
-    MAX_LAYERS, DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersClasses, optional_int, refuse_shared_mlp_bias, register,
+    MAX_LAYERS,
+    DeepSeekStyleFamily,
+    MoEArchitecture,
+    MoENames,
+    TransformersClasses,
+    optional_int,
+    refuse_shared_mlp_bias,
+    register,
 )
 
 
@@ -26,10 +33,19 @@ class Ernie45Moe(DeepSeekStyleFamily):
         "renormalize_eps": ("moe_norm_min",),
     }
     config_defaults = {"n_shared_experts": 2, "renormalize_eps": 1e-12}
-    fixed = {"scoring": "softmax", "n_group": 1, "renormalize": True, "routed_scaling_factor": 1.0, "renormalize_form": "max"}
+    fixed = {
+        "scoring": "softmax",
+        "n_group": 1,
+        "renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "renormalize_form": "max",
+    }
     transformers = TransformersClasses(
-        "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
-        renames=((r"\.mlp\.moe_statics\.", ".mlp.gate.moe_statics."),),  # transformers' conversion_mapping "ernie4_5_moe"
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        renames=(
+            (r"\.mlp\.moe_statics\.", ".mlp.gate.moe_statics."),
+        ),  # transformers' conversion_mapping "ernie4_5_moe"
     )
 
     @classmethod

@@ -21,7 +21,8 @@ class ExaoneMoe(DeepSeekStyleFamily):
     config_defaults = {"first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5}
     fixed = {"scoring": "sigmoid"}  # ExaoneMoeTopkRouter always scores with a sigmoid
     transformers = TransformersClasses(
-        "ExaoneMoeConfig", "ExaoneMoeForCausalLM",
+        "ExaoneMoeConfig",
+        "ExaoneMoeForCausalLM",
         renames=((r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),),
     )
 
@@ -32,6 +33,10 @@ class ExaoneMoe(DeepSeekStyleFamily):
         # transformers' ExaoneMoeConfig does not read is_moe_layer: where it says otherwise, the two models differ.
         said = tuple(i for i, m in enumerate(legacy) if m) if isinstance(legacy, list) else None
         if legacy is not None and said != layers:
-            raise ModelError(f"says MoE layers {legacy!r}, but transformers builds MoE blocks in layers {list(layers)} "
-                             "(from mlp_layer_types / first_k_dense_replace)", file="config.json", field="is_moe_layer")
+            raise ModelError(
+                f"says MoE layers {legacy!r}, but transformers builds MoE blocks in layers {list(layers)} "
+                "(from mlp_layer_types / first_k_dense_replace)",
+                file="config.json",
+                field="is_moe_layer",
+            )
         return layers

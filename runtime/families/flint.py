@@ -23,7 +23,8 @@ class Flint(DeepSeekStyleFamily):
     fixed = {"scoring": "sigmoid", "n_group": 1, "routed_scaling_factor": 1.0, "has_bias": False}
     expects_bias = False
     transformers = TransformersClasses(
-        "FlintConfig", "FlintForCausalLM",
+        "FlintConfig",
+        "FlintForCausalLM",
         renames=((r"\.self_attn\.softmax_offset$", ".self_attn.sinks"),),  # transformers' conversion mapping "flint"
     )
 

@@ -14,5 +14,9 @@ class Glm4vMoe(DeepSeekStyleFamily):
     names = MoENames(layer_prefix="model.language_model.layers.")
     config_defaults = {"first_k_dense_replace": 1}
     fixed = {"scoring": "sigmoid"}
-    transformers = TransformersClasses("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", layers_path="model.language_model.layers",
-                                       text_config_key="text_config")
+    transformers = TransformersClasses(
+        "Glm4vMoeConfig",
+        "Glm4vMoeForConditionalGeneration",
+        layers_path="model.language_model.layers",
+        text_config_key="text_config",
+    )

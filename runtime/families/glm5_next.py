@@ -21,8 +21,13 @@ class Glm5Next(DeepSeekStyleFamily):
     config_defaults = {"routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 3}
     fixed = {"scoring": "sigmoid"}
     transformers = TransformersClasses(
-        "Glm5NextConfig", "Glm5NextForConditionalGeneration", layers_path="model.language_model.layers", text_config_key="text_config",
-        renames=tuple((rf"\.hc_{part}_{p}$", f".{part}_hc.{p}") for part in ("attn", "ffn") for p in ("fn", "base", "scale"))
+        "Glm5NextConfig",
+        "Glm5NextForConditionalGeneration",
+        layers_path="model.language_model.layers",
+        text_config_key="text_config",
+        renames=tuple(
+            (rf"\.hc_{part}_{p}$", f".{part}_hc.{p}") for part in ("attn", "ffn") for p in ("fn", "base", "scale")
+        )
         + FORGET_GATE_RENAMES,
         concats=CONV_QKV,
     )

@@ -17,10 +17,12 @@ from .granitemoeshared import GraniteMoeShared
 class GraniteMoeSWA(GraniteMoeShared):
     family = "GraniteMoE-SWA"
     model_types = ("granitemoe_swa",)
-    names = MoENames(block_names=("block_sparse_moe",), router="router.weight", bias=(), shared="shared_mlp",
-                     shared_in_layer=True)
-    transformers = TransformersClasses("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", moe_module="block_sparse_moe",
-                                       shared_module="shared_mlp")
+    names = MoENames(
+        block_names=("block_sparse_moe",), router="router.weight", bias=(), shared="shared_mlp", shared_in_layer=True
+    )
+    transformers = TransformersClasses(
+        "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", moe_module="block_sparse_moe", shared_module="shared_mlp"
+    )
 
     @classmethod
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
@@ -28,5 +30,7 @@ class GraniteMoeSWA(GraniteMoeShared):
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({cls.family}) cannot be converted: there is no shared expert in this "
                 "config (shared_intermediate_size is 0, transformers' default): nothing to fuse",
-                file="config.json", field="shared_intermediate_size")
+                file="config.json",
+                field="shared_intermediate_size",
+            )
         return super().describe(config, model_type)

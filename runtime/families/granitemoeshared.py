@@ -20,13 +20,20 @@ from .base import DeepSeekStyleFamily, MoENames, TransformersClasses, optional_i
 class GraniteMoeShared(DeepSeekStyleFamily):
     family = "GraniteMoE-Shared"
     model_types = ("granitemoeshared",)
-    names = MoENames(block_names=("block_sparse_moe",), router="router.layer.weight", bias=(), shared="shared_mlp", shared_in_layer=True)
+    names = MoENames(
+        block_names=("block_sparse_moe",),
+        router="router.layer.weight",
+        bias=(),
+        shared="shared_mlp",
+        shared_in_layer=True,
+    )
     config_keys = {"n_routed_experts": ("num_local_experts",), "moe_intermediate_size": ("intermediate_size",)}
     fixed = {"scoring": "softmax", "n_group": 1, "renormalize": True, "routed_scaling_factor": 1.0, "has_bias": False}
     expects_bias = False
     router_in_model_dtype = True
     transformers = TransformersClasses(
-        "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
         renames=(  # transformers' conversion_mapping "granitemoe"
             (r"\.block_sparse_moe\.input_linear\.weight$", ".block_sparse_moe.experts.gate_up_proj"),
             (r"\.block_sparse_moe\.output_linear\.weight$", ".block_sparse_moe.experts.down_proj"),

@@ -21,8 +21,14 @@ class HunyuanV1Moe(DeepSeekStyleFamily):
         "moe_intermediate_size": ("intermediate_size",),  # HunYuanMoEV1Experts and HunYuanMoEV1MLP both
     }
     # HunYuanMoEV1Gate: softmax, top-k, divided by the sum; no bias, no groups, no scaling factor.
-    fixed = {"scoring": "softmax", "n_group": 1, "renormalize": True, "routed_scaling_factor": 1.0, "has_bias": False,
-             "n_shared_experts": 1}
+    fixed = {
+        "scoring": "softmax",
+        "n_group": 1,
+        "renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "has_bias": False,
+        "n_shared_experts": 1,
+    }
     expects_bias = False
     router_in_model_dtype = True  # HunYuanMoEV1Gate scores in float32 only when wg itself is float32
     transformers = TransformersClasses("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM")
@@ -34,7 +40,11 @@ class HunyuanV1Moe(DeepSeekStyleFamily):
             value = cfg.get(key)
             if isinstance(value, list):
                 if not value or len(set(map(repr, value))) != 1:
-                    raise UnsupportedModelError(f"is {value!r}: layers with different values cannot share one fused layout "
-                                                "(one E and one top-k per checkpoint)", file="config.json", field=key)
+                    raise UnsupportedModelError(
+                        f"is {value!r}: layers with different values cannot share one fused layout "
+                        "(one E and one top-k per checkpoint)",
+                        file="config.json",
+                        field=key,
+                    )
                 cfg[key] = value[0]
         return super().describe(cfg, model_type)

@@ -25,7 +25,8 @@ class HyV3(DeepSeekStyleFamily):
     config_defaults = {"routed_scaling_factor": 2.826, "n_shared_experts": 1, "first_k_dense_replace": 1}
     fixed = {"scoring": "sigmoid", "n_group": 1, "renormalize": True}  # HYV3TopKRouter
     transformers = TransformersClasses(
-        "HYV3Config", "HYV3ForCausalLM",
+        "HYV3Config",
+        "HYV3ForCausalLM",
         renames=(
             (r"\.mlp\.router\.gate\.weight$", ".mlp.gate.weight"),
             (r"\.mlp\.expert_bias$", ".mlp.e_score_correction_bias"),

@@ -27,13 +27,25 @@ from .base import DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersCl
 class HyV4(DeepSeekStyleFamily):
     family = "Hunyuan 4"
     model_types = ("hy_v4",)
-    names = MoENames(shared_projections=(("linear_gate", "up_proj", "down_proj"),), keep_unquantized=("self_attn.indexer.weights_proj",),
-                     mtp_prefix="model.mtp_layers.")
+    names = MoENames(
+        shared_projections=(("linear_gate", "up_proj", "down_proj"),),
+        keep_unquantized=("self_attn.indexer.weights_proj",),
+        mtp_prefix="model.mtp_layers.",
+    )
     # HYV4Config's defaults; mlp_layer_types, when absent, is one dense layer then sparse ones.
-    config_defaults = {"routed_scaling_factor": 2.827, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
-    fixed = {"scoring": "sigmoid"}  # HYV4TopkRouter (Glm4MoeLite's): float32 logits, sigmoid, top-2-sum groups, / (sum + 1e-20), rsf
+    config_defaults = {
+        "routed_scaling_factor": 2.827,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+    }
+    fixed = {
+        "scoring": "sigmoid"
+    }  # HYV4TopkRouter (Glm4MoeLite's): float32 logits, sigmoid, top-2-sum groups, / (sum + 1e-20), rsf
     transformers = TransformersClasses(
-        "HYV4Config", "HYV4ForCausalLM",
+        "HYV4Config",
+        "HYV4ForCausalLM",
         renames=(  # transformers' conversion mapping "hy_v4"
             (r"\.hc_pre\.hc_", ".hc_"),
             (r"\.learnable_sink_param$", ".sinks"),
@@ -52,9 +64,12 @@ class HyV4(DeepSeekStyleFamily):
         if isinstance(given, (int, float)) and not isinstance(given, bool) and given <= 0:
             # HYV4Config's docstring says a limit <= 0 disables the clamp, but HYV4Experts clamps at it regardless
             # (gate to at most the limit, up into [-limit, limit]): the two disagree, so nothing is guessed.
-            raise ModelError(f"is {given}: transformers' HYV4Config documents a limit <= 0 as 'no clamp', but HYV4Experts "
-                             "clamps at the value anyway; the two disagree, so this model is refused rather than guessed "
-                             "(give a positive limit)", **_where(where, "swiglu_limit"))
+            raise ModelError(
+                f"is {given}: transformers' HYV4Config documents a limit <= 0 as 'no clamp', but HYV4Experts "
+                "clamps at the value anyway; the two disagree, so this model is refused rather than guessed "
+                "(give a positive limit)",
+                **_where(where, "swiglu_limit"),
+            )
         limit = optional_float(cfg, "swiglu_limit", 10.0, where, allow_inf=True)
         return "swiglu", ActivationParams(alpha=1.0, beta=0.0, clamp_limit=limit)
 

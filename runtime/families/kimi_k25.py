@@ -46,6 +46,12 @@ class KimiK25(DeepSeekStyleFamily):
     model_types = ("kimi_k25",)
     text_config_key = "text_config"
     names = MoENames(layer_prefix="language_model.model.layers.")
-    transformers = TransformersClasses("Kimi_K25Config", "Kimi_K25ForConditionalGeneration", layers_path="model.language_model.layers",
-                                       renames=_RENAMES, text_config_key="text_config", splits=_QKV_SPLITS,
-                                       rope_permute=_VISION_ROPE)
+    transformers = TransformersClasses(
+        "Kimi_K25Config",
+        "Kimi_K25ForConditionalGeneration",
+        layers_path="model.language_model.layers",
+        renames=_RENAMES,
+        text_config_key="text_config",
+        splits=_QKV_SPLITS,
+        rope_permute=_VISION_ROPE,
+    )

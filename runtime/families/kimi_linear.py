@@ -16,7 +16,8 @@ class KimiLinear(DeepSeekStyleFamily):
     config_defaults = {"routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "n_shared_experts": 1}
     fixed = {"scoring": "sigmoid"}
     transformers = TransformersClasses(
-        "KimiLinearConfig", "KimiLinearForCausalLM",
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
         renames=((r"\.block_sparse_moe\.", ".mlp."),) + FORGET_GATE_RENAMES,
         concats=CONV_QKV,
     )

@@ -19,7 +19,13 @@ from typing import Mapping
 
 from ..errors import UnsupportedModelError
 from .base import (
-    DeepSeekStyleFamily, MoEArchitecture, MoENames, TransformersClasses, optional_bool, optional_float, optional_int,
+    DeepSeekStyleFamily,
+    MoEArchitecture,
+    MoENames,
+    TransformersClasses,
+    optional_bool,
+    optional_float,
+    optional_int,
     register,
 )
 
@@ -34,7 +40,8 @@ class Laguna(DeepSeekStyleFamily):
     fixed = {"scoring": "sigmoid", "n_group": 1, "renormalize": True}
     router_in_model_dtype = True  # F.linear(hidden_states, weight).float(): logits rounded to the model dtype first
     transformers = TransformersClasses(
-        "LagunaConfig", "LagunaForCausalLM",
+        "LagunaConfig",
+        "LagunaForCausalLM",
         renames=(
             (r"\.mlp\.experts\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
             (r"\.mlp\.shared_expert\.", ".mlp.shared_experts."),
@@ -51,10 +58,14 @@ class Laguna(DeepSeekStyleFamily):
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({cls.family}) cannot be converted: moe_router_logit_softcapping caps the "
                 "router logits with a tanh, which the layout's routing has no field for",
-                file="config.json", field="moe_router_logit_softcapping")
+                file="config.json",
+                field="moe_router_logit_softcapping",
+            )
         if optional_bool(config, "moe_apply_router_weight_on_input", False):
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({cls.family}) cannot be converted: moe_apply_router_weight_on_input "
                 "scales the expert input by the router weight, so a weight-1.0 output slot is wrong",
-                file="config.json", field="moe_apply_router_weight_on_input")
+                file="config.json",
+                field="moe_apply_router_weight_on_input",
+            )
         return super().describe(config, model_type)

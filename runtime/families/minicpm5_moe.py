@@ -17,6 +17,7 @@ class MiniCPM5Moe(DeepSeekStyleFamily):
     config_defaults = {"first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 3.66}
     fixed = {"scoring": "sigmoid"}
     transformers = TransformersClasses(
-        "MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM",
+        "MiniCPM5MoeConfig",
+        "MiniCPM5MoeForCausalLM",
         renames=((r"\.self_attn\.q_proj\.", ".self_attn.q_gate_proj."),),
     )

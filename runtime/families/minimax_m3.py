@@ -13,8 +13,19 @@ from typing import Mapping
 from ..errors import ModelError, UnsupportedModelError
 from ..layout import ActivationParams
 from .base import (
-    MAX_EXPERTS, MAX_LAYERS, Family, MoEArchitecture, MoENames, TransformersClasses, checked_routing, moe_layers_from_config,
-    optional_bool, optional_float, optional_int, register, require_int,
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    Family,
+    MoEArchitecture,
+    MoENames,
+    TransformersClasses,
+    checked_routing,
+    moe_layers_from_config,
+    optional_bool,
+    optional_float,
+    optional_int,
+    register,
+    require_int,
 )
 
 _MOE_RENAMES = (
@@ -40,11 +51,19 @@ class MiniMaxM3(Family):
     family = "MiniMax-M3"
     model_types = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")
     text_names = MoENames(block_names=("block_sparse_moe", "mlp"), keep_unquantized=_KEEP_UNQUANTIZED)
-    wrapped_names = MoENames(layer_prefix="language_model.model.layers.", block_names=("block_sparse_moe", "mlp"),
-                             keep_unquantized=_KEEP_UNQUANTIZED)
+    wrapped_names = MoENames(
+        layer_prefix="language_model.model.layers.",
+        block_names=("block_sparse_moe", "mlp"),
+        keep_unquantized=_KEEP_UNQUANTIZED,
+    )
     text_classes = TransformersClasses("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", renames=_MOE_RENAMES)
-    vl_classes = TransformersClasses("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration", layers_path="model.language_model.layers",
-                                     renames=_VL_RENAMES, text_config_key="text_config")
+    vl_classes = TransformersClasses(
+        "MiniMaxM3VLConfig",
+        "MiniMaxM3SparseForConditionalGeneration",
+        layers_path="model.language_model.layers",
+        renames=_VL_RENAMES,
+        text_config_key="text_config",
+    )
 
     @classmethod
     def names_for(cls, config: Mapping) -> MoENames:
@@ -65,7 +84,9 @@ class MiniMaxM3(Family):
         if not shared_width and cfg.get("n_shared_experts"):
             shared_width = optional_int(cfg, "n_shared_experts", 0, where, maximum=MAX_EXPERTS) * expert_width
         if not shared_width:
-            raise UnsupportedModelError(f"{where}: shared_intermediate_size is 0: this MiniMax model has no shared expert, nothing to fuse")
+            raise UnsupportedModelError(
+                f"{where}: shared_intermediate_size is 0: this MiniMax model has no shared expert, nothing to fuse"
+            )
         if cfg.get("scoring_func", "sigmoid") != "sigmoid":
             raise ModelError(f"{where}: scoring_func {cfg.get('scoring_func')!r}: MiniMax-M3 routing is sigmoid")
         act = ActivationParams.for_activation(
@@ -87,7 +108,8 @@ class MiniMaxM3(Family):
             expert_width=expert_width,
             shared_width=shared_width,
             routing=checked_routing(
-                where, num_routed,
+                where,
+                num_routed,
                 scoring="sigmoid",
                 top_k=require_int(cfg, "num_experts_per_tok", where, maximum=MAX_EXPERTS),
                 renormalize=True,

@@ -20,5 +20,7 @@ class Mistral4(DeepSeekStyleFamily):
     config_defaults = {"n_shared_experts": 1, "first_k_dense_replace": 0}
     fixed = MISTRAL_ROUTING
     expects_bias = False
-    router_in_model_dtype = True  # Mistral4TopkRouter: F.linear(hidden_states, weight) in the model dtype, softmax of that
+    router_in_model_dtype = (
+        True  # Mistral4TopkRouter: F.linear(hidden_states, weight) in the model dtype, softmax of that
+    )
     transformers = TransformersClasses("Mistral4Config", "Mistral4ForCausalLM")

@@ -58,12 +58,22 @@ class MistralLarge4(DeepSeekStyleFamily):
     family = "Mistral Large 3"
     model_types = ("mistral_large4",)
     text_config_key = "text_config"
-    names = MoENames(layer_prefix="layers.", block_names=("",), bias=(), keep_unquantized=("attention.indexer.weights_proj",))
+    names = MoENames(
+        layer_prefix="layers.", block_names=("",), bias=(), keep_unquantized=("attention.indexer.weights_proj",)
+    )
     config_defaults = {"n_shared_experts": 1, "first_k_dense_replace": 1}
     fixed = {**MISTRAL_ROUTING, "renormalize": True}
     expects_bias = False
     transformers = TransformersClasses(
-        "MistralLarge4Config", "MistralLarge4ForConditionalGeneration", layers_path="model.language_model.layers",
-        text_config_key="text_config", renames=_RENAMES,
-        rope_permute=((r"^model\.vision_tower\.transformer\.layers\.\d+\.attention\.[qk]_proj\.weight$", "vision_config.num_attention_heads"),),
+        "MistralLarge4Config",
+        "MistralLarge4ForConditionalGeneration",
+        layers_path="model.language_model.layers",
+        text_config_key="text_config",
+        renames=_RENAMES,
+        rope_permute=(
+            (
+                r"^model\.vision_tower\.transformer\.layers\.\d+\.attention\.[qk]_proj\.weight$",
+                "vision_config.num_attention_heads",
+            ),
+        ),
     )

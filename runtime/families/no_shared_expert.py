@@ -16,7 +16,9 @@ class MiMoV2Flash(RefusedFamily):
 class GptOss(RefusedFamily):
     family = "gpt-oss"
     model_types = ("gpt_oss",)
-    reason = "it has no shared expert (routed experts only, with biases and interleaved gate/up): there is nothing to fuse"
+    reason = (
+        "it has no shared expert (routed experts only, with biases and interleaved gate/up): there is nothing to fuse"
+    )
 
 
 @register

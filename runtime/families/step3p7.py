@@ -26,8 +26,19 @@ from typing import Any, Mapping
 from ..errors import ModelError, UnsupportedModelError
 from ..layout import ActivationParams
 from .base import (
-    MAX_EXPERTS, MAX_LAYERS, Family, MoEArchitecture, MoENames, TransformersClasses, _where, checked_routing, optional_bool,
-    optional_float, optional_int, register, require_int,
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    Family,
+    MoEArchitecture,
+    MoENames,
+    TransformersClasses,
+    _where,
+    checked_routing,
+    optional_bool,
+    optional_float,
+    optional_int,
+    register,
+    require_int,
 )
 
 WHERE = "config.json text_config"
@@ -69,11 +80,17 @@ def _limit_list(cfg: Mapping, key: str, n_layers: int, n_mtp: int) -> list[Any]:
     if value is None:
         return []
     if not isinstance(value, list) or len(value) not in (n_layers, n_layers + n_mtp):
-        raise ModelError(f"is {value!r}, expected a list of {n_layers} limits (one per layer"
-                         + (f", or {n_layers + n_mtp} with the MTP layers" if n_mtp else "") + ")", **_where(WHERE, key))
+        raise ModelError(
+            f"is {value!r}, expected a list of {n_layers} limits (one per layer"
+            + (f", or {n_layers + n_mtp} with the MTP layers" if n_mtp else "")
+            + ")",
+            **_where(WHERE, key),
+        )
     for i, v in enumerate(value):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0):
-            raise ModelError(f"entry {i} is {v!r}, expected null or a number >= 0 (0 and null mean no clamp)", **_where(WHERE, key))
+            raise ModelError(
+                f"entry {i} is {v!r}, expected null or a number >= 0 (0 and null mean no clamp)", **_where(WHERE, key)
+            )
     return value
 
 
@@ -94,7 +111,8 @@ def _layer_limit(values: list[Any], layer: int, n_layers: int, key: str) -> floa
         raise UnsupportedModelError(
             f"{key} gives MTP layer {layer} the limit {declared:g} (entry {layer}), but transformers builds MTP layer {i} "
             f"from entry {i} ({read:g}): the config and the reference disagree, so this model is refused rather than guessed",
-            **_where(WHERE, key))
+            **_where(WHERE, key),
+        )
     return read
 
 
@@ -104,7 +122,9 @@ def moe_layers(cfg: Mapping, n_layers: int) -> tuple[int, ...]:
     types = cfg.get("mlp_layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) < n_layers or any(t not in ("dense", "sparse") for t in types):
-            raise ModelError(f"is {types!r}, expected {n_layers} entries of 'dense' or 'sparse'", **_where(WHERE, "mlp_layer_types"))
+            raise ModelError(
+                f"is {types!r}, expected {n_layers} entries of 'dense' or 'sparse'", **_where(WHERE, "mlp_layer_types")
+            )
         return tuple(i for i, t in enumerate(types[:n_layers]) if t == "sparse")
     enum = cfg.get("moe_layers_enum")
     if enum is None:
@@ -113,8 +133,10 @@ def moe_layers(cfg: Mapping, n_layers: int) -> tuple[int, ...]:
     try:
         chosen = {int(i) for i in items if str(i).strip()}
     except (TypeError, ValueError):
-        raise ModelError(f"is {enum!r}, expected layer indices (a list, or a comma-separated string)",
-                         **_where(WHERE, "moe_layers_enum")) from None
+        raise ModelError(
+            f"is {enum!r}, expected layer indices (a list, or a comma-separated string)",
+            **_where(WHERE, "moe_layers_enum"),
+        ) from None
     return tuple(i for i in range(n_layers) if i in chosen)
 
 
@@ -122,14 +144,26 @@ def moe_layers(cfg: Mapping, n_layers: int) -> tuple[int, ...]:
 class Step3p7(Family):
     family = "Step-3.7"
     model_types = ("step3p7",)
-    names = MoENames(block_names=("moe",), bias=("router_bias",), shared="share_expert", experts="", shared_in_layer=True)
+    names = MoENames(
+        block_names=("moe",), bias=("router_bias",), shared="share_expert", experts="", shared_in_layer=True
+    )
     transformers = TransformersClasses(
-        "Step3p7Config", "Step3p7ForConditionalGeneration", layers_path="model.language_model.layers", text_config_key="text_config",
+        "Step3p7Config",
+        "Step3p7ForConditionalGeneration",
+        layers_path="model.language_model.layers",
+        text_config_key="text_config",
         renames=_RENAMES,
         concats=(("gate_up_proj", ("gate_up_proj.gate", "gate_up_proj.up"), 1),),  # [E, I, H] twice -> [E, 2I, H]
-        splits=(("self_attn.in_proj_weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
-                ("self_attn.in_proj_bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"))),
-        rope_permute=((r"^model\.vision_model\.layers\.\d+\.self_attn\.[qk]_proj\.", "vision_config.num_attention_heads"),),
+        splits=(
+            (
+                "self_attn.in_proj_weight",
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+            ),
+            ("self_attn.in_proj_bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+        ),
+        rope_permute=(
+            (r"^model\.vision_model\.layers\.\d+\.self_attn\.[qk]_proj\.", "vision_config.num_attention_heads"),
+        ),
         mtp_restarts_layer_index=True,
     )
 
@@ -137,24 +171,38 @@ class Step3p7(Family):
     def describe(cls, config: Mapping, model_type: str) -> MoEArchitecture:
         cfg = config.get("text_config")
         if not isinstance(cfg, Mapping):
-            raise ModelError("is missing or not an object: a Step-3.7 config keeps its text model there", file="config.json",
-                             field="text_config")
+            raise ModelError(
+                "is missing or not an object: a Step-3.7 config keeps its text model there",
+                file="config.json",
+                field="text_config",
+            )
         if optional_bool(cfg, "mlp_bias", False, WHERE):
             raise UnsupportedModelError(
                 f"model_type {model_type!r} ({cls.family}) cannot be converted: mlp_bias is true, so its shared MLP has gate, up and "
                 "down biases, and the layout's expert slots have no bias terms (a bias cannot fold into a weight-1.0 slot)",
-                **_where(WHERE, "mlp_bias"))
+                **_where(WHERE, "mlp_bias"),
+            )
         n_layers = require_int(cfg, "num_hidden_layers", WHERE, maximum=MAX_LAYERS)
-        n_mtp = optional_int(cfg, _first(cfg, "num_nextn_predict_layers", "num_mtp_layers"), 0, WHERE, maximum=MAX_LAYERS)
-        num_routed = require_int(cfg, _first(cfg, "n_routed_experts", "moe_num_experts", "num_local_experts"), WHERE, maximum=MAX_EXPERTS)
+        n_mtp = optional_int(
+            cfg, _first(cfg, "num_nextn_predict_layers", "num_mtp_layers"), 0, WHERE, maximum=MAX_LAYERS
+        )
+        num_routed = require_int(
+            cfg, _first(cfg, "n_routed_experts", "moe_num_experts", "num_local_experts"), WHERE, maximum=MAX_EXPERTS
+        )
         expert_width = require_int(cfg, "moe_intermediate_size", WHERE)
-        shared_width = optional_int(cfg, _first(cfg, "share_expert_dim", "share_expert_dims"), 1280, WHERE)  # Step3p7TextConfig's default
+        shared_width = optional_int(
+            cfg, _first(cfg, "share_expert_dim", "share_expert_dims"), 1280, WHERE
+        )  # Step3p7TextConfig's default
         layers = moe_layers(cfg, n_layers)
         mtp = tuple(range(n_layers, n_layers + n_mtp))
-        routed_limits, shared_limits = (_limit_list(cfg, k, n_layers, n_mtp) for k in ("swiglu_limits", "swiglu_limits_shared"))
+        routed_limits, shared_limits = (
+            _limit_list(cfg, k, n_layers, n_mtp) for k in ("swiglu_limits", "swiglu_limits_shared")
+        )
         per_layer = {
-            L: tuple(ActivationParams.for_activation("swiglu_post_clamp", limit=_layer_limit(values, L, n_layers, key))
-                     for values, key in ((routed_limits, "swiglu_limits"), (shared_limits, "swiglu_limits_shared")))
+            L: tuple(
+                ActivationParams.for_activation("swiglu_post_clamp", limit=_layer_limit(values, L, n_layers, key))
+                for values, key in ((routed_limits, "swiglu_limits"), (shared_limits, "swiglu_limits_shared"))
+            )
             for L in layers + mtp
         }
         return MoEArchitecture(
@@ -168,7 +216,8 @@ class Step3p7(Family):
             expert_width=expert_width,
             shared_width=shared_width,
             routing=checked_routing(
-                WHERE, num_routed,
+                WHERE,
+                num_routed,
                 scoring="sigmoid",
                 top_k=require_int(cfg, _first(cfg, "num_experts_per_tok", "moe_top_k"), WHERE, maximum=MAX_EXPERTS),
                 renormalize=True,

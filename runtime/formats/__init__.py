@@ -33,5 +33,21 @@ for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["REGISTRY", "BlockExactness", "FormatError", "RequantizationError", "StoredWeight", "TensorSource", "WeightFormat",
-           "combined_weights", "declared_format", "format_named", "has_weight", "quantization_config", "recognise", "register", "stored_weight", "weight_stored_in"]
+__all__ = [
+    "REGISTRY",
+    "BlockExactness",
+    "FormatError",
+    "RequantizationError",
+    "StoredWeight",
+    "TensorSource",
+    "WeightFormat",
+    "combined_weights",
+    "declared_format",
+    "format_named",
+    "has_weight",
+    "quantization_config",
+    "recognise",
+    "register",
+    "stored_weight",
+    "weight_stored_in",
+]

@@ -121,22 +121,32 @@ class WeightFormat:
     whole_only: ClassVar[bool] = False  # converted whole by to_fp8_rows, never cut or kept
     fp8_scale_dtype: ClassVar[str] = "F32"  # the dtype of the block scales to_fp8_rows makes
     measurement: ClassVar[type | None] = None
-    declared_as: ClassVar[str] = ""  # how a quantization_config names it, for the message refusing an unknown one  # what to_fp8_rows measures: BlockExactness or RequantizationError
+    declared_as: ClassVar[str] = (
+        ""  # how a quantization_config names it, for the message refusing an unknown one  # what to_fp8_rows measures: BlockExactness or RequantizationError
+    )
     scale_rows_per: ClassVar[int] = 1  # weight rows per scale row, as a whole_only format's scales are read by rows
-    scale_layout: ClassVar[str] = "grid"  # one scale row per "grid" row of the scale tensor, "row" per weight row, "one"
+    scale_layout: ClassVar[str] = (
+        "grid"  # one scale row per "grid" row of the scale tensor, "row" per weight row, "one"
+    )
 
     def matches(self, tensors: Mapping[str, TensorInfo], name: str) -> bool:
         """Whether ``name``'s tensors are stored this way, from dtypes and companion names (no shape checks)."""
         raise NotImplementedError
 
-    def stored(self, tensors: Mapping[str, TensorInfo], name: str, expect: tuple[int, ...] | None = None,
-               group: int | None = None) -> StoredWeight:
+    def stored(
+        self,
+        tensors: Mapping[str, TensorInfo],
+        name: str,
+        expect: tuple[int, ...] | None = None,
+        group: int | None = None,
+    ) -> StoredWeight:
         """The weight's tensors, checked strictly; ``expect``: its logical shape where the caller knows it; ``group``:
         a grouped format's group size from the config. Raises :class:`FormatError` naming the first wrong tensor."""
         raise NotImplementedError
 
-    def read_float(self, source: TensorSource, name: str, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def read_float(
+        self, source: TensorSource, name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Weight ``name`` on ``device``, computed in float32 (exact: every stored value is a float32), returned in
         ``dtype``."""
         raise NotImplementedError
@@ -166,8 +176,9 @@ class WeightFormat:
         """The weight that tensor ``name`` stores part of, where this format stores a weight under other names."""
         return None
 
-    def to_fp8_rows(self, data: torch.Tensor, scales: torch.Tensor, stored: StoredWeight, scale_fmt: str
-                    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def to_fp8_rows(
+        self, data: torch.Tensor, scales: torch.Tensor, stored: StoredWeight, scale_fmt: str
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Rows of a ``whole_only`` weight (starting on a 128-row boundary, as stored) converted to FP8 e4m3 ``[rows, in]``
         and block scales ``[ceil(rows/128), ceil(in/128)]``, with the measurement of this piece (``merge``-able)."""
         raise NotImplementedError
@@ -200,8 +211,9 @@ def recognise(tensors: Mapping[str, TensorInfo], name: str) -> WeightFormat | No
     return found[0] if found else None
 
 
-def stored_weight(tensors: Mapping[str, TensorInfo], name: str, expect: tuple[int, ...] | None = None,
-                  group: int | None = None) -> StoredWeight:
+def stored_weight(
+    tensors: Mapping[str, TensorInfo], name: str, expect: tuple[int, ...] | None = None, group: int | None = None
+) -> StoredWeight:
     """Weight ``name``'s tensors, recognised and checked (:meth:`WeightFormat.stored`); raises :class:`FormatError`."""
     fmt = recognise(tensors, name)
     if fmt is not None:
@@ -210,11 +222,17 @@ def stored_weight(tensors: Mapping[str, TensorInfo], name: str, expect: tuple[in
         raise FormatError(f"tensor is missing (expected shape {list(expect) if expect else '?'})", name)
     info = tensors[name]
     if e8m0_scale(tensors, name) is not None:
-        raise FormatError(f"has dtype {info.dtype} beside an F8_E8M0 scale: expected F8_E4M3 or packed MXFP4 (I8/U8)", name)
+        raise FormatError(
+            f"has dtype {info.dtype} beside an F8_E8M0 scale: expected F8_E4M3 or packed MXFP4 (I8/U8)", name
+        )
     if info.dtype == FP8_DTYPE_CODE:
-        raise FormatError(f"is an FP8 weight without its scale (expected {name + '_scale_inv'!r} or {name + '_scale'!r})", name)
-    raise FormatError(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
-                      name)
+        raise FormatError(
+            f"is an FP8 weight without its scale (expected {name + '_scale_inv'!r} or {name + '_scale'!r})", name
+        )
+    raise FormatError(
+        f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
+        name,
+    )
 
 
 def quantization_config_field(config: Mapping[str, Any]) -> tuple[dict, str]:
@@ -240,11 +258,15 @@ def declared_format(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]
     qc = quantization_config(config)
     method = qc.get("quant_method")
     if method is None:
-        return None, "fp8 (no quantization_config)" if any(t.dtype == FP8_DTYPE_CODE for t in tensors.values()) else "none"
+        return None, "fp8 (no quantization_config)" if any(
+            t.dtype == FP8_DTYPE_CODE for t in tensors.values()
+        ) else "none"
     for f in REGISTRY:
         if (words := f.declared(qc, config)) is not None:
             return f, words
-    what = f"quantization_config.quant_method {method!r}" + (f" with format {qc['format']!r}" if qc.get("format") else "")
+    what = f"quantization_config.quant_method {method!r}" + (
+        f" with format {qc['format']!r}" if qc.get("format") else ""
+    )
     expected = ", ".join(f.declared_as for f in REGISTRY if f.declared_as)
     raise FormatError(f"{what} is not supported (expected {expected})", "")
 
@@ -297,8 +319,10 @@ def is_channel_shape(shape: tuple[int, ...], lead: tuple[int, ...], rows: int) -
 def check_fp8_weight(info: TensorInfo) -> None:
     """Only F8_E4M3 FP8 weights are converted (the output's dtype)."""
     if info.dtype != FP8_DTYPE_CODE:
-        raise FormatError(f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
-                          info.name)
+        raise FormatError(
+            f"has dtype {info.dtype}, expected BF16/F16/F32, F8_E4M3, or packed MXFP4 (I8/U8 beside an F8_E8M0 .scale)",
+            info.name,
+        )
 
 
 def is_float_dtype(dtype: str) -> bool:

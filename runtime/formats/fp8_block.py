@@ -14,18 +14,35 @@ from ..mxfp4 import e8m0_to_float
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo, bytes_to_tensor, read_bytes
 from ..errors import ModelError
 from .fp8_tile32 import is_tile32_scale
-from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, group_scale_inv, input_scale,
-                   is_channel_shape, quantization_config,
-                   register)
+from .base import (
+    FP8_CODES,
+    FormatError,
+    StoredWeight,
+    WeightFormat,
+    check_fp8_weight,
+    e8m0_scale,
+    group_scale_inv,
+    input_scale,
+    is_channel_shape,
+    quantization_config,
+    register,
+)
 
-_STACKED_GATE_UP = tuple(form[0] for form in STACKED_FORMS.values())  # stacked gate_up tensors, by every stacked form's name
+_STACKED_GATE_UP = tuple(
+    form[0] for form in STACKED_FORMS.values()
+)  # stacked gate_up tensors, by every stacked form's name
 
 
 def ct_block_scale(tensors, name, info):
     """A compressed-tensors ``weight_scale`` of 128x128 block shape (float), or None."""
     s = tensors.get(name + "_scale")
     lead, (rows, cols) = info.shape[:-2], info.shape[-2:]
-    if s is None or s.dtype not in FLOAT_DTYPES or is_channel_shape(s.shape, lead, rows) or (math.prod(s.shape) == 1 and not lead):
+    if (
+        s is None
+        or s.dtype not in FLOAT_DTYPES
+        or is_channel_shape(s.shape, lead, rows)
+        or (math.prod(s.shape) == 1 and not lead)
+    ):
         return None
     return s if s.shape == (*lead, *scale_grid(rows, cols)) else None
 
@@ -66,7 +83,11 @@ class FP8Block(WeightFormat):
         return ct_block_scale(tensors, name, info) is not None
 
     def declared(self, qc, config):
-        return "fp8-block" + (" ue8m0" if scale_fmt_of(config) == "ue8m0" else "") if qc.get("quant_method") == "fp8" else None
+        return (
+            "fp8-block" + (" ue8m0" if scale_fmt_of(config) == "ue8m0" else "")
+            if qc.get("quant_method") == "fp8"
+            else None
+        )
 
     def stored(self, tensors, name, expect=None, group=None):
         info = tensors[name]
@@ -75,19 +96,28 @@ class FP8Block(WeightFormat):
         e8m0 = e8m0_scale(tensors, name)
         if e8m0 is not None:
             if len(info.shape) != 2:
-                raise FormatError(f"has shape {list(info.shape)}: weights with F8_E8M0 scales are supported as 2-D tensors only", name)
+                raise FormatError(
+                    f"has shape {list(info.shape)}: weights with F8_E8M0 scales are supported as 2-D tensors only", name
+                )
             if info.dtype != FP8_DTYPE_CODE:
-                raise FormatError(f"has dtype {info.dtype} beside an F8_E8M0 scale: expected F8_E4M3 or packed MXFP4 (I8/U8)", name)
+                raise FormatError(
+                    f"has dtype {info.dtype} beside an F8_E8M0 scale: expected F8_E4M3 or packed MXFP4 (I8/U8)", name
+                )
             if e8m0.shape != scale_grid(rows, cols):
-                raise FormatError(f"has shape {list(e8m0.shape)}, expected {list(scale_grid(rows, cols))} (128x128 blocks of "
-                                  f"{list(info.shape)})", e8m0.name)
+                raise FormatError(
+                    f"has shape {list(e8m0.shape)}, expected {list(scale_grid(rows, cols))} (128x128 blocks of "
+                    f"{list(info.shape)})",
+                    e8m0.name,
+                )
             return StoredWeight(self, info, e8m0, cols=cols_out)
         check_fp8_weight(info)
         want = (*lead, *scale_grid(rows, cols))
         if scale_name(name) in tensors:
             s = tensors[scale_name(name)]
             if s.shape != want:
-                raise FormatError(f"has shape {list(s.shape)}, expected {list(want)} (128x128 blocks of {list(info.shape)})", s.name)
+                raise FormatError(
+                    f"has shape {list(s.shape)}, expected {list(want)} (128x128 blocks of {list(info.shape)})", s.name
+                )
             if s.dtype != "F32":
                 raise FormatError(f"has dtype {s.dtype}, expected F32", s.name)
             return StoredWeight(self, info, s, cols=cols_out)
@@ -105,8 +135,13 @@ class FP8Block(WeightFormat):
         if name.endswith(_STACKED_GATE_UP) and t.dim() == 3 and s.shape[-2] % 2 == 0:
             # Stacked gate_up: the gate's grid then the up's, each half with its own block origin.
             half, sh = t.shape[-2] // 2, s.shape[-2] // 2
-            return torch.cat([dequantize_block_fp8(t[..., :half, :], s[..., :sh, :]),
-                              dequantize_block_fp8(t[..., half:, :], s[..., sh:, :])], dim=-2).to(dtype)
+            return torch.cat(
+                [
+                    dequantize_block_fp8(t[..., :half, :], s[..., :sh, :]),
+                    dequantize_block_fp8(t[..., half:, :], s[..., sh:, :]),
+                ],
+                dim=-2,
+            ).to(dtype)
         return dequantize_block_fp8(t, s).to(dtype)
 
     def dequantize_rows(self, raw, scales, r0):

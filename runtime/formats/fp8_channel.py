@@ -10,8 +10,17 @@ import torch
 from ..layout import scale_grid
 from ..safetensors_io import FLOAT_DTYPES
 from ..layout import scale_name
-from .base import (FP8_CODES, FormatError, StoredWeight, WeightFormat, check_fp8_weight, e8m0_scale, input_scale, is_channel_shape,
-                   register)
+from .base import (
+    FP8_CODES,
+    FormatError,
+    StoredWeight,
+    WeightFormat,
+    check_fp8_weight,
+    e8m0_scale,
+    input_scale,
+    is_channel_shape,
+    register,
+)
 from .fp8_block import ct_block_scale
 
 
@@ -22,7 +31,11 @@ class _CompressedTensorsFP8(WeightFormat):
         info = tensors.get(name)
         if info is None or info.dtype not in FP8_CODES or len(info.shape) < 2 or name + "_scale" not in tensors:
             return False
-        if e8m0_scale(tensors, name) is not None or scale_name(name) in tensors or ct_block_scale(tensors, name, info) is not None:
+        if (
+            e8m0_scale(tensors, name) is not None
+            or scale_name(name) in tensors
+            or ct_block_scale(tensors, name, info) is not None
+        ):
             return False  # FP8 blocks (or MXFP8) first, as their scales say
         return self._claims(tensors[name + "_scale"].shape, info.shape[:-2], info.shape[-2])
 
@@ -47,7 +60,10 @@ class FP8Channel(_CompressedTensorsFP8):
 
     def declared(self, qc, config):
         # compressed-tensors FP8, per channel or per tensor: the tensors say which
-        ct_fp8 = qc.get("quant_method") == "compressed-tensors" and qc.get("format") in ("float-quantized", "naive-quantized")
+        ct_fp8 = qc.get("quant_method") == "compressed-tensors" and qc.get("format") in (
+            "float-quantized",
+            "naive-quantized",
+        )
         return "compressed-tensors fp8" if ct_fp8 else None
 
     def _claims(self, shape, lead, rows):
@@ -73,8 +89,11 @@ class FP8Tensor(_CompressedTensorsFP8):
         info, s = stored.data, stored.scale
         lead, (rows, cols) = info.shape[:-2], info.shape[-2:]
         if math.prod(s.shape) != 1 or lead:
-            raise FormatError(f"has shape {list(s.shape)}; expected per-channel {[*lead, rows, 1]}, per-tensor [1] or blocks "
-                              f"{[*lead, *scale_grid(rows, cols)]}", s.name)
+            raise FormatError(
+                f"has shape {list(s.shape)}; expected per-channel {[*lead, rows, 1]}, per-tensor [1] or blocks "
+                f"{[*lead, *scale_grid(rows, cols)]}",
+                s.name,
+            )
         return stored
 
     def dequantize_rows(self, raw, scales, r0):

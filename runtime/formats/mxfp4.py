@@ -34,16 +34,26 @@ class MXFP4(WeightFormat):
         info, s = tensors[name], e8m0_scale(tensors, name)
         if expect is not None and len(info.shape) == 2:
             if info.shape != (expect[0], expect[1] // 2) or expect[1] % MX_GROUP:
-                raise FormatError(f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (MXFP4: two e2m1 codes "
-                                  f"per byte of a [{expect[0]}, {expect[1]}] weight)", name)
+                raise FormatError(
+                    f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (MXFP4: two e2m1 codes "
+                    f"per byte of a [{expect[0]}, {expect[1]}] weight)",
+                    name,
+                )
         if len(info.shape) != 2:
-            raise FormatError(f"has shape {list(info.shape)}: weights with F8_E8M0 scales are supported as 2-D tensors only", name)
+            raise FormatError(
+                f"has shape {list(info.shape)}: weights with F8_E8M0 scales are supported as 2-D tensors only", name
+            )
         rows, cols = info.shape
         if (2 * cols) % MX_GROUP:
-            raise FormatError(f"has shape {list(info.shape)}: {2 * cols} inputs are not whole MXFP4 groups of {MX_GROUP}", name)
+            raise FormatError(
+                f"has shape {list(info.shape)}: {2 * cols} inputs are not whole MXFP4 groups of {MX_GROUP}", name
+            )
         if s.shape != (rows, 2 * cols // MX_GROUP):
-            raise FormatError(f"has shape {list(s.shape)}, expected {[rows, 2 * cols // MX_GROUP]} (one per {MX_GROUP} inputs of the "
-                              f"MXFP4 weight [{rows}, {2 * cols}])", s.name)
+            raise FormatError(
+                f"has shape {list(s.shape)}, expected {[rows, 2 * cols // MX_GROUP]} (one per {MX_GROUP} inputs of the "
+                f"MXFP4 weight [{rows}, {2 * cols}])",
+                s.name,
+            )
         return StoredWeight(self, info, s, cols=2 * cols, group=MX_GROUP)
 
     def read_float(self, source, name, device="cpu", dtype=torch.float32):
@@ -52,6 +62,7 @@ class MXFP4(WeightFormat):
 
     def to_fp8_rows(self, data, scales, stored, scale_fmt):
         q, scale, moved, within = mxfp4_to_fp8_blocks(data.view(torch.uint8), scales)
-        measured = BlockExactness(moved.numel(), int((moved > 0).sum()), int((~within).sum()),
-                                  float(moved.max()) if moved.numel() else 0.0)
+        measured = BlockExactness(
+            moved.numel(), int((moved > 0).sum()), int((~within).sum()), float(moved.max()) if moved.numel() else 0.0
+        )
         return q, scale, measured

@@ -16,8 +16,16 @@ from ..fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..layout import WEIGHT_BLOCK, scale_name
 from ..mxfp4 import MX_GROUP, e8m0_to_float
 from ..safetensors_io import bytes_to_tensor, read_bytes
-from .base import (FP8_CODES, BlockExactness, FormatError, StoredWeight, WeightFormat, e8m0_scale, group_scale_inv,
-                   register)
+from .base import (
+    FP8_CODES,
+    BlockExactness,
+    FormatError,
+    StoredWeight,
+    WeightFormat,
+    e8m0_scale,
+    group_scale_inv,
+    register,
+)
 
 
 def _per_block(t: torch.Tensor, rows_per: int, cols_per: int, reduce: str, fill: float) -> torch.Tensor:
@@ -31,8 +39,9 @@ def _per_block(t: torch.Tensor, rows_per: int, cols_per: int, reduce: str, fill:
     return tiles.amax((1, 3)) if reduce == "amax" else tiles.amin((1, 3))
 
 
-def pow2_blocks_measured(f: torch.Tensor, group_scales: torch.Tensor, group_rows: int, group_cols: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, BlockExactness]:
+def pow2_blocks_measured(
+    f: torch.Tensor, group_scales: torch.Tensor, group_rows: int, group_cols: int
+) -> tuple[torch.Tensor, torch.Tensor, BlockExactness]:
     """Float32 ``f`` ``[rows, in]`` that is exactly e4m3 codes times power-of-two group scales (``group_scales``,
     float32, one per ``group_rows x group_cols`` tile) as FP8 e4m3 with power-of-two 128x128 block scales (float32),
     measured: a block is within the rule when none of its group scales is below its block scale, and moved where some
@@ -41,8 +50,13 @@ def pow2_blocks_measured(f: torch.Tensor, group_scales: torch.Tensor, group_rows
     moved = _per_block((dequantize_block_fp8(q, scale) - f).abs(), WEIGHT_BLOCK, WEIGHT_BLOCK, "amax", 0.0) / scale
     smallest = _per_block(group_scales, WEIGHT_BLOCK // group_rows, WEIGHT_BLOCK // group_cols, "amin", float("inf"))
     outside = smallest < scale
-    return q, scale, BlockExactness(moved.numel(), int((moved > 0).sum()), int(outside.sum()),
-                                    float(moved.max()) if moved.numel() else 0.0)
+    return (
+        q,
+        scale,
+        BlockExactness(
+            moved.numel(), int((moved > 0).sum()), int(outside.sum()), float(moved.max()) if moved.numel() else 0.0
+        ),
+    )
 
 
 @register
@@ -55,8 +69,12 @@ class MXFP8(WeightFormat):
 
     def matches(self, tensors, name):
         info = tensors.get(name)
-        return (info is not None and info.dtype in FP8_CODES and e8m0_scale(tensors, name) is None
-                and group_scale_inv(tensors, name) is not None)
+        return (
+            info is not None
+            and info.dtype in FP8_CODES
+            and e8m0_scale(tensors, name) is None
+            and group_scale_inv(tensors, name) is not None
+        )
 
     def stored(self, tensors, name, expect=None, group=None):
         info, s = tensors[name], tensors[scale_name(name)]

@@ -17,8 +17,16 @@ import torch
 from ..errors import ModelError
 from ..mxfp4 import unpack_e2m1
 from ..safetensors_io import FP8_DTYPE_CODE, bytes_to_tensor, read_bytes
-from .base import (FormatError, RequantizationError, StoredWeight, WeightFormat, input_scale, quantization_config_field,
-                   register, requantize_to_fp8)
+from .base import (
+    FormatError,
+    RequantizationError,
+    StoredWeight,
+    WeightFormat,
+    input_scale,
+    quantization_config_field,
+    register,
+    requantize_to_fp8,
+)
 
 NV_GROUP = 16  # inputs per e4m3 scale
 SCALE_SUFFIX, GLOBAL_SUFFIX = "_scale", "_scale_2"  # X.weight_scale, X.weight_scale_2
@@ -30,8 +38,10 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: f
     values = unpack_e2m1(packed)
     rows, cols = values.shape
     if tuple(scales.shape) != (rows, cols // NV_GROUP) or cols % NV_GROUP:
-        raise ValueError(f"NVFP4 scales {list(scales.shape)} do not fit weight [{rows}, {cols}] "
-                         f"(expected [{rows}, {cols // NV_GROUP}])")
+        raise ValueError(
+            f"NVFP4 scales {list(scales.shape)} do not fit weight [{rows}, {cols}] "
+            f"(expected [{rows}, {cols // NV_GROUP}])"
+        )
     grouped = values.view(rows, cols // NV_GROUP, NV_GROUP) * scales.to(torch.float32)[..., None]
     return grouped.view(rows, cols) * torch.as_tensor(global_scale, dtype=torch.float32, device=values.device)
 
@@ -40,7 +50,8 @@ def _is_nvfp4_algo(qc) -> bool:
     layers = qc.get("quantized_layers")
     per_layer = layers.values() if isinstance(layers, dict) else ()
     return "NVFP4" in (qc.get("quant_algo"), qc.get("moe_quant_algo")) or any(
-        isinstance(v, dict) and v.get("quant_algo") == "NVFP4" for v in per_layer)
+        isinstance(v, dict) and v.get("quant_algo") == "NVFP4" for v in per_layer
+    )
 
 
 def _is_modelopt(qc) -> bool:
@@ -68,14 +79,22 @@ class NVFP4(WeightFormat):
             return None
         size = qc.get("group_size", NV_GROUP)
         if size != NV_GROUP:
-            raise ModelError(f"is {size!r}, expected {NV_GROUP} (NVFP4 has one e4m3 scale per {NV_GROUP} inputs)",
-                             file="config.json", field=f"{where}.group_size")
+            raise ModelError(
+                f"is {size!r}, expected {NV_GROUP} (NVFP4 has one e4m3 scale per {NV_GROUP} inputs)",
+                file="config.json",
+                field=f"{where}.group_size",
+            )
         return size
 
     def matches(self, tensors, name):
         info, s = tensors.get(name), tensors.get(name + SCALE_SUFFIX)
-        return (info is not None and info.dtype == "U8" and s is not None and s.dtype == FP8_DTYPE_CODE
-                and name + GLOBAL_SUFFIX in tensors)
+        return (
+            info is not None
+            and info.dtype == "U8"
+            and s is not None
+            and s.dtype == FP8_DTYPE_CODE
+            and name + GLOBAL_SUFFIX in tensors
+        )
 
     def stored(self, tensors, name, expect=None, group=None):
         info, s, g = tensors[name], tensors[name + SCALE_SUFFIX], tensors[name + GLOBAL_SUFFIX]
@@ -83,24 +102,43 @@ class NVFP4(WeightFormat):
             raise FormatError(f"has shape {list(info.shape)}: NVFP4 weights are supported as 2-D tensors only", name)
         rows, cols = info.shape[0], 2 * info.shape[1]
         if expect is not None and (rows, cols) != tuple(expect):
-            raise FormatError(f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (NVFP4: two e2m1 "
-                              f"codes per byte of a [{expect[0]}, {expect[1]}] weight)", name)
+            raise FormatError(
+                f"has shape {list(info.shape)}, expected {[expect[0], expect[1] // 2]} (NVFP4: two e2m1 "
+                f"codes per byte of a [{expect[0]}, {expect[1]}] weight)",
+                name,
+            )
         if cols % NV_GROUP:
-            raise FormatError(f"has shape {list(info.shape)}: {cols} inputs are not whole NVFP4 groups of {NV_GROUP}",
-                              name)
+            raise FormatError(
+                f"has shape {list(info.shape)}: {cols} inputs are not whole NVFP4 groups of {NV_GROUP}", name
+            )
         if s.shape != (rows, cols // NV_GROUP):
-            raise FormatError(f"has shape {list(s.shape)}, expected {[rows, cols // NV_GROUP]} (one e4m3 scale per "
-                              f"{NV_GROUP} inputs of the NVFP4 weight [{rows}, {cols}])", s.name)
+            raise FormatError(
+                f"has shape {list(s.shape)}, expected {[rows, cols // NV_GROUP]} (one e4m3 scale per "
+                f"{NV_GROUP} inputs of the NVFP4 weight [{rows}, {cols}])",
+                s.name,
+            )
         if g.dtype != "F32" or math.prod(g.shape) != 1:
-            raise FormatError(f"has dtype {g.dtype} and shape {list(g.shape)}, expected one F32 value (the NVFP4 "
-                              "global scale)", g.name)
-        return StoredWeight(self, info, s, (g, *input_scale(tensors, name)), cols=cols, group=NV_GROUP, notes=(
-            "NVFP4: e2m1 code x e4m3 scale is exact in float32; the F32 global scale rounds that product once",))
+            raise FormatError(
+                f"has dtype {g.dtype} and shape {list(g.shape)}, expected one F32 value (the NVFP4 global scale)",
+                g.name,
+            )
+        return StoredWeight(
+            self,
+            info,
+            s,
+            (g, *input_scale(tensors, name)),
+            cols=cols,
+            group=NV_GROUP,
+            notes=("NVFP4: e2m1 code x e4m3 scale is exact in float32; the F32 global scale rounds that product once",),
+        )
 
     def combined(self, tensors) -> dict[str, tuple[str, ...]]:
         """Every NVFP4 weight with its scales and input scale: the loaders read them as the one ``X.weight``."""
-        return {name: (name, name + SCALE_SUFFIX, name + GLOBAL_SUFFIX, *(t.name for t in input_scale(tensors, name)))
-                for name in tensors if self.matches(tensors, name)}
+        return {
+            name: (name, name + SCALE_SUFFIX, name + GLOBAL_SUFFIX, *(t.name for t in input_scale(tensors, name)))
+            for name in tensors
+            if self.matches(tensors, name)
+        }
 
     def check_values(self, stored, read):
         """The global scale is a positive finite number (a zero or NaN one would make every value the same)."""

@@ -22,8 +22,11 @@ class PlainFloat(WeightFormat):
         info = tensors[name]
         for cand in (scale_name(name), name + "_scale"):
             if cand in tensors:
-                raise FormatError(f"is a scale, but the weight it belongs to, {name!r}, is {info.dtype}: expected an F8_E4M3 weight "
-                                  "beside a scale", cand)
+                raise FormatError(
+                    f"is a scale, but the weight it belongs to, {name!r}, is {info.dtype}: expected an F8_E4M3 weight "
+                    "beside a scale",
+                    cand,
+                )
         return StoredWeight(self, info, cols=info.shape[-1] if info.shape else 0)
 
     def read_float(self, source, name, device="cpu", dtype=torch.float32):

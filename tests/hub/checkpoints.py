@@ -28,12 +28,22 @@ def _block() -> FusedSharedExperts:
         source_shared_intermediate_size=S * I,
         moe_layers=MOE_LAYERS,
         activation="swiglu",
-        routing=RoutingSpec(scoring="sigmoid", top_k=2, n_group=2, topk_group=1, renormalize=True, routed_scaling_factor=2.5, has_bias=True),
+        routing=RoutingSpec(
+            scoring="sigmoid",
+            top_k=2,
+            n_group=2,
+            topk_group=1,
+            renormalize=True,
+            routed_scaling_factor=2.5,
+            has_bias=True,
+        ),
         source={"model_type": "deepseek_v3", "quantization": "bf16", "converter_version": "0.1.0"},
     )
 
 
-def write_converted_checkpoint(out: Path, *, seed: int = 0, embed_rows: int = VOCAB, source: str | None = SOURCE_REPO) -> Path:
+def write_converted_checkpoint(
+    out: Path, *, seed: int = 0, embed_rows: int = VOCAB, source: str | None = SOURCE_REPO
+) -> Path:
     """A converted-looking checkpoint: config with a valid fused_shared_experts block, 2 shards,
     index, manifest, tokenizer and generation config. Each shard is about ``embed_rows * 512`` bytes."""
     out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +81,9 @@ def write_converted_checkpoint(out: Path, *, seed: int = 0, embed_rows: int = VO
         for k, t in tensors.items():
             weight_map[k] = name
             total += t.numel() * t.element_size()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
 
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -89,12 +101,19 @@ def write_converted_checkpoint(out: Path, *, seed: int = 0, embed_rows: int = VO
         "vocab_size": embed_rows,
         "routed_scaling_factor": 2.5,
         "norm_topk_prob": True,
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
         CONFIG_KEY: block.to_dict(),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-    (out / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []}}))
+    (out / "tokenizer.json").write_text(
+        json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []}})
+    )
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
     files = {}

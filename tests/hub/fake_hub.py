@@ -86,7 +86,11 @@ class FileEntry:
     def tree_json(self, path: str) -> dict[str, Any]:
         d: dict[str, Any] = {"type": "file", "oid": self.blob_id, "size": self.size, "path": path}
         if self.lfs_sha256:
-            d["lfs"] = {"oid": self.lfs_sha256, "size": self.size, "pointerSize": len(lfs_pointer(self.lfs_sha256, self.size))}
+            d["lfs"] = {
+                "oid": self.lfs_sha256,
+                "size": self.size,
+                "pointerSize": len(lfs_pointer(self.lfs_sha256, self.size)),
+            }
         return d
 
 
@@ -159,7 +163,9 @@ class FakeHub:
         self.validated_yaml: list[str] = []
         self.fail_lfs_puts_from: int | None = None
         self.stall_lfs_put: int | None = None
-        self.cut_body_after: int | None = None  # the next file body sent stops after this many bytes (connection dropped)
+        self.cut_body_after: int | None = (
+            None  # the next file body sent stops after this many bytes (connection dropped)
+        )
         self.range_log: list[str | None] = []  # the Range header of every GET of a file body
         self.stalled = threading.Event()
         self.release = threading.Event()
@@ -267,9 +273,13 @@ class FakeHub:
         self.repos[repo_id] = repo
         return repo
 
-    def _new_commit(self, repo: Repo, parent: str | None, title: str, description: str, files: dict[str, FileEntry]) -> Commit:
+    def _new_commit(
+        self, repo: Repo, parent: str | None, title: str, description: str, files: dict[str, FileEntry]
+    ) -> Commit:
         n = next(self._commit_counter)
-        digest = hashlib.sha1(json.dumps([repo.repo_id, parent, title, n, sorted((p, e.blob_id) for p, e in files.items())]).encode())
+        digest = hashlib.sha1(
+            json.dumps([repo.repo_id, parent, title, n, sorted((p, e.blob_id) for p, e in files.items())]).encode()
+        )
         c = Commit(digest.hexdigest(), parent, title, description, files, _now())
         repo.commits[c.id] = c
         return c
@@ -383,7 +393,11 @@ class FakeHub:
             if blobs:
                 s["size"], s["blobId"] = e.size, e.blob_id
                 if e.lfs_sha256:
-                    s["lfs"] = {"size": e.size, "sha256": e.lfs_sha256, "pointerSize": len(lfs_pointer(e.lfs_sha256, e.size))}
+                    s["lfs"] = {
+                        "size": e.size,
+                        "sha256": e.lfs_sha256,
+                        "pointerSize": len(lfs_pointer(e.lfs_sha256, e.size)),
+                    }
             siblings.append(s)
         return {
             "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24],
@@ -402,7 +416,9 @@ class FakeHub:
             "siblings": siblings,
         }
 
-    def api_tree(self, repo_id: str, rev: str, path: str, token: str | None, query: dict[str, list[str]]) -> tuple[list, str | None]:
+    def api_tree(
+        self, repo_id: str, rev: str, path: str, token: str | None, query: dict[str, list[str]]
+    ) -> tuple[list, str | None]:
         repo = self._repo_for_read(repo_id, token)
         commit = repo.commits[self._resolve_rev(repo, rev)]
         recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
@@ -418,7 +434,9 @@ class FakeHub:
             for i in range(1, len(parts)):  # parent folders
                 d = "/".join(([prefix] if prefix else []) + parts[:i])
                 if recursive or i == 1:
-                    entries.setdefault(d, {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d})
+                    entries.setdefault(
+                        d, {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+                    )
             if recursive or len(parts) == 1:
                 entries[p] = e.tree_json(p)
         if not found:
@@ -446,7 +464,9 @@ class FakeHub:
     def api_refs(self, repo_id: str, token: str | None) -> dict[str, Any]:
         repo = self._repo_for_read(repo_id, token)
         return {
-            "branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in sorted(repo.branches.items())],
+            "branches": [
+                {"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in sorted(repo.branches.items())
+            ],
             "tags": [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in sorted(repo.tags.items())],
             "converts": [],
         }
@@ -473,7 +493,9 @@ class FakeHub:
             out.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
         return {"files": out, "commitOid": repo.branches.get(rev, rev)}
 
-    def api_commit(self, repo_id: str, rev: str, raw: bytes, token: str | None, query: dict[str, list[str]]) -> dict[str, Any]:
+    def api_commit(
+        self, repo_id: str, rev: str, raw: bytes, token: str | None, query: dict[str, list[str]]
+    ) -> dict[str, Any]:
         repo = self._repo_for_write(repo_id, token)
         if query.get("create_pr"):
             raise HttpError(400, "pull requests are not supported by the fake hub")
@@ -499,7 +521,10 @@ class FakeHub:
             elif key == "lfsFile":
                 oid = v["oid"]
                 if oid not in self.lfs_objects:
-                    raise HttpError(422, f"Your push was rejected because an LFS pointer pointed to a file that does not exist ({v['path']})")
+                    raise HttpError(
+                        422,
+                        f"Your push was rejected because an LFS pointer pointed to a file that does not exist ({v['path']})",
+                    )
                 size = len(self.lfs_objects[oid])
                 if v.get("size") is not None and int(v["size"]) != size:
                     raise HttpError(422, f"LFS object size mismatch for {v['path']}")
@@ -516,7 +541,13 @@ class FakeHub:
                 raise HttpError(400, f"unknown commit operation {key!r}")
         c = self._new_commit(repo, head.id, header.get("summary", ""), header.get("description", ""), files)
         repo.branches[rev] = c.id
-        return {"success": True, "commitOid": c.id, "commitUrl": f"{self.url}/{repo_id}/commit/{c.id}", "hookOutput": "", "pullRequestUrl": None}
+        return {
+            "success": True,
+            "commitOid": c.id,
+            "commitUrl": f"{self.url}/{repo_id}/commit/{c.id}",
+            "hookOutput": "",
+            "pullRequestUrl": None,
+        }
 
     def api_lfs_batch(self, repo_id: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
         self._repo_for_write(repo_id, token)
@@ -615,7 +646,13 @@ class _Base(BaseHTTPRequestHandler):
 
     # -- responses
 
-    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, content_type: str = "application/json") -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
         self._rec.status = status
         self.send_response(status)
         hdrs = {"Content-Type": content_type, "Content-Length": str(len(body)), "X-Request-Id": f"fake-{id(self)}"}
@@ -626,7 +663,9 @@ class _Base(BaseHTTPRequestHandler):
         if self.command != "HEAD" and body:
             self.wfile.write(body)
 
-    def _send_json(self, obj: Any, status: int = 200, headers: dict[str, str] | None = None, content_type: str = "application/json") -> None:
+    def _send_json(
+        self, obj: Any, status: int = 200, headers: dict[str, str] | None = None, content_type: str = "application/json"
+    ) -> None:
         self._send(status, json.dumps(obj).encode(), headers, content_type)
 
     def _send_error(self, e: HttpError) -> None:
@@ -652,8 +691,12 @@ class _Base(BaseHTTPRequestHandler):
                 # first as it downloads several at once, would arrive whole and leave the cut unused)
                 self._rec.status = 200
                 self.send_response(200)
-                for k, v in {**headers, "Accept-Ranges": "bytes", "Content-Length": str(len(data)),
-                             "Content-Type": "application/octet-stream"}.items():
+                for k, v in {
+                    **headers,
+                    "Accept-Ranges": "bytes",
+                    "Content-Length": str(len(data)),
+                    "Content-Type": "application/octet-stream",
+                }.items():
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(data[:cut])
@@ -675,7 +718,12 @@ class _Base(BaseHTTPRequestHandler):
                 self._send(416, b"", {**headers, "Content-Range": f"bytes */{size}"})
                 return
             end = min(end, size - 1)
-            self._send(206, data[start : end + 1], {**headers, "Content-Range": f"bytes {start}-{end}/{size}", "Accept-Ranges": "bytes"}, "application/octet-stream")
+            self._send(
+                206,
+                data[start : end + 1],
+                {**headers, "Content-Range": f"bytes {start}-{end}/{size}", "Accept-Ranges": "bytes"},
+                "application/octet-stream",
+            )
         else:
             self._send(200, data, {**headers, "Accept-Ranges": "bytes"}, "application/octet-stream")
 
@@ -714,7 +762,9 @@ class _HubHandler(_Base):
             body = self._json_body()
             with hub.lock:
                 if s[5] == "batch" and m == "POST":
-                    return self._send_json(hub.api_lfs_batch(repo_id, body, tok), content_type="application/vnd.git-lfs+json")
+                    return self._send_json(
+                        hub.api_lfs_batch(repo_id, body, tok), content_type="application/vnd.git-lfs+json"
+                    )
                 if s[5] == "verify" and m == "POST":
                     return self._send_json(hub.api_lfs_verify(repo_id, body, tok))
                 if s[5] == "complete" and m == "POST" and len(s) == 7:

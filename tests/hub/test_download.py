@@ -44,7 +44,9 @@ def source_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("src") / "tiny-dsv3"
     model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path, max_shard_size="300KB")
-    (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}))
+    (path / "tokenizer.json").write_text(
+        json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}})
+    )
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     (path / "chat_template.jinja").write_text("{{ messages }}")
     (path / "configuration_tiny.py").write_text("# remote code\n")

@@ -75,7 +75,11 @@ def test_card_local_source_and_explicit_base_model(tmp_path):
 
 def test_card_carries_the_source_license(converted):
     checked = check_output(converted)
-    checked.manifest.extra["source_license"] = {"license": "other", "license_name": "deepseek", "license_link": "LICENSE"}
+    checked.manifest.extra["source_license"] = {
+        "license": "other",
+        "license_name": "deepseek",
+        "license_link": "LICENSE",
+    }
     meta = _meta(render_model_card(checked, repo_id="alice/tiny-fused"))
     assert (meta["license"], meta["license_name"], meta["license_link"]) == ("other", "deepseek", "LICENSE")
 
@@ -87,7 +91,9 @@ def test_conversion_records_the_source_license(tmp_path):
     from fuse_tool.source.license import source_license
 
     src = build_checkpoint("deepseek_v3", tmp_path / "src")
-    (src / "README.md").write_text("---\nlibrary_name: transformers\nlicense: mit\n---\n# DeepSeek\nlicense: not this\n")
+    (src / "README.md").write_text(
+        "---\nlibrary_name: transformers\nlicense: mit\n---\n# DeepSeek\nlicense: not this\n"
+    )
     convert_checkpoint(src, tmp_path / "out", progress=False)
     manifest = json.loads((tmp_path / "out" / "fuse_shared_manifest.json").read_text())
     assert manifest["source_license"] == {"license": "mit"}

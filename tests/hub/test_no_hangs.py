@@ -73,11 +73,25 @@ def stalled():
 
 def _cli(args, env_extra, tmp_path, timeout=90):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
-    env.update({"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-                "HF_HUB_ETAG_TIMEOUT": "1", "HF_HUB_DOWNLOAD_TIMEOUT": "1", **env_extra})
+    env.update(
+        {
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_ETAG_TIMEOUT": "1",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "1",
+            **env_extra,
+        }
+    )
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "fuse_tool.cli", *map(str, args)], cwd=REPO_ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "fuse_tool.cli", *map(str, args)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return r, time.monotonic() - t0
 
 
@@ -91,18 +105,24 @@ def test_stalled_endpoint_download_ends_in_one_line(stalled, tmp_path):
     r, took = _cli(["convert", SRC, tmp_path / "out", "--quiet"], {"HF_ENDPOINT": stalled.url}, tmp_path)
     assert r.returncode == 1
     line = _one_line(r)
-    assert line == (f"error: the Hub at {stalled.url} did not answer within 1 s (read timeout) to download {SRC}; "
-                    "check the network and HF_ENDPOINT, or raise HF_HUB_DOWNLOAD_TIMEOUT"), line
+    assert line == (
+        f"error: the Hub at {stalled.url} did not answer within 1 s (read timeout) to download {SRC}; "
+        "check the network and HF_ENDPOINT, or raise HF_HUB_DOWNLOAD_TIMEOUT"
+    ), line
     assert stalled.accepted >= 1  # it did connect: the read timed out, not the connect
     assert took < 60, took
     assert not (tmp_path / "out").exists()
 
 
 def test_stalled_endpoint_push_ends_in_one_line(stalled, tmp_path, converted):
-    r, took = _cli(["push", converted, "alice/fused", "--quiet"], {"HF_ENDPOINT": stalled.url, "HF_TOKEN": WRITE_TOKEN}, tmp_path)
+    r, took = _cli(
+        ["push", converted, "alice/fused", "--quiet"], {"HF_ENDPOINT": stalled.url, "HF_TOKEN": WRITE_TOKEN}, tmp_path
+    )
     assert r.returncode == 1
     line = _one_line(r)
-    assert line.startswith(f"error: the Hub at {stalled.url} did not answer within 1 s (read timeout) to check the token"), line
+    assert line.startswith(
+        f"error: the Hub at {stalled.url} did not answer within 1 s (read timeout) to check the token"
+    ), line
     assert WRITE_TOKEN not in r.stderr
     assert took < 60, took
 
@@ -135,7 +155,9 @@ def test_every_hub_request_has_connect_and_read_timeouts(hub, converted, tmp_pat
     HfApi().upload_folder(repo_id=SRC, folder_path=converted)
     bound_hub_requests()
     seen: list[tuple[str, str, dict]] = []
-    get_session().event_hooks["request"].append(lambda req: seen.append((req.method, req.url.path, dict(req.extensions["timeout"]))))
+    get_session().event_hooks["request"].append(
+        lambda req: seen.append((req.method, req.url.path, dict(req.extensions["timeout"])))
+    )
 
     resolve_model_source(SRC, progress=False)
     push_checkpoint(converted, "alice/every-request", progress=False)

@@ -155,7 +155,8 @@ def test_total_size_mismatch(converted):
 
 
 @pytest.mark.parametrize(
-    "name", [".model-00002-of-00002.safetensors.tmp.1234", ".model-00002-of-00002.safetensors.partial", ".config.json.partial"]
+    "name",
+    [".model-00002-of-00002.safetensors.tmp.1234", ".model-00002-of-00002.safetensors.partial", ".config.json.partial"],
 )
 def test_leftover_temporary_file(converted, name):
     (converted / name).write_bytes(b"partial")

@@ -264,7 +264,9 @@ def test_no_write_access_to_existing_public_repo(hub, converted, monkeypatch):
     assert set(hub.files(REPO)) == {".gitattributes"}
 
 
-@pytest.mark.parametrize("bad", ["alice/bad--name", "alice/a/b", "alice/-x", "alice/x.", "", "al ice/x", "alice/" + "x" * 97])
+@pytest.mark.parametrize(
+    "bad", ["alice/bad--name", "alice/a/b", "alice/-x", "alice/x.", "", "al ice/x", "alice/" + "x" * 97]
+)
 def test_malformed_repo_id(hub, converted, bad):
     with pytest.raises(HubError) as ei:
         push_checkpoint(converted, bad, progress=False)
@@ -332,7 +334,9 @@ def test_verification_catches_a_corrupted_upload(hub, converted):
     from huggingface_hub import HfApi
 
     c = check_output(converted)
-    problems, extra = verify_remote(HfApi(), REPO, converted, c.files, revision=None, manifest=c.manifest, token=WRITE_TOKEN)
+    problems, extra = verify_remote(
+        HfApi(), REPO, converted, c.files, revision=None, manifest=c.manifest, token=WRITE_TOKEN
+    )
     assert len(problems) == 1 and SHARDS[0] in problems[0] and "sha256" in problems[0]
     # a rerun repairs it: the preupload oid differs, so the shard is sent again
     push_checkpoint(converted, REPO, progress=False)

@@ -34,7 +34,9 @@ def converted(sources, tmp_path_factory):
         key = (family, precision, other_linear)
         if key not in cache:
             out = root / f"{family}-{precision}-{other_linear}"
-            convert_checkpoint(sources(family), out, ConvertOptions(precision=precision, other_linear=other_linear), progress=False)
+            convert_checkpoint(
+                sources(family), out, ConvertOptions(precision=precision, other_linear=other_linear), progress=False
+            )
             cache[key] = out
         return cache[key]
 

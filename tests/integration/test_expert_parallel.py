@@ -34,8 +34,10 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str, i
             ids = tokens(batch=2, seq=16, vocab=vocab)
             if rank == 0:  # the one-process run, on the same thread count (float32 GEMMs sum in its order)
                 with torch.no_grad():
-                    torch.save(from_fused_pretrained(path, dtype=torch.float32)(ids).logits,
-                               os.path.join(out_dir, f"{name}-{world}-one.pt"))
+                    torch.save(
+                        from_fused_pretrained(path, dtype=torch.float32)(ids).logits,
+                        os.path.join(out_dir, f"{name}-{world}-one.pt"),
+                    )
             for replica in (True, False):
                 model = from_fused_pretrained(path, dtype=torch.float32)
                 expert_parallel(model, shared_replica=replica)
@@ -66,8 +68,11 @@ def models(converted, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep-v4")
     v4 = root / "out"
     convert_checkpoint(build_v4_checkpoint(root / "src", "flash"), v4, progress=False)
-    cases = [("deepseek_v3", converted("deepseek_v3", "fp8"), 96), ("deepseek_v4", v4, VOCAB),
-             ("minimax_m3_text", converted("minimax_m3_text", "source"), 96)]
+    cases = [
+        ("deepseek_v3", converted("deepseek_v3", "fp8"), 96),
+        ("deepseek_v4", v4, VOCAB),
+        ("minimax_m3_text", converted("minimax_m3_text", "source"), 96),
+    ]
     block = json.loads((Path(cases[2][1]) / "config.json").read_text())["fused_shared_experts"]
     assert block["num_fused_shared_experts"] == 2
     assert json.loads((v4 / "config.json").read_text())["fused_shared_experts"]["routing"]["hash_layers"]
@@ -76,8 +81,13 @@ def models(converted, tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_logits_equal_one_process(world, models, tmp_path):
-    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / "init"), models, str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "init"), models, str(tmp_path)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     import time
 
     deadline = time.monotonic() + TIMEOUT_S

@@ -26,8 +26,12 @@ def _noisy_logits(model, ids, seed):
         return out + PER_BLOCK_RMS * out.pow(2).mean().sqrt() * torch.randn(out.shape, generator=g)
 
     # Every MoE block (its module holds the experts; GraniteMoE-Shared's shared MLP sits beside it, the noise is on the routed part).
-    hs = [m.register_forward_hook(hook) for m in model.modules()
-          if hasattr(m, "experts") and any(hasattr(m, a) for a in ("shared_experts", "shared_expert", "shared_mlp", "router"))]
+    hs = [
+        m.register_forward_hook(hook)
+        for m in model.modules()
+        if hasattr(m, "experts")
+        and any(hasattr(m, a) for a in ("shared_experts", "shared_expert", "shared_mlp", "router"))
+    ]
     assert len(hs) >= 2
     try:
         with torch.no_grad():

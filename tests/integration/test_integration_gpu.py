@@ -47,7 +47,9 @@ def test_gpu_exact_and_triton(family, sources, converted, ref_logits):
     # amplifies it (end to end, GLM-5's 4-key DSA indexer turns ~7e-4 into a few 1e-2 by flipping keys).
     r = verify_against(out, sources(family), device="cuda", backend="triton")
     moe = max(lr.moe_rel for lr in r.layers if lr.moe_rel is not None)
-    print(f"\n{family}: torch-on-cuda logits rel {rel(a, want):.2e}; triton fp32 (TF32 dots) MoE rel {moe:.2e}, logits rel {r.logits_rel:.2e}")
+    print(
+        f"\n{family}: torch-on-cuda logits rel {rel(a, want):.2e}; triton fp32 (TF32 dots) MoE rel {moe:.2e}, logits rel {r.logits_rel:.2e}"
+    )
     assert moe < 3e-3
 
 
@@ -67,7 +69,9 @@ def test_gpu_fp8_triton_and_generate(family, converted, ref_logits):
 @pytest.mark.parametrize("precision", ["source", "fp8"])
 @pytest.mark.parametrize("family", FAMS)
 def test_gpu_verify(family, precision, sources, converted):
-    r = verify_against(converted(family, precision), sources(family), device="cuda", backend="torch" if precision == "source" else None)
+    r = verify_against(
+        converted(family, precision), sources(family), device="cuda", backend="torch" if precision == "source" else None
+    )
     moe = max(lr.moe_rel for lr in r.layers if lr.moe_rel is not None)
     print(f"\n{family} {precision}: moe {moe:.2e} logits {r.logits_rel:.2e} top1 {r.top1:.3f} failures {r.failures}")
     assert r.passed, r.failures  # no FP8: the exact bounds, on the GPU's torch path

@@ -112,8 +112,10 @@ def test_default_dtype_and_fp8_linears_dequantized(converted):
 def test_streamed_model_holds_one_layer(converted):
     sm = StreamedModel(converted("glm4_moe", "fp8"), dtype=torch.float32)
     sm.load_rest()
+
     def live(i):
         return [n for n, p in sm.layers[i].named_parameters() if not p.is_meta]
+
     assert all(not live(i) for i in range(sm.num_layers))
     layer = sm.load_layer(1)
     assert isinstance(layer.mlp, FusedSharedMoE) and live(1) and not live(0) and not live(2)
@@ -137,7 +139,9 @@ def test_minimax_vl_release_names_map_to_transformers_modules():
     }
     for disk, module in cases.items():
         assert fam.rename(disk) == module, disk
-    assert transformers_classes_for({"model_type": "kimi_k2"}) == transformers_classes_for({"model_type": "deepseek_v3"})
+    assert transformers_classes_for({"model_type": "kimi_k2"}) == transformers_classes_for(
+        {"model_type": "deepseek_v3"}
+    )
     for model_type in supported_model_types():  # every supported family runs in transformers
         assert transformers_classes_for({"model_type": model_type}).classes()
     with pytest.raises(LayoutError, match="no transformers integration"):
@@ -149,7 +153,11 @@ def test_unknown_and_missing_tensors_are_refused(converted, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     index = json.loads((bad / "model.safetensors.index.json").read_text())
-    save_file({"model.layers.0.self_attn.surprise.weight": torch.zeros(2, 2)}, str(bad / "extra.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {"model.layers.0.self_attn.surprise.weight": torch.zeros(2, 2)},
+        str(bad / "extra.safetensors"),
+        metadata={"format": "pt"},
+    )
     index["weight_map"]["model.layers.0.self_attn.surprise.weight"] = "extra.safetensors"
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(LayoutError, match="surprise"):
@@ -206,7 +214,8 @@ def test_loading_without_transformers_names_the_extra_to_install(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines() == [
         "error: examples/generate_tiny.py needs transformers, which is not installed: "
-        "pip install 'fuse-shared[verify]' (from a checkout: pip install -e '.[verify]')"], r.stderr
+        "pip install 'fuse-shared[verify]' (from a checkout: pip install -e '.[verify]')"
+    ], r.stderr
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -216,7 +225,9 @@ def test_cohere2_moe_sigmoid_selection_is_exact(tmp_path, norm_topk_prob):
     from fuse_tool.convert import convert_checkpoint
     from fuse_tool.plan import ConvertOptions
 
-    src = build_checkpoint("cohere2_moe", tmp_path / "src", experts=6, expert_selection_fn="sigmoid", norm_topk_prob=norm_topk_prob)
+    src = build_checkpoint(
+        "cohere2_moe", tmp_path / "src", experts=6, expert_selection_fn="sigmoid", norm_topk_prob=norm_topk_prob
+    )
     convert_checkpoint(src, tmp_path / "out", ConvertOptions(precision="source"), progress=False)
     with torch.no_grad():
         want = reference_model("cohere2_moe", src)(tokens()).logits

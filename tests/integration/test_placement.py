@@ -23,7 +23,9 @@ def test_keep_fp8_stays_fp8_and_matches_the_dequantized_run(converted):
     ref = from_fused_pretrained(out, dtype=torch.float32)
     model = from_fused_pretrained(out, dtype=torch.float32, keep_fp8=True, device_map={m: "cpu" for m in MODULES})
     fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8BlockLinear)]
-    assert len(fp8) >= 10 and any(".self_attn." in n for n in fp8) and any(".mlp." in n for n in fp8)  # attention, dense MLP
+    assert (
+        len(fp8) >= 10 and any(".self_attn." in n for n in fp8) and any(".mlp." in n for n in fp8)
+    )  # attention, dense MLP
     assert all(model.get_submodule(n).weight.dtype == torch.float8_e4m3fn for n in fp8)
     assert not any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn for m in model.modules())
     assert _bytes(model) < 0.6 * _bytes(ref)

@@ -59,7 +59,7 @@ def _post(port: int, path: str, body, raw: bytes | None = None):
 
 
 def _events(text: str) -> list:
-    lines = [ln[len("data: "):] for ln in text.split("\n\n") if ln.startswith("data: ")]
+    lines = [ln[len("data: ") :] for ln in text.split("\n\n") if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(ln) for ln in lines[:-1]]
 
@@ -67,7 +67,9 @@ def _events(text: str) -> list:
 def _generate(model, ids, n):
     with torch.no_grad():
         x = torch.tensor([ids])
-        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)[
+            0, len(ids) :
+        ].tolist()
 
 
 def test_completions_tokens_equal_generate(server):
@@ -103,24 +105,30 @@ def test_chat_completions_streamed_and_not(server):
     status, _, text = _post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})
     assert status == 200
     msg = json.loads(text)["choices"][0]
-    assert msg["token_ids"] == want and msg["message"] == {"role": "assistant", "content": " ".join(f"t{i}" for i in want)}
+    assert msg["token_ids"] == want and msg["message"] == {
+        "role": "assistant",
+        "content": " ".join(f"t{i}" for i in want),
+    }
     status, _, text = _post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "stream": True})
     chunks = _events(text)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1, VOCAB], "max_tokens": 4}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 33}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": "hi", "stream": True}, 400, "messages"),
-    ("/v1/embeddings", {"input": "x"}, 404, None),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, VOCAB], "max_tokens": 4}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 33}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": "hi", "stream": True}, 400, "messages"),
+        ("/v1/embeddings", {"input": "x"}, 404, None),
+    ],
+)
 def test_bad_requests_get_a_clear_4xx(server, path, body, status, param):
     _, port = server
     got, ctype, text = _post(port, path, body)
@@ -147,7 +155,17 @@ def test_cli_serve_starts_answers_and_stops(converted):
     import sys
 
     out = converted("deepseek_v3", "fp8")
-    cmd = [sys.executable, "-c", "from fuse_tool.cli import main; main()", "serve", str(out), "--port", "0", "--dtype", "float32"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from fuse_tool.cli import main; main()",
+        "serve",
+        str(out),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         line = ""

@@ -31,7 +31,9 @@ def tiny_fp8_source(tmp_path_factory, tiny_source):
 @pytest.fixture(scope="session")
 def big_source(tmp_path_factory):
     """Large enough (40 MB of output) that a conversion takes most of a second: room for kill points."""
-    src = build_checkpoint("deepseek_v3", tmp_path_factory.mktemp("big") / "src", hidden=512, inter=256, experts=32, layers=4)
+    src = build_checkpoint(
+        "deepseek_v3", tmp_path_factory.mktemp("big") / "src", hidden=512, inter=256, experts=32, layers=4
+    )
     rewrite(src, load_all(src), shards=3)
     (src / "tokenizer.json").write_text('{"model": "big"}\n')
     return src

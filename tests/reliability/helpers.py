@@ -38,7 +38,9 @@ def tree_bytes(d: Path) -> dict[str, bytes]:
 
 def assert_identical(out: Path, ref: Path) -> None:
     got, want = tree_bytes(out), tree_bytes(ref)
-    assert sorted(got) == sorted(want), f"files differ: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got))}"
+    assert sorted(got) == sorted(want), (
+        f"files differ: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got))}"
+    )
     for name in want:
         assert got[name] == want[name], f"{name} differs from the uninterrupted run"
 
@@ -54,15 +56,22 @@ def assert_clean_refusal(code: int, stderr: str, out: Path, *fragments: str) -> 
 
 
 def cli_subprocess(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fuse_tool.cli", *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fuse_tool.cli", *map(str, args)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
 
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
     """A tmpfs of ``size`` at ``path``; the test is skipped where mounting is not allowed."""
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:

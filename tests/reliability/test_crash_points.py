@@ -37,6 +37,7 @@ def _count_ops(src, out) -> dict[str, int]:
             with lock:
                 counts[op] += 1
             return real[op](*a, **k)
+
         return f
 
     try:
@@ -97,7 +98,12 @@ def test_crash_at_every_durable_step_then_resume(tiny_source, tmp_path):
     n_shards = len(list(ref.glob("*.safetensors")))
     assert n_shards >= 5 and counts["replace"] > 2 * n_shards
     ref_bytes = tree_bytes(ref)
-    points = [(op, n, when) for op in OPS for n in range(1, counts[op] + 1) for when in (("before", "after") if op == "replace" else ("after",))]
+    points = [
+        (op, n, when)
+        for op in OPS
+        for n in range(1, counts[op] + 1)
+        for when in (("before", "after") if op == "replace" else ("after",))
+    ]
     seen_states = set()
     for i, (op, n, when) in enumerate(points):
         out = tmp_path / f"out{i}"
@@ -106,10 +112,14 @@ def test_crash_at_every_durable_step_then_resume(tiny_source, tmp_path):
         names = set(os.listdir(out)) if out.exists() else set()
         if "config.json" in names:
             # config.json is renamed last: if it is there, everything is, and is final.
-            assert tree_bytes(out) == ref_bytes, f"crash {when} {op} #{n}: config.json present but the folder is not the finished output"
+            assert tree_bytes(out) == ref_bytes, (
+                f"crash {when} {op} #{n}: config.json present but the folder is not the finished output"
+            )
         elif final_named(out):
             journal = Journal.load(out / JOURNAL_NAME) if JOURNAL_NAME in names else None
-            assert journal is None or len(journal.completed) == n_shards, f"crash {when} {op} #{n}: final names before every shard was complete"
+            assert journal is None or len(journal.completed) == n_shards, (
+                f"crash {when} {op} #{n}: final names before every shard was complete"
+            )
         seen_states.add((len([x for x in names if x.endswith(".done")]), len(final_named(out)), JOURNAL_NAME in names))
         convert_checkpoint(tiny_source, out, OPTIONS, resume=True, progress=False)
         assert_identical(out, ref)

@@ -7,14 +7,19 @@ import re
 
 from helpers import REPO
 
-FILES = ["test_overwrite_safety.py", "test_source_files.py", "test_midrun_failures.py", "test_resume_source_changes.py",
-         "test_verify_every_file.py"]
+FILES = [
+    "test_overwrite_safety.py",
+    "test_source_files.py",
+    "test_midrun_failures.py",
+    "test_resume_source_changes.py",
+    "test_verify_every_file.py",
+]
 
 
 def _section() -> str:
     doc = (REPO / "docs" / "reliability.md").read_text()
     start = doc.index("## Data safety:")
-    return doc[start:doc.index("\n## ", start + 1)]
+    return doc[start : doc.index("\n## ", start + 1)]
 
 
 def test_every_data_safety_test_has_a_row():

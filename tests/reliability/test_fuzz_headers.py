@@ -25,7 +25,9 @@ from fuse_tool.verify.integrity import check_output
 
 from helpers import final_named
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 def _check_parsed(path, tensors):
@@ -60,7 +62,11 @@ def test_arbitrary_bytes(tmp_path, data):
 
 
 @FUZZ
-@given(header=st.binary(max_size=300), body=st.binary(max_size=300), fake_len=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+@given(
+    header=st.binary(max_size=300),
+    body=st.binary(max_size=300),
+    fake_len=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+)
 def test_length_prefix_and_header_bytes(tmp_path, header, body, fake_len):
     p = tmp_path / "f.safetensors"
     n = len(header) if fake_len is None else fake_len
@@ -68,17 +74,31 @@ def test_length_prefix_and_header_bytes(tmp_path, header, body, fake_len):
     _parse(p)
 
 
-_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=8))
-_json_values = st.recursive(_json_scalars, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=6), c, max_size=4)), max_leaves=12)
+_json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=8)
+)
+_json_values = st.recursive(
+    _json_scalars,
+    lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=6), c, max_size=4)),
+    max_leaves=12,
+)
 _dtypes = st.one_of(st.sampled_from(sorted(DTYPE_SIZES)), st.text(max_size=6), _json_values)
 _shape = st.one_of(st.lists(st.integers(-2, 70), max_size=4), st.lists(st.integers(0, 2**40), max_size=3), _json_values)
-_offsets = st.one_of(st.lists(st.integers(-10, 5000), min_size=2, max_size=2), st.lists(st.integers(0, 2**66), min_size=0, max_size=3), _json_values)
+_offsets = st.one_of(
+    st.lists(st.integers(-10, 5000), min_size=2, max_size=2),
+    st.lists(st.integers(0, 2**66), min_size=0, max_size=3),
+    _json_values,
+)
 _entry = st.one_of(st.fixed_dictionaries({"dtype": _dtypes, "shape": _shape, "data_offsets": _offsets}), _json_values)
 
 
 @FUZZ
-@given(entries=st.dictionaries(st.text(max_size=10), _entry, max_size=6), metadata=st.one_of(st.none(), _json_values),
-       body=st.integers(0, 4096), pad=st.integers(0, 7))
+@given(
+    entries=st.dictionaries(st.text(max_size=10), _entry, max_size=6),
+    metadata=st.one_of(st.none(), _json_values),
+    body=st.integers(0, 4096),
+    pad=st.integers(0, 7),
+)
 def test_structured_hostile_headers(tmp_path, entries, metadata, body, pad):
     header = dict(entries)
     if metadata is not None:
@@ -107,8 +127,14 @@ def one_shard_source(tiny_source, tmp_path_factory):
     return src
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=6)), min_size=1, max_size=4))
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    edits=st.lists(
+        st.tuples(st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=6)), min_size=1, max_size=4
+    )
+)
 def test_damaged_real_header_through_convert(one_shard_source, tmp_path_factory, edits):
     """Bytes inside a real shard's header overwritten: convert refuses cleanly or, if the header is still valid, converts."""
     work = tmp_path_factory.mktemp("fz")
@@ -140,7 +166,9 @@ _field_edit = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(edits=st.lists(_field_edit, min_size=1, max_size=3))
 def test_hostile_fields_in_a_real_header_through_convert(one_shard_source, tmp_path_factory, edits):
     """Valid JSON with hostile values (dtypes, shapes, offsets, names, missing entries) in a real shard: the plan
@@ -184,8 +212,14 @@ def converted(tiny_source, tmp_path_factory):
     return out
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=6)), min_size=1, max_size=4))
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    edits=st.lists(
+        st.tuples(st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=6)), min_size=1, max_size=4
+    )
+)
 def test_damaged_output_header_through_verify(converted, tmp_path_factory, edits):
     """verify on an output whose shard header was damaged: a clean VerifyError (never another exception) unless the header is intact."""
     out = tmp_path_factory.mktemp("fv") / "out"

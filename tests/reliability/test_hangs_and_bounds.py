@@ -101,14 +101,30 @@ def _replace_with_zero_device(p: Path) -> None:
 
 SOURCE_CASES = {
     # name: (what is replaced, how, fragments of the one-line error)
-    "shard_is_fifo": ("shard", _make_fifo, ("is a named pipe (FIFO), not a regular file", "expected a safetensors file")),
+    "shard_is_fifo": (
+        "shard",
+        _make_fifo,
+        ("is a named pipe (FIFO), not a regular file", "expected a safetensors file"),
+    ),
     "shard_is_fifo_no_index": ("shard-noindex", _make_fifo, ("is a named pipe (FIFO), not a regular file",)),
-    "config_is_fifo": ("config.json", _make_fifo, ("config.json: is a named pipe (FIFO), not a regular file", "expected a JSON config file")),
-    "index_is_fifo": (INDEX, _make_fifo, (f"{INDEX}: is a named pipe (FIFO), not a regular file", "expected a safetensors index")),
+    "config_is_fifo": (
+        "config.json",
+        _make_fifo,
+        ("config.json: is a named pipe (FIFO), not a regular file", "expected a JSON config file"),
+    ),
+    "index_is_fifo": (
+        INDEX,
+        _make_fifo,
+        (f"{INDEX}: is a named pipe (FIFO), not a regular file", "expected a safetensors index"),
+    ),
     "shard_is_socket": ("shard", _make_socket, ("is a socket, not a regular file",)),
     "shard_is_char_device": ("shard", _replace_with_zero_device, ("is a character device, not a regular file",)),
     "shard_is_folder": ("shard", lambda p: (p.unlink(), p.mkdir()), ("is a directory, not a regular file",)),
-    "config_is_folder": ("config.json", lambda p: (p.unlink(), p.mkdir()), ("config.json: is a directory, not a regular file",)),
+    "config_is_folder": (
+        "config.json",
+        lambda p: (p.unlink(), p.mkdir()),
+        ("config.json: is a directory, not a regular file",),
+    ),
 }
 
 
@@ -211,24 +227,59 @@ def test_shard_behind_a_symlinked_folder_is_not_followed(out, tmp_path):
 
 BOUND_CASES = {
     # name: (argv after the command, fragments of the one-line error)
-    "max_shard_size_bare_number": (["convert", "SRC", "OUT", "--max-shard-size", "5"],
-                                   ("--max-shard-size", "'5' is 5 bytes, expected at least 4KiB", "5GB?")),
-    "max_shard_size_zero": (["convert", "SRC", "OUT", "--max-shard-size", "0GB"], ("--max-shard-size", "expected at least 4KiB")),
-    "max_shard_size_over_50GB": (["convert", "SRC", "OUT", "--max-shard-size", "1TB"],
-                                 ("--max-shard-size", "'1TB' is 1000000000000 bytes, expected at most 50GB")),
-    "max_shard_size_400_digits": (["convert", "SRC", "OUT", "--max-shard-size", "9" * 400 + "GB"],
-                                  ("--max-shard-size", "is not a size like 5GB or 512MiB")),
-    "max_shard_size_negative": (["convert", "SRC", "OUT", "--max-shard-size", "-5GB"], ("--max-shard-size", "is not a size like 5GB")),
-    "max_shard_size_inspect": (["inspect", "SRC", "--max-shard-size", "2TiB"], ("--max-shard-size", "expected at most 50GB")),
-    "tokens_too_many": (["verify", "OUT", "--against", "SRC", "--tokens", "64x4096"],
-                        ("--tokens", "'64x4096' is 262144 tokens, expected at most 4096")),
-    "tokens_zero": (["verify", "OUT", "--against", "SRC", "--tokens", "0x32"], ("--tokens", "batch and sequence length must be at least 1")),
-    "tokens_huge_digits": (["verify", "OUT", "--against", "SRC", "--tokens", "1x" + "9" * 5000], ("--tokens", "is not BATCHxSEQ")),
-    "tokens_malformed": (["verify", "OUT", "--against", "SRC", "--tokens", "4by32"], ("--tokens", "is not BATCHxSEQ (e.g. 4x32)")),
-    "seed_out_of_range": (["verify", "OUT", "--against", "SRC", "--seed", str(2**70)], ("--seed", "is not in the range")),
+    "max_shard_size_bare_number": (
+        ["convert", "SRC", "OUT", "--max-shard-size", "5"],
+        ("--max-shard-size", "'5' is 5 bytes, expected at least 4KiB", "5GB?"),
+    ),
+    "max_shard_size_zero": (
+        ["convert", "SRC", "OUT", "--max-shard-size", "0GB"],
+        ("--max-shard-size", "expected at least 4KiB"),
+    ),
+    "max_shard_size_over_50GB": (
+        ["convert", "SRC", "OUT", "--max-shard-size", "1TB"],
+        ("--max-shard-size", "'1TB' is 1000000000000 bytes, expected at most 50GB"),
+    ),
+    "max_shard_size_400_digits": (
+        ["convert", "SRC", "OUT", "--max-shard-size", "9" * 400 + "GB"],
+        ("--max-shard-size", "is not a size like 5GB or 512MiB"),
+    ),
+    "max_shard_size_negative": (
+        ["convert", "SRC", "OUT", "--max-shard-size", "-5GB"],
+        ("--max-shard-size", "is not a size like 5GB"),
+    ),
+    "max_shard_size_inspect": (
+        ["inspect", "SRC", "--max-shard-size", "2TiB"],
+        ("--max-shard-size", "expected at most 50GB"),
+    ),
+    "tokens_too_many": (
+        ["verify", "OUT", "--against", "SRC", "--tokens", "64x4096"],
+        ("--tokens", "'64x4096' is 262144 tokens, expected at most 4096"),
+    ),
+    "tokens_zero": (
+        ["verify", "OUT", "--against", "SRC", "--tokens", "0x32"],
+        ("--tokens", "batch and sequence length must be at least 1"),
+    ),
+    "tokens_huge_digits": (
+        ["verify", "OUT", "--against", "SRC", "--tokens", "1x" + "9" * 5000],
+        ("--tokens", "is not BATCHxSEQ"),
+    ),
+    "tokens_malformed": (
+        ["verify", "OUT", "--against", "SRC", "--tokens", "4by32"],
+        ("--tokens", "is not BATCHxSEQ (e.g. 4x32)"),
+    ),
+    "seed_out_of_range": (
+        ["verify", "OUT", "--against", "SRC", "--seed", str(2**70)],
+        ("--seed", "is not in the range"),
+    ),
     "seed_negative": (["verify", "OUT", "--against", "SRC", "--seed", "-1"], ("--seed", "is not in the range")),
-    "min_top1_nan": (["verify", "OUT", "--against", "SRC", "--min-top1", "nan"], ("--min-top1", "'nan' is not a number from 0 to 1")),
-    "max_moe_err_negative": (["verify", "OUT", "--against", "SRC", "--max-moe-err", "-0.1"], ("--max-moe-err", "from 0 to inf")),
+    "min_top1_nan": (
+        ["verify", "OUT", "--against", "SRC", "--min-top1", "nan"],
+        ("--min-top1", "'nan' is not a number from 0 to 1"),
+    ),
+    "max_moe_err_negative": (
+        ["verify", "OUT", "--against", "SRC", "--max-moe-err", "-0.1"],
+        ("--max-moe-err", "from 0 to inf"),
+    ),
     "unknown_option": (["convert", "SRC", "OUT", "--max-shard", "5GB"], ("No such option",)),
     "missing_argument": (["convert", "SRC"], ("Missing argument 'OUT_DIR'",)),
 }
@@ -270,10 +321,18 @@ def test_timeout_variable_not_a_number_is_one_line(tmp_path):
     import subprocess
 
     env = {**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "1.5", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "fuse_tool.cli", "convert", "alice/some-model", str(tmp_path / "out")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "fuse_tool.cli", "convert", "alice/some-model", str(tmp_path / "out")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr
-    assert r.stderr.strip() == "error: HF_HUB_DOWNLOAD_TIMEOUT='1.5': expected a whole number of seconds from 1 to 86400", r.stderr
+    assert (
+        r.stderr.strip() == "error: HF_HUB_DOWNLOAD_TIMEOUT='1.5': expected a whole number of seconds from 1 to 86400"
+    ), r.stderr
 
 
 # ----------------------------------------------------------------------------- verify --against without transformers
@@ -283,8 +342,9 @@ def test_verify_against_without_transformers_names_the_extra(monkeypatch, conver
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     code, stdout, stderr = run_cli("verify", converted_out, "--against", tiny_source, "--quiet")
     assert code == 1 and stdout == "", (code, stdout, stderr)
-    assert stderr.strip() == ("error: --against needs transformers >= 5.22, which is not installed: "
-                              "pip install 'fuse-shared[verify]'"), stderr
+    assert stderr.strip() == (
+        "error: --against needs transformers >= 5.22, which is not installed: pip install 'fuse-shared[verify]'"
+    ), stderr
 
 
 def test_verify_against_with_old_transformers_names_the_extra(monkeypatch, converted_out, tiny_source):
@@ -293,7 +353,9 @@ def test_verify_against_with_old_transformers_names_the_extra(monkeypatch, conve
     monkeypatch.setattr(transformers, "__version__", "5.20.1")
     code, _, stderr = run_cli("verify", converted_out, "--against", tiny_source, "--quiet")
     assert code == 1
-    assert stderr.strip() == "error: --against needs transformers >= 5.22, found 5.20.1: pip install 'fuse-shared[verify]'", stderr
+    assert (
+        stderr.strip() == "error: --against needs transformers >= 5.22, found 5.20.1: pip install 'fuse-shared[verify]'"
+    ), stderr
 
 
 def test_verify_extra_is_declared():
@@ -310,7 +372,11 @@ def test_docs_table_lists_every_case():
     section = doc.split("### Hangs, special files and option bounds", 1)[1].split("\n## ", 1)[0]
     for case in [*SOURCE_CASES, *OUT_CASES, *BOUND_CASES]:
         assert f"[{case}]`" in section or f"`{case}`" in section, f"docs/reliability.md has no row for {case}"
-    for test in ("test_walks_of_out_dir_do_not_follow_symlinked_folders", "test_shard_behind_a_symlinked_folder_is_not_followed",
-                 "test_timeout_variable_not_a_number_is_one_line", "test_verify_against_without_transformers_names_the_extra",
-                 "test_verify_against_with_old_transformers_names_the_extra"):
+    for test in (
+        "test_walks_of_out_dir_do_not_follow_symlinked_folders",
+        "test_shard_behind_a_symlinked_folder_is_not_followed",
+        "test_timeout_variable_not_a_number_is_one_line",
+        "test_verify_against_without_transformers_names_the_extra",
+        "test_verify_against_with_old_transformers_names_the_extra",
+    ):
         assert f"`{test}`" in section, test

@@ -147,7 +147,9 @@ def test_kill9_at_20_random_points_then_resume_is_byte_identical(big_source, ref
             assert st["journalled"] == n_shards, st
         second = None
         if len(results) in SECOND_KILLS:
-            second = _kill_at_progress(big_source, out, rng, rng.randrange(st["journalled"], n_shards + 1), per_shard, "--resume")
+            second = _kill_at_progress(
+                big_source, out, rng, rng.randrange(st["journalled"], n_shards + 1), per_shard, "--resume"
+            )
         convert_checkpoint(big_source, out, OPTIONS, resume=True, progress=False)
         assert_identical(out, ref)
         assert not (out / LOCK_NAME).exists() and not (out / JOURNAL_NAME).exists()
@@ -155,10 +157,12 @@ def test_kill9_at_20_random_points_then_resume_is_byte_identical(big_source, ref
 
     phases = [_phase(st, n_shards) for st, _ in results]
     states = {(st["journalled"], st["done"], st["partial"], st["final"]) for st, _ in results}
-    report = "\n".join(f"kill {i + 1:2d} (after {st['target']:3d} shards + {st['delay_ms']:5.2f} ms): {_phase(st, n_shards):22s} journalled {st['journalled']:3d}, "
-                       f".done {st['done']:3d}, .partial {st['partial']}, final-named {st['final']:3d}"
-                       + (f"; its resume killed with {sec['journalled']} journalled" if sec else "")
-                       for i, (st, sec) in enumerate(results))
+    report = "\n".join(
+        f"kill {i + 1:2d} (after {st['target']:3d} shards + {st['delay_ms']:5.2f} ms): {_phase(st, n_shards):22s} journalled {st['journalled']:3d}, "
+        f".done {st['done']:3d}, .partial {st['partial']}, final-named {st['final']:3d}"
+        + (f"; its resume killed with {sec['journalled']} journalled" if sec else "")
+        for i, (st, sec) in enumerate(results)
+    )
     print(f"\n{n_shards} shards, uninterrupted write time {window * 1000:.0f} ms\n{report}")
     assert len(results) == KILLS  # 20 of 20 byte-identical (assert_identical above)
     assert len(states) >= 15, f"kill points did not spread over the run:\n{report}"

@@ -17,9 +17,11 @@ from helpers import assert_clean_refusal, assert_identical, final_named, run_cli
 from test_hostile_inputs import ROUTER, edit_header, shard_of
 from test_resume import SHARD, reference  # noqa: F401 - reference is a fixture
 
+
 def _raising(error):
     def fail(*a, **kw):
         raise error
+
     return fail
 
 
@@ -75,8 +77,17 @@ def test_bug_mid_run_keeps_shards_and_says_what_to_do(src, tmp_path, reference, 
     out = tmp_path / "out"
     _failing_writer(monkeypatch, KeyError("U16"), after=3)
     code, _, err = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD)
-    assert_clean_refusal(code, err, out, "unexpected failure (KeyError: 'U16')", "tensor '", "expected",
-                         "3 of", "once the cause is fixed", "--overwrite")
+    assert_clean_refusal(
+        code,
+        err,
+        out,
+        "unexpected failure (KeyError: 'U16')",
+        "tensor '",
+        "expected",
+        "3 of",
+        "once the cause is fixed",
+        "--overwrite",
+    )
     assert ".safetensors" in err.split(": tensor '")[0]  # the source shard, or the output shard being written
     # a plain rerun is told what to do; --resume with the fault still there fails the same way, keeping the shards
     code, _, again = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD)
@@ -90,7 +101,9 @@ def test_io_error_mid_run_names_the_tensor_and_resumes(src, tmp_path, reference,
     out = tmp_path / "out"
     _failing_writer(monkeypatch, OSError(errno.EIO, "Input/output error"), after=2)
     code, _, err = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD)
-    assert_clean_refusal(code, err, out, "I/O error: Input/output error", "tensor '", "2 of", "rerun with --resume to continue")
+    assert_clean_refusal(
+        code, err, out, "I/O error: Input/output error", "tensor '", "2 of", "rerun with --resume to continue"
+    )
     _fault_gone_then_resume(src, out, reference, monkeypatch)
 
 
@@ -130,5 +143,7 @@ def test_journal_keeps_its_list_of_outputs_while_unfinished(src, tmp_path, monke
     _failing_writer(monkeypatch, KeyError("x"), after=2)
     run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD)
     journal = json.loads((out / ".fuse-shared-journal.json").read_text())
-    assert {"config.json", "model.safetensors.index.json", "fuse_shared_manifest.json", "tokenizer.json"} <= set(journal["outputs"])
+    assert {"config.json", "model.safetensors.index.json", "fuse_shared_manifest.json", "tokenizer.json"} <= set(
+        journal["outputs"]
+    )
     assert final_named(out) == []

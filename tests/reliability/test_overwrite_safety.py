@@ -165,7 +165,9 @@ def test_overwrite_after_a_crash_in_the_final_renames(src, tmp_path):
     assert _convert(src, out)[0] == 0
     names = sorted(p.name for p in out.iterdir())
     (out / "fuse_shared_manifest.json").unlink()
-    (out / ".fuse-shared-journal.json").write_text(json.dumps({"journal_version": 2, "outputs": names, "completed": {}}))
+    (out / ".fuse-shared-journal.json").write_text(
+        json.dumps({"journal_version": 2, "outputs": names, "completed": {}})
+    )
     code, _, err = _convert(src, out, "--overwrite")
     assert code == 0, err
     assert not (out / ".fuse-shared-journal.json").exists()

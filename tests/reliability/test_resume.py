@@ -18,7 +18,14 @@ from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 
 from helpers import (
-    REPO, assert_clean_refusal, assert_identical, cli_subprocess, final_named, readonly_bind, run_cli, tree_bytes,
+    REPO,
+    assert_clean_refusal,
+    assert_identical,
+    cli_subprocess,
+    final_named,
+    readonly_bind,
+    run_cli,
+    tree_bytes,
 )
 
 SHARD = "20KB"
@@ -76,11 +83,14 @@ def test_without_resume_an_interrupted_out_dir_is_refused_with_advice(src, tmp_p
     assert tree_bytes(out) == before
 
 
-@pytest.mark.parametrize("change,expected", [
-    (("--max-shard-size", "30KB"), "option --max-shard-size was 20000, now 30000"),
-    (("--max-shard-size", SHARD, "--other-linear", "keep"), "option --other-linear was 'fp8', now 'keep'"),
-    (("--max-shard-size", SHARD, "--scale-fmt", "ue8m0"), "option --scale-fmt was 'float', now 'ue8m0'"),
-])
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (("--max-shard-size", "30KB"), "option --max-shard-size was 20000, now 30000"),
+        (("--max-shard-size", SHARD, "--other-linear", "keep"), "option --other-linear was 'fp8', now 'keep'"),
+        (("--max-shard-size", SHARD, "--scale-fmt", "ue8m0"), "option --scale-fmt was 'float', now 'ue8m0'"),
+    ],
+)
 def test_resume_with_other_options_is_refused(src, tmp_path, change, expected):
     out = tmp_path / "out"
     _interrupted(src, out)
@@ -297,8 +307,9 @@ class _WriteOpens:
         path, mode, flags = args
         if not isinstance(path, (str, bytes, os.PathLike)):
             return
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
-                 (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+        )
         if writes:
             real = os.path.realpath(os.fsdecode(path))
             for w in _WriteOpens.active:
@@ -361,10 +372,19 @@ def test_sigterm_mid_run_is_handled_like_ctrl_c_and_resumes(big_source, tmp_path
 
 def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     """SIGINT while torch is still importing: `error: interrupted`, no traceback of the imports."""
-    proc = subprocess.Popen([sys.executable, "-c", "import os, signal, threading\n"
-                             "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
-                             "import runpy; runpy.run_module('fuse_tool.cli', run_name='__main__')\n", "--help"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, threading\n"
+            "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "import runpy; runpy.run_module('fuse_tool.cli', run_name='__main__')\n",
+            "--help",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     _, err = proc.communicate(timeout=60)
     err = err.decode()
     assert "Traceback" not in err and err.strip() == "error: interrupted", err

@@ -34,6 +34,7 @@ def _flip(offset):
         data = bytearray(path.read_bytes())
         data[offset] ^= 0xFF
         path.write_bytes(bytes(data))
+
     return edit
 
 

@@ -107,8 +107,20 @@ def test_fifo_is_not_opened_and_is_listed(src, tmp_path):
 # ----------------------------------------------------------------------------- weights of other frameworks
 
 
-@pytest.mark.parametrize("name", ["tf_model.h5", "flax_model.msgpack", "model.onnx", "model.ckpt", "weights.npz",
-                                  "pytorch_model-00001-of-00002.bin", "model.gguf", "consolidated.pth", "model.ckpt.index"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tf_model.h5",
+        "flax_model.msgpack",
+        "model.onnx",
+        "model.ckpt",
+        "weights.npz",
+        "pytorch_model-00001-of-00002.bin",
+        "model.gguf",
+        "consolidated.pth",
+        "model.ckpt.index",
+    ],
+)
 def test_weights_of_other_frameworks_are_not_copied_and_the_summary_says_so(src, tmp_path, name):
     (src / name).write_bytes(b"\0" * 64)
     out = tmp_path / "out"
@@ -136,8 +148,16 @@ def test_dry_run_lists_what_is_not_copied(src, tmp_path):
 # ----------------------------------------------------------------------------- names
 
 
-@pytest.mark.parametrize("name", ["fuse_shared_manifest.json", ".fuse-shared-journal.json", ".fuse-shared.lock",
-                                  ".model-00001-of-00002.safetensors.partial", ".tokenizer.json.done"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fuse_shared_manifest.json",
+        ".fuse-shared-journal.json",
+        ".fuse-shared.lock",
+        ".model-00001-of-00002.safetensors.partial",
+        ".tokenizer.json.done",
+    ],
+)
 def test_source_file_named_like_the_converters_own_is_refused(src, tmp_path, name):
     (src / name).write_text("{}")
     out = tmp_path / "out"

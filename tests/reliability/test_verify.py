@@ -149,8 +149,21 @@ def _damage(kind):
     return locals()[kind]
 
 
-@pytest.mark.parametrize("kind", ["truncated", "header", "missing", "no_manifest", "manifest_size", "leftover_partial", "journal", "no_config", "header_length",
-                                  "header_length_short"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "truncated",
+        "header",
+        "missing",
+        "no_manifest",
+        "manifest_size",
+        "leftover_partial",
+        "journal",
+        "no_config",
+        "header_length",
+        "header_length_short",
+    ],
+)
 def test_damaged_output_fails_verify(out, kind):
     where, what = _damage(kind)(out)
     code, _, err = verify(out, "--checksums")
@@ -159,20 +172,34 @@ def test_damaged_output_fails_verify(out, kind):
     assert where in err and what in err, err
 
 
-@pytest.mark.parametrize("edit,fragments", [
-    (lambda t, wm: t.__setitem__(f"{X}.8.gate_proj.weight", t[f"{X}.8.gate_proj.weight"][:16].contiguous()),
-     (f"{X}.8.gate_proj.weight", "has shape [16, 64], expected [32, 64]", "fused shared expert 8")),
-    (lambda t, wm: t.__setitem__(f"{X}.0.down_proj.weight_scale_inv", torch.ones(2, 1)),
-     (f"{X}.0.down_proj.weight_scale_inv", "has shape [2, 1], expected [1, 1]")),
-    (lambda t, wm: t.__setitem__(f"{X}.0.down_proj.weight_scale_inv", torch.ones(1, 1, dtype=torch.bfloat16)),
-     (f"{X}.0.down_proj.weight_scale_inv", "has dtype BF16, expected F32")),
-    (lambda t, wm: t.__setitem__(f"{X}.gemm1_alpha", torch.ones(8)),
-     (f"{X}.gemm1_alpha", "[9]")),
-    (lambda t, wm: t.__setitem__("model.layers.1.mlp.gate.weight", t["model.layers.1.mlp.gate.weight"].bfloat16()),
-     ("model.layers.1.mlp.gate.weight", "expected F32")),
-    (lambda t, wm: t.__setitem__(f"{X}.4.up_proj.weight", t[f"{X}.4.up_proj.weight"].float() * 0),
-     (f"{X}.4.up_proj.weight", "_scale_inv")),
-])
+@pytest.mark.parametrize(
+    "edit,fragments",
+    [
+        (
+            lambda t, wm: t.__setitem__(f"{X}.8.gate_proj.weight", t[f"{X}.8.gate_proj.weight"][:16].contiguous()),
+            (f"{X}.8.gate_proj.weight", "has shape [16, 64], expected [32, 64]", "fused shared expert 8"),
+        ),
+        (
+            lambda t, wm: t.__setitem__(f"{X}.0.down_proj.weight_scale_inv", torch.ones(2, 1)),
+            (f"{X}.0.down_proj.weight_scale_inv", "has shape [2, 1], expected [1, 1]"),
+        ),
+        (
+            lambda t, wm: t.__setitem__(f"{X}.0.down_proj.weight_scale_inv", torch.ones(1, 1, dtype=torch.bfloat16)),
+            (f"{X}.0.down_proj.weight_scale_inv", "has dtype BF16, expected F32"),
+        ),
+        (lambda t, wm: t.__setitem__(f"{X}.gemm1_alpha", torch.ones(8)), (f"{X}.gemm1_alpha", "[9]")),
+        (
+            lambda t, wm: t.__setitem__(
+                "model.layers.1.mlp.gate.weight", t["model.layers.1.mlp.gate.weight"].bfloat16()
+            ),
+            ("model.layers.1.mlp.gate.weight", "expected F32"),
+        ),
+        (
+            lambda t, wm: t.__setitem__(f"{X}.4.up_proj.weight", t[f"{X}.4.up_proj.weight"].float() * 0),
+            (f"{X}.4.up_proj.weight", "_scale_inv"),
+        ),
+    ],
+)
 def test_layout_violations_fail_verify(out, edit, fragments):
     rewrite_tensors(out, edit)
     code, _, err = verify(out, "--checksums")
@@ -219,19 +246,34 @@ def _block(fn):
     return lambda c: fn(c["fused_shared_experts"])
 
 
-@pytest.mark.parametrize("edit,fragments", [
-    (lambda c: c.update(hidden_size=48), ("field 'hidden_size'", "is 48", "the tensors are 64 wide")),
-    (lambda c: c.update(hidden_size=64.5), ("field 'hidden_size'", "is 64.5, expected an integer")),
-    (lambda c: c.update(n_routed_experts=8.0), ("field 'n_routed_experts'", "is 8.0", "without a decimal point")),
-    (_block(lambda b: b["routing"].update(top_k=b["routing"]["top_k"] + 1)), ("routing.top_k is 3", "give 2")),
-    (_block(lambda b: b["routing"].update(scoring="softmax")), ("routing.scoring is 'softmax'", "give 'sigmoid'")),
-    (_block(lambda b: b["routing"].update(renormalize=not b["routing"]["renormalize"])), ("routing.renormalize",)),
-    (_block(lambda b: b["routing"].update(routed_scaling_factor=b["routing"]["routed_scaling_factor"] * 2)),
-     ("routing.routed_scaling_factor",)),
-    (_block(lambda b: b.update(weight_block_size=[64, 64])), ("weight_block_size is [64, 64]", "128x128")),
-    (_block(lambda b: b.update(weight_block_size=None)), ("weight_block_size is", "null")),
-], ids=["hidden_size_not_the_width", "hidden_size_not_integer", "expert_count_float", "block_top_k", "block_scoring",
-        "block_renormalize", "block_routed_scaling_factor", "block_weight_block_size", "block_weight_block_size_null"])
+@pytest.mark.parametrize(
+    "edit,fragments",
+    [
+        (lambda c: c.update(hidden_size=48), ("field 'hidden_size'", "is 48", "the tensors are 64 wide")),
+        (lambda c: c.update(hidden_size=64.5), ("field 'hidden_size'", "is 64.5, expected an integer")),
+        (lambda c: c.update(n_routed_experts=8.0), ("field 'n_routed_experts'", "is 8.0", "without a decimal point")),
+        (_block(lambda b: b["routing"].update(top_k=b["routing"]["top_k"] + 1)), ("routing.top_k is 3", "give 2")),
+        (_block(lambda b: b["routing"].update(scoring="softmax")), ("routing.scoring is 'softmax'", "give 'sigmoid'")),
+        (_block(lambda b: b["routing"].update(renormalize=not b["routing"]["renormalize"])), ("routing.renormalize",)),
+        (
+            _block(lambda b: b["routing"].update(routed_scaling_factor=b["routing"]["routed_scaling_factor"] * 2)),
+            ("routing.routed_scaling_factor",),
+        ),
+        (_block(lambda b: b.update(weight_block_size=[64, 64])), ("weight_block_size is [64, 64]", "128x128")),
+        (_block(lambda b: b.update(weight_block_size=None)), ("weight_block_size is", "null")),
+    ],
+    ids=[
+        "hidden_size_not_the_width",
+        "hidden_size_not_integer",
+        "expert_count_float",
+        "block_top_k",
+        "block_scoring",
+        "block_renormalize",
+        "block_routed_scaling_factor",
+        "block_weight_block_size",
+        "block_weight_block_size_null",
+    ],
+)
 def test_config_damage_fails_verify_even_when_written_by_hand(out, edit, fragments):
     _edit_config_keeping_manifest(out, edit)
     code, _, err = verify(out)

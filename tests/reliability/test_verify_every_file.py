@@ -69,11 +69,14 @@ def test_edited_routing_field_in_config_is_caught(out):
     _fails(out, f"routing.top_k is {k}", "--checksums")
 
 
-@pytest.mark.parametrize("name,old,new", [
-    ("tokenizer.json", "tiny", "tinz"),
-    ("chat_template.jinja", "messages", "massages"),
-    (INDEX, "\n", " "),  # whitespace only: the index still parses and agrees with the shards
-])
+@pytest.mark.parametrize(
+    "name,old,new",
+    [
+        ("tokenizer.json", "tiny", "tinz"),
+        ("chat_template.jinja", "messages", "massages"),
+        (INDEX, "\n", " "),  # whitespace only: the index still parses and agrees with the shards
+    ],
+)
 def test_edited_small_file_is_caught_by_checksums(out, name, old, new):
     _same_size_edit(out / name, old, new)
     assert _verify(out)[0] == 0
@@ -114,10 +117,13 @@ def test_older_shards_only_manifest_is_read_without_checksums_and_refused_with(o
     _fails(out, "written by an older fuse-shared that listed only the shards", "--checksums")
 
 
-@pytest.mark.parametrize("entry,fragment", [
-    ({"size": "abc", "sha256": "0" * 64}, "'size': 'abc', 'sha256': '000"),
-    ({"sha256": "0" * 64}, "expected {size: a whole number of bytes, sha256: a hex digest}"),
-])
+@pytest.mark.parametrize(
+    "entry,fragment",
+    [
+        ({"size": "abc", "sha256": "0" * 64}, "'size': 'abc', 'sha256': '000"),
+        ({"sha256": "0" * 64}, "expected {size: a whole number of bytes, sha256: a hex digest}"),
+    ],
+)
 def test_malformed_manifest_entry_is_one_line(out, entry, fragment):
     m = _manifest(out)
     m["files"]["tokenizer.json"] = entry

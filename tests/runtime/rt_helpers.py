@@ -19,8 +19,9 @@ def random_experts(NE, H, I, fp8=True, oai=False, dtype=torch.bfloat16, device="
     w2 = torch.randn(NE, H, I, generator=gen) / math.sqrt(I)
     kw = {}
     if oai:
-        kw = dict(gemm1_alpha=torch.full((NE,), 1.702), gemm1_beta=torch.ones(NE),
-                  gemm1_clamp_limit=torch.full((NE,), 0.5))
+        kw = dict(
+            gemm1_alpha=torch.full((NE,), 1.702), gemm1_beta=torch.ones(NE), gemm1_clamp_limit=torch.full((NE,), 0.5)
+        )
     if fp8:
         g, gs = quantize_block_fp8(w13[:, :I])
         u, us = quantize_block_fp8(w13[:, I:])
@@ -38,9 +39,25 @@ def random_ids(T, KS, NE, gen=None, skip_expert=None):
     return torch.stack(rows).to(torch.int32)
 
 
-def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1, topk_group=1,
-                     activation="swiglu", bias_name="gate.e_score_correction_bias", nested=False,
-                     sharded=True, layers=(1,), gen=None):
+def write_checkpoint(
+    path,
+    *,
+    E,
+    S,
+    H,
+    I,
+    K,
+    storage="proj",
+    fp8=True,
+    n_group=1,
+    topk_group=1,
+    activation="swiglu",
+    bias_name="gate.e_score_correction_bias",
+    nested=False,
+    sharded=True,
+    layers=(1,),
+    gen=None,
+):
     """A tiny converted checkpoint (LAYOUT v1). Returns {layer: dict of float32 source tensors}."""
     os.makedirs(path, exist_ok=True)
     from safetensors.torch import save_file
@@ -64,8 +81,16 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
             alpha, beta, limit = torch.ones(NE), torch.zeros(NE), torch.tensor([0.4] * E + [0.7] * S)
         else:
             alpha, beta, limit = torch.ones(NE), torch.zeros(NE), torch.full((NE,), math.inf)
-        truth[L] = dict(gate=gate, up=up, down=down, router=router, bias=bias if bias_name else None,
-                        alpha=alpha, beta=beta, limit=limit)
+        truth[L] = dict(
+            gate=gate,
+            up=up,
+            down=down,
+            router=router,
+            bias=bias if bias_name else None,
+            alpha=alpha,
+            beta=beta,
+            limit=limit,
+        )
 
         def put(name, w):
             if fp8:
@@ -103,11 +128,23 @@ def write_checkpoint(path, *, E, S, H, I, K, storage="proj", fp8=True, n_group=1
     tensors["model.embed_tokens.weight"] = torch.randn(8, H, generator=gen)
     fse = {
         "version": 2 if activation == "swiglu_post_clamp" else 1,  # swiglu_post_clamp is a version-2 form
-        "num_routed_experts": E, "num_fused_shared_experts": S, "expert_intermediate_size": I,
-        "source_shared_intermediate_size": S * I, "moe_layers": list(layers), "activation": activation,
-        "routing": {"scoring": "sigmoid", "top_k": K, "n_group": n_group, "topk_group": topk_group,
-                    "renormalize": True, "routed_scaling_factor": 2.5, "has_bias": bool(bias_name)},
-        "weight_block_size": [128, 128] if fp8 else None, "source": {"model_type": "test"},
+        "num_routed_experts": E,
+        "num_fused_shared_experts": S,
+        "expert_intermediate_size": I,
+        "source_shared_intermediate_size": S * I,
+        "moe_layers": list(layers),
+        "activation": activation,
+        "routing": {
+            "scoring": "sigmoid",
+            "top_k": K,
+            "n_group": n_group,
+            "topk_group": topk_group,
+            "renormalize": True,
+            "routed_scaling_factor": 2.5,
+            "has_bias": bool(bias_name),
+        },
+        "weight_block_size": [128, 128] if fp8 else None,
+        "source": {"model_type": "test"},
     }
     inner = {"model_type": "test", "hidden_size": H, "fused_shared_experts": fse}
     config = {"model_type": "wrapper", "text_config": inner} if nested else inner
@@ -147,10 +184,14 @@ def random_fp8_experts(NE, H, I, oai=False, device="cuda", seed=0):
     gi, gh = -(-I // 128), -(-H // 128)
     kw = {}
     if oai:
-        kw = dict(gemm1_alpha=torch.full((NE,), 1.702, device=device), gemm1_beta=torch.ones(NE, device=device),
-                  gemm1_clamp_limit=torch.full((NE,), 7.0, device=device))
-    return ExpertWeights(codes(NE, 2 * I, H), codes(NE, H, I), scales(NE, 2 * gi, gh, fan_in=H),
-                         scales(NE, gh, gi, fan_in=I), **kw)
+        kw = dict(
+            gemm1_alpha=torch.full((NE,), 1.702, device=device),
+            gemm1_beta=torch.ones(NE, device=device),
+            gemm1_clamp_limit=torch.full((NE,), 7.0, device=device),
+        )
+    return ExpertWeights(
+        codes(NE, 2 * I, H), codes(NE, H, I), scales(NE, 2 * gi, gh, fan_in=H), scales(NE, gh, gi, fan_in=I), **kw
+    )
 
 
 def awkward_activations(device="cpu", K=320) -> torch.Tensor:

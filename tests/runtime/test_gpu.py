@@ -144,8 +144,9 @@ def test_clamped_slots_real_shape(activation, T):
     ids, w = route(torch.randn(T, E, device="cuda", generator=gen), None, cfg)
     ref = fused_moe(x, ew, ids, w, backend="torch")
     out = fused_moe(x, ew, ids, w, backend="triton")
-    unclamped = fused_moe(x, dataclasses.replace(ew, gemm1_clamp_limit=torch.full_like(limit, float("inf"))), ids, w,
-                          backend="torch")
+    unclamped = fused_moe(
+        x, dataclasses.replace(ew, gemm1_clamp_limit=torch.full_like(limit, float("inf"))), ids, w, backend="torch"
+    )
     assert rel(unclamped, ref) > 0.05, "the limits bite"
     assert_as_exact_as_reference(out, ref, exact_moe(x, ew, ids, w))
 

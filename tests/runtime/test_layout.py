@@ -24,9 +24,16 @@ from runtime.routing import RoutingConfig
 
 
 def block(routing: RoutingSpec, activation: str = "swiglu", **kw) -> FusedSharedExperts:
-    args = dict(num_routed_experts=256, num_fused_shared_experts=1, expert_intermediate_size=2048,
-                source_shared_intermediate_size=2048, moe_layers=(3, 4, 61), activation=activation, routing=routing,
-                source={"model_type": "deepseek_v3", "quantization": "fp8", "converter_version": "0.1.0"})
+    args = dict(
+        num_routed_experts=256,
+        num_fused_shared_experts=1,
+        expert_intermediate_size=2048,
+        source_shared_intermediate_size=2048,
+        moe_layers=(3, 4, 61),
+        activation=activation,
+        routing=routing,
+        source={"model_type": "deepseek_v3", "quantization": "fp8", "converter_version": "0.1.0"},
+    )
     args.update(kw)
     return FusedSharedExperts(**args)
 
@@ -39,17 +46,35 @@ V1_DEEPSEEK_V3 = (
     '"routed_scaling_factor": 2.5, "has_bias": true}, "weight_block_size": [128, 128], '
     '"source": {"model_type": "deepseek_v3", "quantization": "fp8", "converter_version": "0.1.0"}}'
 )
-V1_DEEPSEEK_V2_ROUTING = ('{"scoring": "softmax", "top_k": 6, "n_group": 8, "topk_group": 3, "renormalize": false, '
-                          '"routed_scaling_factor": 16.0, "has_bias": false}')
+V1_DEEPSEEK_V2_ROUTING = (
+    '{"scoring": "softmax", "top_k": 6, "n_group": 8, "topk_group": 3, "renormalize": false, '
+    '"routed_scaling_factor": 16.0, "has_bias": false}'
+)
 
 
 def test_v1_families_are_written_as_version_1_byte_for_byte():
-    v3 = block(RoutingSpec(scoring="sigmoid", top_k=8, n_group=8, topk_group=4, renormalize=True,
-                           routed_scaling_factor=2.5, has_bias=True))
+    v3 = block(
+        RoutingSpec(
+            scoring="sigmoid",
+            top_k=8,
+            n_group=8,
+            topk_group=4,
+            renormalize=True,
+            routed_scaling_factor=2.5,
+            has_bias=True,
+        )
+    )
     assert v3.version == 1 and v3.v2_features() == []
     assert json.dumps(v3.to_dict()) == V1_DEEPSEEK_V3
-    v2 = RoutingSpec(scoring="softmax", top_k=6, n_group=8, topk_group=3, renormalize=False,
-                     routed_scaling_factor=16.0, has_bias=False)
+    v2 = RoutingSpec(
+        scoring="softmax",
+        top_k=6,
+        n_group=8,
+        topk_group=3,
+        renormalize=False,
+        routed_scaling_factor=16.0,
+        has_bias=False,
+    )
     assert v2.group_score == "max" and json.dumps(v2.to_dict()) == V1_DEEPSEEK_V2_ROUTING
     # The rule a v1 block implies, spelled out, is still version 1.
     assert block(RoutingSpec("sigmoid", 8, 8, 4, group_score="top2_sum")).version == 1
@@ -83,8 +108,19 @@ def test_v2_features_write_version_2_and_round_trip(name):
     assert b.version == 2 and b.v2_features()
     d = json.loads(json.dumps(b.to_dict()))
     assert d["version"] == 2
-    assert list(d["routing"]) == ["scoring", "top_k", "n_group", "topk_group", "group_score", "renormalize",
-                                  "renormalize_form", "renormalize_eps", "routed_scaling_factor", "has_bias", "hash_layers"]
+    assert list(d["routing"]) == [
+        "scoring",
+        "top_k",
+        "n_group",
+        "topk_group",
+        "group_score",
+        "renormalize",
+        "renormalize_form",
+        "renormalize_eps",
+        "routed_scaling_factor",
+        "has_bias",
+        "hash_layers",
+    ]
     assert FusedSharedExperts.from_dict(d) == b
     assert read_config_block({"text_config": {"fused_shared_experts": d}}) == b
     with pytest.raises(LayoutError, match="says version 1 but uses LAYOUT version 2 features"):
@@ -100,46 +136,106 @@ def test_v2_block_without_v2_features_reads_and_keeps_version_2():
 
 def test_deepseek_v4_block_as_layout_shows_it():
     """The example of LAYOUT section 6 for DeepSeek-V4-Flash: hash layers 0-2, MTP layer 43."""
-    b = block(RoutingSpec("sqrtsoftplus", 6, routed_scaling_factor=1.5, hash_layers=[0, 1, 2]),
-              moe_layers=list(range(43)) + [43])
+    b = block(
+        RoutingSpec("sqrtsoftplus", 6, routed_scaling_factor=1.5, hash_layers=[0, 1, 2]),
+        moe_layers=list(range(43)) + [43],
+    )
     r = b.to_dict()["routing"]
-    assert r == {"scoring": "sqrtsoftplus", "top_k": 6, "n_group": 1, "topk_group": 1, "group_score": "top2_sum",
-                 "renormalize": True, "renormalize_form": "add", "renormalize_eps": 1e-20,
-                 "routed_scaling_factor": 1.5, "has_bias": True, "hash_layers": [0, 1, 2]}
+    assert r == {
+        "scoring": "sqrtsoftplus",
+        "top_k": 6,
+        "n_group": 1,
+        "topk_group": 1,
+        "group_score": "top2_sum",
+        "renormalize": True,
+        "renormalize_form": "add",
+        "renormalize_eps": 1e-20,
+        "routed_scaling_factor": 1.5,
+        "has_bias": True,
+        "hash_layers": [0, 1, 2],
+    }
     assert RoutingConfig.from_config(b, layer=0).hash_routed and not RoutingConfig.from_config(b, layer=43).hash_routed
 
 
-@pytest.mark.parametrize("routing,match", [
-    ({"top_k": 8}, "routing block is missing 'scoring'"),
-    ({"scoring": "sigmoid"}, "routing block is missing 'top_k'"),
-    ({"scoring": "tanh", "top_k": 8}, r"routing.scoring must be one of \('sigmoid', 'softmax', 'sqrtsoftplus'\), got 'tanh'"),
-    ({"scoring": "sigmoid", "top_k": 2.5}, "routing.top_k must be an integer, got 2.5"),
-    ({"scoring": "sigmoid", "top_k": "8"}, "routing.top_k must be an integer, got '8'"),
-    ({"scoring": "sigmoid", "top_k": True}, "routing.top_k must be an integer, got True"),
-    ({"scoring": "sigmoid", "top_k": 0}, "routing.top_k must be >= 1, got 0"),
-    ({"scoring": "sigmoid", "top_k": 8, "n_group": 0}, "routing.n_group must be >= 1, got 0"),
-    ({"scoring": "sigmoid", "top_k": 8, "n_group": 8, "topk_group": 9}, r"routing.topk_group must be in \[1, 8\], got 9"),
-    ({"scoring": "sigmoid", "top_k": 8, "topk_group": 0}, r"routing.topk_group must be in \[1, 1\], got 0"),
-    ({"scoring": "sigmoid", "top_k": 8, "renormalize": "true"}, "routing.renormalize must be true or false, got 'true'"),
-    ({"scoring": "sigmoid", "top_k": 8, "has_bias": 1}, "routing.has_bias must be true or false, got 1"),
-    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": float("inf")}, "routing.routed_scaling_factor must be finite, got inf"),
-    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": float("nan")}, "routing.routed_scaling_factor must be finite, got nan"),
-    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": -2.5}, "routing.routed_scaling_factor must be > 0, got -2.5"),
-    ({"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": "2.5"}, "routing.routed_scaling_factor must be a number, got '2.5'"),
-    ({"scoring": "sigmoid", "top_k": 8, "group_score": "sum"}, r"routing.group_score must be one of \('top2_sum', 'max'\), got 'sum'"),
-    ({"scoring": "sigmoid", "top_k": 8, "renormalize_form": "clamp"}, r"routing.renormalize_form must be one of \('add', 'max'\), got 'clamp'"),
-    ({"scoring": "sigmoid", "top_k": 8, "renormalize_eps": -1e-12}, "routing.renormalize_eps must be >= 0, got -1e-12"),
-    ({"scoring": "sigmoid", "top_k": 8, "renormalize_eps": float("inf")}, "routing.renormalize_eps must be finite, got inf"),
-    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [0, -1]}, r"routing.hash_layers\[1\] must be >= 0, got -1"),
-    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [0, 0]}, r"routing.hash_layers lists layers \[0\] more than once"),
-    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": "0"}, "routing.hash_layers must be a list of layer indices, got '0'"),
-    ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [9]}, r"routing.hash_layers \[9\] are not in moe_layers"),
-    ({"scoring": "sigmoid", "top_k": 8, "topk": 8}, "routing has unknown field 'topk'"),
-    ({"scoring": "sigmoid", "top_k": 300}, "routing.top_k=300 exceeds num_routed_experts=256"),
-    ({"scoring": "sigmoid", "top_k": 8, "n_group": 7, "topk_group": 1}, "n_group=7 does not divide 256 routed experts"),
-    ({"scoring": "sigmoid", "top_k": 40, "n_group": 8, "topk_group": 1}, "routing.top_k=40 exceeds the 32 experts of the topk_group=1 kept groups"),
-    ("sigmoid", "routing must be a JSON object, got 'sigmoid'"),
-])
+@pytest.mark.parametrize(
+    "routing,match",
+    [
+        ({"top_k": 8}, "routing block is missing 'scoring'"),
+        ({"scoring": "sigmoid"}, "routing block is missing 'top_k'"),
+        (
+            {"scoring": "tanh", "top_k": 8},
+            r"routing.scoring must be one of \('sigmoid', 'softmax', 'sqrtsoftplus'\), got 'tanh'",
+        ),
+        ({"scoring": "sigmoid", "top_k": 2.5}, "routing.top_k must be an integer, got 2.5"),
+        ({"scoring": "sigmoid", "top_k": "8"}, "routing.top_k must be an integer, got '8'"),
+        ({"scoring": "sigmoid", "top_k": True}, "routing.top_k must be an integer, got True"),
+        ({"scoring": "sigmoid", "top_k": 0}, "routing.top_k must be >= 1, got 0"),
+        ({"scoring": "sigmoid", "top_k": 8, "n_group": 0}, "routing.n_group must be >= 1, got 0"),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "n_group": 8, "topk_group": 9},
+            r"routing.topk_group must be in \[1, 8\], got 9",
+        ),
+        ({"scoring": "sigmoid", "top_k": 8, "topk_group": 0}, r"routing.topk_group must be in \[1, 1\], got 0"),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "renormalize": "true"},
+            "routing.renormalize must be true or false, got 'true'",
+        ),
+        ({"scoring": "sigmoid", "top_k": 8, "has_bias": 1}, "routing.has_bias must be true or false, got 1"),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": float("inf")},
+            "routing.routed_scaling_factor must be finite, got inf",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": float("nan")},
+            "routing.routed_scaling_factor must be finite, got nan",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": -2.5},
+            "routing.routed_scaling_factor must be > 0, got -2.5",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "routed_scaling_factor": "2.5"},
+            "routing.routed_scaling_factor must be a number, got '2.5'",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "group_score": "sum"},
+            r"routing.group_score must be one of \('top2_sum', 'max'\), got 'sum'",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "renormalize_form": "clamp"},
+            r"routing.renormalize_form must be one of \('add', 'max'\), got 'clamp'",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "renormalize_eps": -1e-12},
+            "routing.renormalize_eps must be >= 0, got -1e-12",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "renormalize_eps": float("inf")},
+            "routing.renormalize_eps must be finite, got inf",
+        ),
+        ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [0, -1]}, r"routing.hash_layers\[1\] must be >= 0, got -1"),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "hash_layers": [0, 0]},
+            r"routing.hash_layers lists layers \[0\] more than once",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "hash_layers": "0"},
+            "routing.hash_layers must be a list of layer indices, got '0'",
+        ),
+        ({"scoring": "sigmoid", "top_k": 8, "hash_layers": [9]}, r"routing.hash_layers \[9\] are not in moe_layers"),
+        ({"scoring": "sigmoid", "top_k": 8, "topk": 8}, "routing has unknown field 'topk'"),
+        ({"scoring": "sigmoid", "top_k": 300}, "routing.top_k=300 exceeds num_routed_experts=256"),
+        (
+            {"scoring": "sigmoid", "top_k": 8, "n_group": 7, "topk_group": 1},
+            "n_group=7 does not divide 256 routed experts",
+        ),
+        (
+            {"scoring": "sigmoid", "top_k": 40, "n_group": 8, "topk_group": 1},
+            "routing.top_k=40 exceeds the 32 experts of the topk_group=1 kept groups",
+        ),
+        ("sigmoid", "routing must be a JSON object, got 'sigmoid'"),
+    ],
+)
 def test_routing_field_checks(routing, match):
     d = json.loads(V1_DEEPSEEK_V3)
     d["version"] = 2
@@ -148,23 +244,30 @@ def test_routing_field_checks(routing, match):
         FusedSharedExperts.from_dict(d)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("version", 3, "version 3 is not supported"),
-    ("version", "1", "version '1' is not supported"),
-    ("num_routed_experts", 0, "num_routed_experts must be >= 1, got 0"),
-    ("num_routed_experts", 256.5, "num_routed_experts must be an integer, got 256.5"),
-    ("num_fused_shared_experts", 2, r"num_fused_shared_experts=2 but ceil\(W/I\)"),
-    ("num_fused_shared_experts", -1, "num_fused_shared_experts must be >= 0, got -1"),
-    ("expert_intermediate_size", 0, "expert_intermediate_size must be >= 1, got 0"),
-    ("source_shared_intermediate_size", None, "source_shared_intermediate_size must be an integer, got None"),
-    ("moe_layers", [], "moe_layers is empty"),
-    ("moe_layers", [3, 3], r"moe_layers lists layers \[3\] more than once"),
-    ("moe_layers", [3, "x"], r"moe_layers\[1\] must be an integer, got 'x'"),
-    ("activation", "gelu", r"activation must be one of \('swiglu', 'swiglu_oai', 'swiglu_post_clamp'\), got 'gelu'"),
-    ("weight_block_size", [128], r"weight_block_size must be \[rows, cols\] or null, got \[128\]"),
-    ("weight_block_size", [128, 0], r"weight_block_size\[1\] must be >= 1, got 0"),
-    ("source", "deepseek", "source must be a JSON object, got 'deepseek'"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("version", 3, "version 3 is not supported"),
+        ("version", "1", "version '1' is not supported"),
+        ("num_routed_experts", 0, "num_routed_experts must be >= 1, got 0"),
+        ("num_routed_experts", 256.5, "num_routed_experts must be an integer, got 256.5"),
+        ("num_fused_shared_experts", 2, r"num_fused_shared_experts=2 but ceil\(W/I\)"),
+        ("num_fused_shared_experts", -1, "num_fused_shared_experts must be >= 0, got -1"),
+        ("expert_intermediate_size", 0, "expert_intermediate_size must be >= 1, got 0"),
+        ("source_shared_intermediate_size", None, "source_shared_intermediate_size must be an integer, got None"),
+        ("moe_layers", [], "moe_layers is empty"),
+        ("moe_layers", [3, 3], r"moe_layers lists layers \[3\] more than once"),
+        ("moe_layers", [3, "x"], r"moe_layers\[1\] must be an integer, got 'x'"),
+        (
+            "activation",
+            "gelu",
+            r"activation must be one of \('swiglu', 'swiglu_oai', 'swiglu_post_clamp'\), got 'gelu'",
+        ),
+        ("weight_block_size", [128], r"weight_block_size must be \[rows, cols\] or null, got \[128\]"),
+        ("weight_block_size", [128, 0], r"weight_block_size\[1\] must be >= 1, got 0"),
+        ("source", "deepseek", "source must be a JSON object, got 'deepseek'"),
+    ],
+)
 def test_block_field_checks(field, value, match):
     d = json.loads(V1_DEEPSEEK_V3)
     d[field] = value
@@ -179,11 +282,15 @@ def test_missing_field_and_v2_key_in_a_v1_block():
         FusedSharedExperts.from_dict(d)
     d = json.loads(V1_DEEPSEEK_V3)
     d["routing"]["hash_layers"] = [0]
-    with pytest.raises(LayoutError, match="routing.hash_layers is a LAYOUT version 2 field, but the block says version 1"):
+    with pytest.raises(
+        LayoutError, match="routing.hash_layers is a LAYOUT version 2 field, but the block says version 1"
+    ):
         FusedSharedExperts.from_dict(d)
     d["version"] = 1
     d["routing"] = {**json.loads(V1_DEEPSEEK_V3)["routing"], "scoring": "sqrtsoftplus"}
-    with pytest.raises(LayoutError, match="says version 1 but uses LAYOUT version 2 features: routing.scoring 'sqrtsoftplus'"):
+    with pytest.raises(
+        LayoutError, match="says version 1 but uses LAYOUT version 2 features: routing.scoring 'sqrtsoftplus'"
+    ):
         FusedSharedExperts.from_dict(d)
 
 
@@ -216,7 +323,11 @@ def test_slot_params_routed_then_shared():
     """A layer's gemm1_* values: E routed slots, then S shared ones, each kind with its own parameters (Hunyuan 4 clamps
     only its routed experts; Step-3.7 clamps both, at different limits)."""
     got = slot_params(ActivationParams(clamp_limit=7.0), ActivationParams(), 3, 2)
-    assert got == {"gemm1_alpha": (1.0,) * 5, "gemm1_beta": (0.0,) * 5, "gemm1_clamp_limit": (7.0, 7.0, 7.0, math.inf, math.inf)}
+    assert got == {
+        "gemm1_alpha": (1.0,) * 5,
+        "gemm1_beta": (0.0,) * 5,
+        "gemm1_clamp_limit": (7.0, 7.0, 7.0, math.inf, math.inf),
+    }
     oai = ActivationParams.for_activation("swiglu_oai")
     assert slot_params(oai, oai, 2, 0)["gemm1_alpha"] == (1.702, 1.702)
 
@@ -224,14 +335,37 @@ def test_slot_params_routed_then_shared():
 def test_stacked_split_layer_found_from_names():
     """Step-3.7's storage: gate, up and down stacked apart in the MoE block ``moe`` itself, the gemm1_* tensors beside them."""
     blk = "model.layers.4.moe"
-    names = [f"{blk}.{n}" for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate.weight", "router_bias",
-                                    "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "gate_proj.weight_scale_inv")]
-    names += ["model.layers.4.mlp.gate_proj.weight", "model.layers.5.mlp.experts.gate_up_proj", "model.layers.5.mlp.experts.gemm1_alpha"]
+    names = [
+        f"{blk}.{n}"
+        for n in (
+            "gate_proj.weight",
+            "up_proj.weight",
+            "down_proj.weight",
+            "gate.weight",
+            "router_bias",
+            "gemm1_alpha",
+            "gemm1_beta",
+            "gemm1_clamp_limit",
+            "gate_proj.weight_scale_inv",
+        )
+    ]
+    names += [
+        "model.layers.4.mlp.gate_proj.weight",
+        "model.layers.5.mlp.experts.gate_up_proj",
+        "model.layers.5.mlp.experts.gemm1_alpha",
+    ]
     found = moe_layer_tensors(names)
     assert found[4] == ExpertTensorNames(blk, "stacked_split") and found[4].block_prefix == blk
     assert found[5].storage == "stacked" and found[5].block_prefix == "model.layers.5.mlp"
-    assert found[4].slot_tensors(9) == [(f"{blk}.gate_proj.weight", 9), (f"{blk}.up_proj.weight", 9), (f"{blk}.down_proj.weight", 9)]
-    assert found[4].first_weight() == f"{blk}.gate_proj.weight" and found[4].gemm1_params()[2] == f"{blk}.gemm1_clamp_limit"
+    assert found[4].slot_tensors(9) == [
+        (f"{blk}.gate_proj.weight", 9),
+        (f"{blk}.up_proj.weight", 9),
+        (f"{blk}.down_proj.weight", 9),
+    ]
+    assert (
+        found[4].first_weight() == f"{blk}.gate_proj.weight"
+        and found[4].gemm1_params()[2] == f"{blk}.gemm1_clamp_limit"
+    )
     with pytest.raises(LayoutError, match="no expert tensors beside it"):
         moe_layer_tensors([f"{blk}.gemm1_alpha"])
 
@@ -245,11 +379,19 @@ def test_swiglu_forms_match_transformers():
     gate, up = torch.randn(64, 24, generator=g) * 12, torch.randn(64, 24, generator=g) * 12
     one, zero = torch.tensor(1.0), torch.tensor(0.0)
     for limit in (10.0, 3.0):
-        cfg = v4.DeepseekV4Config(hidden_size=16, n_routed_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-                                  swiglu_limit=limit, vocab_size=8)
+        cfg = v4.DeepseekV4Config(
+            hidden_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=1,
+            swiglu_limit=limit,
+            vocab_size=8,
+        )
         ref = v4.DeepseekV4Experts(cfg)._apply_gate(torch.cat([gate, up], -1))
         torch.testing.assert_close(swiglu(gate, up, one, zero, torch.tensor(limit)), ref, rtol=1e-6, atol=1e-6)
-        scfg = st.Step3p7TextConfig(hidden_size=16, moe_num_experts=4, moe_top_k=2, num_hidden_layers=1, swiglu_limits=[limit])
+        scfg = st.Step3p7TextConfig(
+            hidden_size=16, moe_num_experts=4, moe_top_k=2, num_hidden_layers=1, swiglu_limits=[limit]
+        )
         try:  # transformers >= 5.25: the experts read their layer's limit from the config
             experts = st.Step3p7Experts(scfg, layer_idx=0)
         except TypeError:  # 5.22 - 5.24: the limit is an argument
@@ -270,16 +412,33 @@ def test_layer_names_of_every_storage_form():
     from runtime.layout import moe_layer_tensors
 
     b = "model.layers.3.block_sparse_moe"
-    granite = moe_layer_tensors([f"{b}.experts.gemm1_alpha", f"{b}.input_linear.weight", f"{b}.output_linear.weight",
-                                 f"{b}.input_linear.weight_scale_inv", f"{b}.router.layer.weight"])
+    granite = moe_layer_tensors(
+        [
+            f"{b}.experts.gemm1_alpha",
+            f"{b}.input_linear.weight",
+            f"{b}.output_linear.weight",
+            f"{b}.input_linear.weight_scale_inv",
+            f"{b}.router.layer.weight",
+        ]
+    )
     tn = granite[3]
     assert (tn.storage, tn.stacked_form, tn.block_prefix) == ("stacked", "linear", b)
     assert tn.stacked() == (f"{b}.input_linear.weight", f"{b}.output_linear.weight")
     assert tn.gemm1_params()[0] == f"{b}.experts.gemm1_alpha"
-    mistral = moe_layer_tensors(["layers.2.experts.gemm1_alpha", "layers.2.experts.0.w1.weight", "layers.2.gate.weight"])[2]
-    assert (mistral.storage, mistral.block_prefix, mistral.per_expert(7)[2]) == ("w13", "layers.2", "layers.2.experts.7.w2.weight")
+    mistral = moe_layer_tensors(
+        ["layers.2.experts.gemm1_alpha", "layers.2.experts.0.w1.weight", "layers.2.gate.weight"]
+    )[2]
+    assert (mistral.storage, mistral.block_prefix, mistral.per_expert(7)[2]) == (
+        "w13",
+        "layers.2",
+        "layers.2.experts.7.w2.weight",
+    )
     plain = moe_layer_tensors(["model.layers.1.mlp.experts.gemm1_alpha", "model.layers.1.mlp.experts.gate_up_proj"])[1]
-    assert (plain.storage, plain.stacked_form, plain.stacked()[1]) == ("stacked", "experts", "model.layers.1.mlp.experts.down_proj")
+    assert (plain.storage, plain.stacked_form, plain.stacked()[1]) == (
+        "stacked",
+        "experts",
+        "model.layers.1.mlp.experts.down_proj",
+    )
     with pytest.raises(LayoutError, match="input_linear"):
         moe_layer_tensors([f"{b}.experts.gemm1_alpha"])
 

@@ -20,11 +20,11 @@ def _q64(a):
     rows, K = a.shape
     out = torch.empty_like(a, dtype=torch.float64)
     for g0 in range(0, K, 128):
-        blk = a[:, g0:g0 + 128]
+        blk = a[:, g0 : g0 + 128]
         amax = blk.abs().amax(dim=1).to(torch.float32)
         scale = (torch.clamp(amax, min=torch.finfo(torch.float32).tiny) / FP8_MAX).double()
         q = (blk.double() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double()
-        out[:, g0:g0 + 128] = q * scale[:, None]
+        out[:, g0 : g0 + 128] = q * scale[:, None]
     return out
 
 
@@ -92,8 +92,9 @@ def per_slot_clamped(ew, activation="swiglu_post_clamp", S=2, routed=0.4, shared
 
     NE = ew.num_expert_slots
     limit = torch.tensor([routed] * (NE - S) + [shared] * S, dtype=torch.float32)
-    return dataclasses.replace(ew, gemm1_alpha=torch.ones(NE), gemm1_beta=torch.zeros(NE), gemm1_clamp_limit=limit,
-                               activation=activation)
+    return dataclasses.replace(
+        ew, gemm1_alpha=torch.ones(NE), gemm1_beta=torch.zeros(NE), gemm1_clamp_limit=limit, activation=activation
+    )
 
 
 @pytest.mark.parametrize("fp8", [True, False])
@@ -130,11 +131,15 @@ CASES = [
 
 
 @needs_triton
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"NE{c[0]}H{c[1]}I{c[2]}T{c[3]}KS{c[4]}{'fp8' if c[5] else 'src'}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"NE{c[0]}H{c[1]}I{c[2]}T{c[3]}KS{c[4]}{'fp8' if c[5] else 'src'}"
+)
 def test_triton_matches_reference(case):
     NE, H, I, T, KS, fp8, oai, dt, cfg, skip = case
     g = torch.Generator().manual_seed(NE * 100 + T)
-    ew = random_experts(NE, H, I, fp8=fp8, oai=oai, gen=g, dtype=torch.bfloat16 if dt != torch.float32 else torch.float32)
+    ew = random_experts(
+        NE, H, I, fp8=fp8, oai=oai, gen=g, dtype=torch.bfloat16 if dt != torch.float32 else torch.float32
+    )
     x = torch.randn(T, H, generator=g).to(dt)
     ids = random_ids(T, KS, NE, gen=g, skip_expert=skip)
     w = torch.rand(T, KS, generator=g)
@@ -176,49 +181,101 @@ def test_validation():
 
 
 # Every kernel variant the tile tables can pick, on small shapes (tile overrides force each one).
-DECODE_SPLIT = dict(block_m=16, gemm1_fused_activation=False, gemm1_block_n=64, gemm1_split_k=2, gemm1_swap_ab=True,
-                    gemm2_block_n=64, gemm2_split_k=2, gemm2_swap_ab=True)
+DECODE_SPLIT = dict(
+    block_m=16,
+    gemm1_fused_activation=False,
+    gemm1_block_n=64,
+    gemm1_split_k=2,
+    gemm1_swap_ab=True,
+    gemm2_block_n=64,
+    gemm2_split_k=2,
+    gemm2_swap_ab=True,
+)
 VARIANTS = {
     "paired-swap": dict(block_m=16, gemm1_swap_ab=True, gemm2_swap_ab=True),
     "paired-swap-prequant": dict(block_m=16, gemm1_swap_ab=True, quantize_input_first=True, gemm2_block_n=64),
-    "hidden-quant-first": dict(block_m=16, gemm1_swap_ab=True, quantize_input_first=True, quantize_hidden_first=True,
-                               gemm2_block_n=64, gemm2_swap_ab=True, gemm2_split_k=2),
+    "hidden-quant-first": dict(
+        block_m=16,
+        gemm1_swap_ab=True,
+        quantize_input_first=True,
+        quantize_hidden_first=True,
+        gemm2_block_n=64,
+        gemm2_swap_ab=True,
+        gemm2_split_k=2,
+    ),
     "plain-split": DECODE_SPLIT,
-    "plain-split3-noswap": dict(DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=3, gemm1_swap_ab=False, gemm2_swap_ab=False),
+    "plain-split3-noswap": dict(
+        DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=3, gemm1_swap_ab=False, gemm2_swap_ab=False
+    ),
     "plain-nosplit-prequant": dict(DECODE_SPLIT, gemm1_split_k=1, gemm2_split_k=1, quantize_input_first=True),
     # Decode: split GEMM1 sums added, put through SwiGLU and FP8-quantized in their own launch; both GEMMs read FP8 A.
-    "plain-split-hidden-quant": dict(DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=1, quantize_input_first=True,
-                                     quantize_hidden_first=True),
-    "epilogue-quant": dict(block_m=32, gemm1_block_n=128, quantize_in_epilogue=True, quantize_input_first=True,
-                           down_output_dtype="bfloat16", group_m=4),
-    "epilogue-quant-swap": dict(block_m=16, gemm1_block_n=128, quantize_in_epilogue=True, gemm1_swap_ab=True,
-                                gemm2_swap_ab=True, gemm2_split_k=2),
+    "plain-split-hidden-quant": dict(
+        DECODE_SPLIT, gemm1_split_k=3, gemm2_split_k=1, quantize_input_first=True, quantize_hidden_first=True
+    ),
+    "epilogue-quant": dict(
+        block_m=32,
+        gemm1_block_n=128,
+        quantize_in_epilogue=True,
+        quantize_input_first=True,
+        down_output_dtype="bfloat16",
+        group_m=4,
+    ),
+    "epilogue-quant-swap": dict(
+        block_m=16,
+        gemm1_block_n=128,
+        quantize_in_epilogue=True,
+        gemm1_swap_ab=True,
+        gemm2_swap_ab=True,
+        gemm2_split_k=2,
+    ),
     "bf16-down": dict(block_m=64, down_output_dtype="bfloat16", gemm2_block_n=128),
     # Plain GEMM1's gate | up sums in bf16: through the SwiGLU/quant launch, and through GEMM2's load (split sums).
-    "bf16-gate-up-hidden-quant": dict(DECODE_SPLIT, gemm1_split_k=1, gemm2_split_k=1, quantize_input_first=True,
-                                      quantize_hidden_first=True, gemm1_output_dtype="bfloat16"),
+    "bf16-gate-up-hidden-quant": dict(
+        DECODE_SPLIT,
+        gemm1_split_k=1,
+        gemm2_split_k=1,
+        quantize_input_first=True,
+        quantize_hidden_first=True,
+        gemm1_output_dtype="bfloat16",
+    ),
     "bf16-gate-up-split": dict(DECODE_SPLIT, gemm1_output_dtype="bfloat16"),
     # Weight tiles by TMA descriptors; 256-column GEMM2 tiles over H = 384 reach into the next slot's rows.
     "weight-tma": dict(block_m=16, weight_tma=True, gemm2_block_n=256),
-    "weight-tma-swap-epilogue": dict(block_m=16, weight_tma=True, gemm1_block_n=128, quantize_in_epilogue=True,
-                                     gemm1_swap_ab=True, gemm2_swap_ab=True, quantize_input_first=True),
-    "weight-tma-plain-hidden-quant": dict(DECODE_SPLIT, weight_tma=True, quantize_input_first=True, quantize_hidden_first=True,
-                                          gemm2_split_k=1),
+    "weight-tma-swap-epilogue": dict(
+        block_m=16,
+        weight_tma=True,
+        gemm1_block_n=128,
+        quantize_in_epilogue=True,
+        gemm1_swap_ab=True,
+        gemm2_swap_ab=True,
+        quantize_input_first=True,
+    ),
+    "weight-tma-plain-hidden-quant": dict(
+        DECODE_SPLIT, weight_tma=True, quantize_input_first=True, quantize_hidden_first=True, gemm2_split_k=1
+    ),
     # Decode: the slot sum in GEMM2's last program per column block (ignored for more than one token).
-    "sum-in-gemm2": dict(DECODE_SPLIT, quantize_input_first=True, quantize_hidden_first=True, gemm2_split_k=1,
-                         sum_in_gemm2=True),
+    "sum-in-gemm2": dict(
+        DECODE_SPLIT, quantize_input_first=True, quantize_hidden_first=True, gemm2_split_k=1, sum_in_gemm2=True
+    ),
     "sum-in-gemm2-split": dict(DECODE_SPLIT, gemm2_block_n=128, sum_in_gemm2=True),
 }
 
 
 SMALL, LARGER, RAGGED = (9, 256, 256, 5, 3), (7, 384, 384, 37, 4), (5, 384, 320, 7, 3)
-VARIANT_CASES = [(v, SMALL) for v in VARIANTS] + [(v, LARGER) for v in ("plain-split", "epilogue-quant", "hidden-quant-first",
-                                                                          "plain-split-hidden-quant", "weight-tma")] + [
-    (v, RAGGED) for v in ("weight-tma-swap-epilogue", "epilogue-quant-swap")]
+VARIANT_CASES = (
+    [(v, SMALL) for v in VARIANTS]
+    + [
+        (v, LARGER)
+        for v in ("plain-split", "epilogue-quant", "hidden-quant-first", "plain-split-hidden-quant", "weight-tma")
+    ]
+    + [(v, RAGGED) for v in ("weight-tma-swap-epilogue", "epilogue-quant-swap")]
+)
 
 
 @needs_triton
-@pytest.mark.parametrize("variant,shape", VARIANT_CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
+@pytest.mark.parametrize(
+    "variant,shape", VARIANT_CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c))
+)
 def test_tile_variants_match_reference(variant, shape):
     """E+S = 9, 7 and 5 (not powers of two); I of two 128-groups, of three, and of two and a half."""
     NE, H, I, T, KS = shape
@@ -241,7 +298,9 @@ def test_tile_variants_match_reference(variant, shape):
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["default", "plain-split", "plain-split-hidden-quant", "epilogue-quant-swap", "bf16-weights"])
+@pytest.mark.parametrize(
+    "variant", ["default", "plain-split", "plain-split-hidden-quant", "epilogue-quant-swap", "bf16-weights"]
+)
 def test_triton_post_clamp_with_per_slot_limits(variant):
     """swiglu_post_clamp through every place the kernel applies SwiGLU (GEMM1's epilogue, GEMM2's load of split GEMM1
     sums, or the launch that quantizes h), with routed and shared slots clamped at different limits."""
@@ -258,7 +317,10 @@ def test_triton_post_clamp_with_per_slot_limits(variant):
     fused_moe(x, ew, ids, w, backend="triton", tile_config=VARIANTS.get(variant), out=out)
     assert rel(out, ref) < 3e-3
     import dataclasses
-    pre = fused_moe(x, dataclasses.replace(ew, activation="swiglu"), ids, w, backend="triton", tile_config=VARIANTS.get(variant))
+
+    pre = fused_moe(
+        x, dataclasses.replace(ew, activation="swiglu"), ids, w, backend="triton", tile_config=VARIANTS.get(variant)
+    )
     assert rel(pre, ref) > 0.05, "the kernel's post-clamp flag changes its result"
 
 
@@ -289,8 +351,14 @@ def test_tile_config_is_checked():
     g = torch.Generator().manual_seed(0)
     ew = random_experts(3, 256, 128, gen=g)
     x, ids, w = torch.randn(2, 256), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
-    for bad in (dict(BN1=32), dict(gemm1_split_k=2), dict(block_m=24), dict(down_output_dtype="fp16"),
-                dict(gemm1_block_n=64, quantize_in_epilogue=True), dict(gemm1_swap_ab=1)):
+    for bad in (
+        dict(BN1=32),
+        dict(gemm1_split_k=2),
+        dict(block_m=24),
+        dict(down_output_dtype="fp16"),
+        dict(gemm1_block_n=64, quantize_in_epilogue=True),
+        dict(gemm1_swap_ab=1),
+    ):
         if triton_available():
             with pytest.raises(ValueError):
                 fused_moe(x, ew, ids, w, backend="triton", tile_config=bad)
@@ -323,8 +391,15 @@ def test_tile_tables_are_packaged_and_read():
             table = json.load(f)
         key = next(iter(table["shapes"]))
         dims = dict(kv.split("=") for kv in key.split(","))
-        cfg, src = moe_tiles.tile_config(3, int(dims["slots"]), int(dims["hidden"]), int(dims["intermediate"]),
-                                         int(dims["slots_per_token"]), True, table["device"])
+        cfg, src = moe_tiles.tile_config(
+            3,
+            int(dims["slots"]),
+            int(dims["hidden"]),
+            int(dims["intermediate"]),
+            int(dims["slots_per_token"]),
+            True,
+            table["device"],
+        )
         assert src.startswith("table ") and key in src
 
 
@@ -335,7 +410,7 @@ def test_tile_tables_are_package_data():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml")) as f:
         text = f.read()
-    assert '[tool.setuptools.package-data]' in text and 'runtime = ["configs/*.json"]' in text
+    assert "[tool.setuptools.package-data]" in text and 'runtime = ["configs/*.json"]' in text
 
 
 @needs_triton
@@ -353,8 +428,9 @@ def test_triton_activation_quantization_is_the_references_bit_for_bit():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["default", "plain-split-hidden-quant", "epilogue-quant-swap", "sum-in-gemm2",
-                                     "sum-in-gemm2-split"])
+@pytest.mark.parametrize(
+    "variant", ["default", "plain-split-hidden-quant", "epilogue-quant-swap", "sum-in-gemm2", "sum-in-gemm2-split"]
+)
 def test_one_token_without_alignment(variant):
     """One token runs without the alignment launch (each pair its own M block): a skipped slot (-1), and a
     num_valid_tokens of 1 then 0 in the same buffers, as a replayed decode graph would see."""
@@ -393,8 +469,9 @@ def test_shared_slots_as_dense_gemms(shared, tiles):
     g = torch.Generator().manual_seed(31 + shared)
     ew = random_experts(E + shared, H, I, oai=True, gen=g)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids, w = route(torch.randn(T, E, generator=g), None, RoutingConfig(E, K, shared, "sigmoid", 1, 1, True, 2.0),
-                   backend="torch")
+    ids, w = route(
+        torch.randn(T, E, generator=g), None, RoutingConfig(E, K, shared, "sigmoid", 1, 1, True, 2.0), backend="torch"
+    )
     ref = fused_moe(x, ew, ids, w, backend="torch")
     out = torch.full_like(x, float("nan"))
     dense = dict(tiles, shared_dense=True)
@@ -407,6 +484,6 @@ def test_shared_slots_as_dense_gemms(shared, tiles):
     nv = torch.tensor([T - 4], dtype=torch.int32)
     out.fill_(float("nan"))
     fused_moe(x, ew, ids, w, nv, backend="triton", tile_config=dense, out=out, shared_slots=shared)
-    assert torch.all(out[T - 4:] == 0) and rel(out[:T - 4], ref[:T - 4]) < 6e-3
+    assert torch.all(out[T - 4 :] == 0) and rel(out[: T - 4], ref[: T - 4]) < 6e-3
     with pytest.raises(ValueError, match="shared_slots"):
         fused_moe(x, ew, ids, w, backend="triton", shared_slots=K + shared + 1)

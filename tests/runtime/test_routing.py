@@ -55,7 +55,7 @@ def naive_route(logits, bias, cfg):
             gs = E // G
             scores = []
             for g in range(G):
-                vals = sorted(c[g * gs:(g + 1) * gs], reverse=True)
+                vals = sorted(c[g * gs : (g + 1) * gs], reverse=True)
                 scores.append(sum(vals[:2]) if top2 else vals[0])
             keep = sorted(range(G), key=lambda g: (-scores[g], g))[: cfg.topk_group]
             allowed = {e for e in range(E) if e // gs in keep}
@@ -78,14 +78,14 @@ def make_inputs(cfg, T, has_bias, ties=False, seed=0):
     if ties:
         # Exact ties: copy logits (and bias) between experts and between whole groups.
         E = cfg.num_experts
-        logits[:, 1::3] = logits[:, 0:E - 1:3][:, : logits[:, 1::3].shape[1]]
+        logits[:, 1::3] = logits[:, 0 : E - 1 : 3][:, : logits[:, 1::3].shape[1]]
         if bias is not None:
-            bias[1::3] = bias[0:E - 1:3][: bias[1::3].shape[0]]
+            bias[1::3] = bias[0 : E - 1 : 3][: bias[1::3].shape[0]]
         if cfg.n_group > 1:
             gs = E // cfg.n_group
-            logits[:, gs:2 * gs] = logits[:, :gs]
+            logits[:, gs : 2 * gs] = logits[:, :gs]
             if bias is not None:
-                bias[gs:2 * gs] = bias[:gs]
+                bias[gs : 2 * gs] = bias[:gs]
         logits[0, :] = 0.25  # a row of all-equal logits
     return logits, bias
 
@@ -96,8 +96,19 @@ RULE_ID = lambda r: f"{r[0] or 'v1'}-{r[1]}{r[2]:g}"  # noqa: E731
 
 def _cfg(case, rule, renormalize, rsf):
     E, K, S, scoring, G, TG, _ = case
-    return RoutingConfig(E, K, S, scoring, G, TG, renormalize=renormalize, routed_scaling_factor=rsf,
-                         group_score=rule[0], renormalize_form=rule[1], renormalize_eps=rule[2])
+    return RoutingConfig(
+        E,
+        K,
+        S,
+        scoring,
+        G,
+        TG,
+        renormalize=renormalize,
+        routed_scaling_factor=rsf,
+        group_score=rule[0],
+        renormalize_form=rule[1],
+        renormalize_eps=rule[2],
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_ID)
@@ -121,9 +132,18 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not imp
 
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=CASE_ID)
-@pytest.mark.parametrize("rule,T,ties", [(RULES[0], 1, False), (RULES[0], 37, False), (RULES[0], 7, True),
-                                         (RULES[2], 7, True), (RULES[3], 5, False), (RULES[1], 3, False)],
-                         ids=lambda v: RULE_ID(v) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "rule,T,ties",
+    [
+        (RULES[0], 1, False),
+        (RULES[0], 37, False),
+        (RULES[0], 7, True),
+        (RULES[2], 7, True),
+        (RULES[3], 5, False),
+        (RULES[1], 3, False),
+    ],
+    ids=lambda v: RULE_ID(v) if isinstance(v, tuple) else str(v),
+)
 def test_triton_matches_reference(case, rule, T, ties):
     E, K, S, scoring, G, TG, has_bias = case
     cfg = _cfg(case, rule, True, 1.5)
@@ -137,8 +157,10 @@ def test_triton_matches_reference(case, rule, T, ties):
 
 
 @needs_triton
-@pytest.mark.parametrize("E,K,G,TG,scoring", [(256, 8, 8, 4, "sigmoid"), (96, 8, 4, 2, "sigmoid"), (64, 6, 8, 1, "softmax"),
-                                              (384, 6, 1, 1, "sqrtsoftplus")])
+@pytest.mark.parametrize(
+    "E,K,G,TG,scoring",
+    [(256, 8, 8, 4, "sigmoid"), (96, 8, 4, 2, "sigmoid"), (64, 6, 8, 1, "softmax"), (384, 6, 1, 1, "sqrtsoftplus")],
+)
 def test_every_selection_scheme_matches_reference(E, K, G, TG, scoring):
     """Each of the kernel's selection schemes (the benchmarks pick one per geometry) gives the reference's ids and
     weights, exact ties included."""
@@ -146,7 +168,7 @@ def test_every_selection_scheme_matches_reference(E, K, G, TG, scoring):
 
     cfg = RoutingConfig(E, K, 1, scoring, G, TG, renormalize=True, routed_scaling_factor=2.5)
     modes = select_modes(G, K, 1)
-    assert modes[:4 if G > 1 else 2] == ((0, 1, 2, 3) if G > 1 else (0, 1))
+    assert modes[: 4 if G > 1 else 2] == ((0, 1, 2, 3) if G > 1 else (0, 1))
     for ties in (False, True):
         logits, bias = make_inputs(cfg, 6, scoring == "sigmoid", ties, seed=E + ties)
         ref_ids, ref_w = route(logits, bias, cfg, backend="torch")
@@ -174,13 +196,33 @@ def test_num_valid_tokens_skips_padding(backend):
 
 
 def test_config_from_block_and_validation():
-    block = {"version": 1, "num_routed_experts": 256, "num_fused_shared_experts": 1, "expert_intermediate_size": 2048,
-             "source_shared_intermediate_size": 2048, "moe_layers": [3], "activation": "swiglu",
-             "routing": {"scoring": "sigmoid", "top_k": 8, "n_group": 8, "topk_group": 4, "renormalize": True,
-                         "routed_scaling_factor": 2.5, "has_bias": True}}
+    block = {
+        "version": 1,
+        "num_routed_experts": 256,
+        "num_fused_shared_experts": 1,
+        "expert_intermediate_size": 2048,
+        "source_shared_intermediate_size": 2048,
+        "moe_layers": [3],
+        "activation": "swiglu",
+        "routing": {
+            "scoring": "sigmoid",
+            "top_k": 8,
+            "n_group": 8,
+            "topk_group": 4,
+            "renormalize": True,
+            "routed_scaling_factor": 2.5,
+            "has_bias": True,
+        },
+    }
     for src in (block, {"fused_shared_experts": block}, {"text_config": {"fused_shared_experts": block}}):
         cfg = RoutingConfig.from_config(src)
-        assert (cfg.num_experts, cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group, cfg.topk_group) == (256, 8, 1, 8, 4)
+        assert (cfg.num_experts, cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group, cfg.topk_group) == (
+            256,
+            8,
+            1,
+            8,
+            4,
+        )
         assert cfg.slots_per_token == 9 and cfg.num_expert_slots == 257 and cfg.routed_scaling_factor == 2.5
     with pytest.raises(ValueError):
         RoutingConfig(160, 8, 1, n_group=7)
@@ -229,8 +271,15 @@ def naive_hash(logits, table, tok, cfg):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("E,K,S,scoring,T", [(256, 6, 1, "sqrtsoftplus", 37), (20, 3, 0, "sqrtsoftplus", 1),
-                                             (20, 3, 2, "sigmoid", 9), (72, 4, 1, "softmax", 9)])
+@pytest.mark.parametrize(
+    "E,K,S,scoring,T",
+    [
+        (256, 6, 1, "sqrtsoftplus", 37),
+        (20, 3, 0, "sqrtsoftplus", 1),
+        (20, 3, 2, "sigmoid", 9),
+        (72, 4, 1, "softmax", 9),
+    ],
+)
 @pytest.mark.parametrize("table_dtype", [torch.int64, torch.int32])
 def test_hash_routing_matches_naive(backend, E, K, S, scoring, T, table_dtype):
     # renormalize=False in the config: hash layers renormalize all the same (LAYOUT section 5).
@@ -255,7 +304,7 @@ def test_hash_routing_matches_naive(backend, E, K, S, scoring, T, table_dtype):
 def test_hash_routing_num_valid_tokens_and_out(backend):
     cfg = RoutingConfig(256, 6, 1, "sqrtsoftplus", routed_scaling_factor=1.5, hash_routed=True)
     logits, table, tok = _hash_inputs(256, 6, 12, 40, seed=5)
-    tok[10] = 10 ** 9  # past the valid rows: never read
+    tok[10] = 10**9  # past the valid rows: never read
     nv = torch.tensor([8])
     ids = torch.full((12, 7), 99, dtype=torch.int32)
     w = torch.full((12, 7), float("nan"))
@@ -313,32 +362,52 @@ def test_route_argument_errors():
         route(logits, None, cfg, torch.tensor([2.0]))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_experts=20, top_k=21), r"top_k must be in \[1, 20\], got 21"),
-    (dict(num_experts=20, top_k=2.5), "top_k must be an integer, got 2.5"),
-    (dict(num_experts=20, top_k=3, scoring="relu"), "scoring must be one of"),
-    (dict(num_experts=20, top_k=3, n_group=3), "n_group=3 must divide num_experts=20"),
-    (dict(num_experts=20, top_k=3, n_group=4, topk_group=5), r"topk_group must be in \[1, 4\], got 5"),
-    (dict(num_experts=20, top_k=6, n_group=4, topk_group=1), "top_k=6 exceeds the 5 experts of the kept groups"),
-    (dict(num_experts=20, top_k=3, routed_scaling_factor=float("nan")), "routed_scaling_factor must be finite"),
-    (dict(num_experts=20, top_k=3, routed_scaling_factor=0), "routed_scaling_factor must be > 0"),
-    (dict(num_experts=20, top_k=3, group_score="sum"), "group_score must be one of"),
-    (dict(num_experts=20, top_k=3, renormalize_form="clamp"), "renormalize_form must be one of"),
-    (dict(num_experts=20, top_k=3, renormalize_eps=-1.0), "renormalize_eps must be >= 0"),
-    (dict(num_experts=20, top_k=3, renormalize="yes"), "renormalize must be true or false"),
-    (dict(num_experts=20, top_k=3, num_fused_shared_experts=-1), "num_fused_shared_experts must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_experts=20, top_k=21), r"top_k must be in \[1, 20\], got 21"),
+        (dict(num_experts=20, top_k=2.5), "top_k must be an integer, got 2.5"),
+        (dict(num_experts=20, top_k=3, scoring="relu"), "scoring must be one of"),
+        (dict(num_experts=20, top_k=3, n_group=3), "n_group=3 must divide num_experts=20"),
+        (dict(num_experts=20, top_k=3, n_group=4, topk_group=5), r"topk_group must be in \[1, 4\], got 5"),
+        (dict(num_experts=20, top_k=6, n_group=4, topk_group=1), "top_k=6 exceeds the 5 experts of the kept groups"),
+        (dict(num_experts=20, top_k=3, routed_scaling_factor=float("nan")), "routed_scaling_factor must be finite"),
+        (dict(num_experts=20, top_k=3, routed_scaling_factor=0), "routed_scaling_factor must be > 0"),
+        (dict(num_experts=20, top_k=3, group_score="sum"), "group_score must be one of"),
+        (dict(num_experts=20, top_k=3, renormalize_form="clamp"), "renormalize_form must be one of"),
+        (dict(num_experts=20, top_k=3, renormalize_eps=-1.0), "renormalize_eps must be >= 0"),
+        (dict(num_experts=20, top_k=3, renormalize="yes"), "renormalize must be true or false"),
+        (dict(num_experts=20, top_k=3, num_fused_shared_experts=-1), "num_fused_shared_experts must be >= 0"),
+    ],
+)
 def test_config_validation_messages(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RoutingConfig(**kwargs)
 
 
 def test_from_config_hash_layers_need_the_layer():
-    block = {"version": 2, "num_routed_experts": 256, "num_fused_shared_experts": 1, "expert_intermediate_size": 2048,
-             "source_shared_intermediate_size": 2048, "moe_layers": [0, 1, 2, 3, 43], "activation": "swiglu",
-             "routing": {"scoring": "sqrtsoftplus", "top_k": 6, "n_group": 1, "topk_group": 1, "group_score": "top2_sum",
-                         "renormalize": True, "renormalize_form": "add", "renormalize_eps": 1e-20,
-                         "routed_scaling_factor": 1.5, "has_bias": True, "hash_layers": [0, 1, 2]}}
+    block = {
+        "version": 2,
+        "num_routed_experts": 256,
+        "num_fused_shared_experts": 1,
+        "expert_intermediate_size": 2048,
+        "source_shared_intermediate_size": 2048,
+        "moe_layers": [0, 1, 2, 3, 43],
+        "activation": "swiglu",
+        "routing": {
+            "scoring": "sqrtsoftplus",
+            "top_k": 6,
+            "n_group": 1,
+            "topk_group": 1,
+            "group_score": "top2_sum",
+            "renormalize": True,
+            "renormalize_form": "add",
+            "renormalize_eps": 1e-20,
+            "routed_scaling_factor": 1.5,
+            "has_bias": True,
+            "hash_layers": [0, 1, 2],
+        },
+    }
     with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] are hash-routed: .* needs layer="):
         RoutingConfig.from_config(block)
     assert RoutingConfig.from_config(block, layer=1).hash_routed

@@ -12,14 +12,38 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 SHAPES = {
     # name: RoutingConfig kwargs, has_bias
-    "DeepSeek-V4-Flash": (dict(num_experts=256, top_k=6, num_fused_shared_experts=1, scoring="sqrtsoftplus",
-                               routed_scaling_factor=1.5), True),
-    "DeepSeek-V4-Pro": (dict(num_experts=384, top_k=6, num_fused_shared_experts=1, scoring="sqrtsoftplus",
-                             routed_scaling_factor=1.5), True),
-    "ERNIE-4.5": (dict(num_experts=64, top_k=8, num_fused_shared_experts=1, scoring="softmax",
-                       renormalize_form="max", renormalize_eps=1e-12), True),
-    "Mistral-Large-3": (dict(num_experts=128, top_k=4, num_fused_shared_experts=1, scoring="softmax", n_group=8,
-                             topk_group=4, group_score="top2_sum", routed_scaling_factor=1.0), False),
+    "DeepSeek-V4-Flash": (
+        dict(num_experts=256, top_k=6, num_fused_shared_experts=1, scoring="sqrtsoftplus", routed_scaling_factor=1.5),
+        True,
+    ),
+    "DeepSeek-V4-Pro": (
+        dict(num_experts=384, top_k=6, num_fused_shared_experts=1, scoring="sqrtsoftplus", routed_scaling_factor=1.5),
+        True,
+    ),
+    "ERNIE-4.5": (
+        dict(
+            num_experts=64,
+            top_k=8,
+            num_fused_shared_experts=1,
+            scoring="softmax",
+            renormalize_form="max",
+            renormalize_eps=1e-12,
+        ),
+        True,
+    ),
+    "Mistral-Large-3": (
+        dict(
+            num_experts=128,
+            top_k=4,
+            num_fused_shared_experts=1,
+            scoring="softmax",
+            n_group=8,
+            topk_group=4,
+            group_score="top2_sum",
+            routed_scaling_factor=1.0,
+        ),
+        False,
+    ),
 }
 VOCAB = 129280
 
@@ -42,8 +66,10 @@ def test_routing_v2_real_shapes(name, T, hashed):
     bias = torch.randn(cfg.num_experts, device="cuda", generator=g) * 0.05 if has_bias and not hashed else None
     extra = {}
     if hashed:
-        extra = dict(token_ids=torch.randint(0, VOCAB, (T,), device="cuda", generator=g),
-                     tid2eid=_table(cfg.num_experts, cfg.top_k, g))
+        extra = dict(
+            token_ids=torch.randint(0, VOCAB, (T,), device="cuda", generator=g),
+            tid2eid=_table(cfg.num_experts, cfg.top_k, g),
+        )
     ref_ids, ref_w = route(logits, bias, cfg, backend="torch", **extra)
     ids = torch.full_like(ref_ids, -7)
     w = torch.full_like(ref_w, float("nan"))

@@ -17,7 +17,10 @@ from runtime import RoutingConfig, route  # noqa: E402
 from runtime._backend import triton_available  # noqa: E402
 
 H = 16
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="triton not importable"))]
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="triton not importable")),
+]
 
 
 def _randomize(router: torch.nn.Module, gen: torch.Generator, bias_attr: str | None) -> torch.Tensor | None:
@@ -46,7 +49,9 @@ def _deepseek_v4_topk():
     # sqrtsoftplus (ACT2FN, torch softplus then sqrt) on logits, top-k over scores + e_score_correction_bias
     # (release name gate.bias), no groups, weights = unbiased scores / (sum + 1e-20), always (norm_topk_prob
     # is not read), times routed_scaling_factor.
-    cfg = m.DeepseekV4Config(hidden_size=H, n_routed_experts=20, num_experts_per_tok=3, vocab_size=50, num_hidden_layers=2)
+    cfg = m.DeepseekV4Config(
+        hidden_size=H, n_routed_experts=20, num_experts_per_tok=3, vocab_size=50, num_hidden_layers=2
+    )
     r = m.DeepseekV4TopKRouter(cfg)
     rc = dict(scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=cfg.routed_scaling_factor)
     return r, "e_score_correction_bias", lambda r, h, b, t: r(h), rc, 1.0, cfg
@@ -57,7 +62,9 @@ def _deepseek_v4_hash():
 
     # Hash layers: ids = tid2eid[input_ids] (int64 [vocab, K]), no bias, weights = scores of those ids
     # / (sum + 1e-20), times routed_scaling_factor.
-    cfg = m.DeepseekV4Config(hidden_size=H, n_routed_experts=20, num_experts_per_tok=3, vocab_size=50, num_hidden_layers=2)
+    cfg = m.DeepseekV4Config(
+        hidden_size=H, n_routed_experts=20, num_experts_per_tok=3, vocab_size=50, num_hidden_layers=2
+    )
     r = m.DeepseekV4HashRouter(cfg)
     rc = dict(scoring="sqrtsoftplus", routed_scaling_factor=cfg.routed_scaling_factor, hash_routed=True)
     return r, None, lambda r, h, b, t: r(h, t), rc, 1.0, cfg
@@ -82,12 +89,28 @@ def _mistral4(large=False):
     # softmax, no bias; group score = sum of the group's top-2 softmax scores; kept groups' experts,
     # others 0.0 (not -inf: same choice, softmax scores are > 0); renormalized (+1e-20) when norm_topk_prob; rsf.
     # mistral_large4 (Mistral Large 3): the same with float32 logits and always renormalized.
-    config_cls, router_cls = (ml.MistralLarge4TextConfig, ml.MistralLarge4TextTopkRouter) if large else (m.Mistral4Config, m.Mistral4TopkRouter)
-    cfg = config_cls(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2,
-                     routed_scaling_factor=1.25 if large else 1.7)
+    config_cls, router_cls = (
+        (ml.MistralLarge4TextConfig, ml.MistralLarge4TextTopkRouter)
+        if large
+        else (m.Mistral4Config, m.Mistral4TopkRouter)
+    )
+    cfg = config_cls(
+        hidden_size=H,
+        n_routed_experts=24,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.25 if large else 1.7,
+    )
     r = router_cls(cfg)
-    rc = dict(scoring="softmax", n_group=4, topk_group=2, group_score="top2_sum", renormalize=large or cfg.norm_topk_prob,
-              routed_scaling_factor=cfg.routed_scaling_factor)
+    rc = dict(
+        scoring="softmax",
+        n_group=4,
+        topk_group=2,
+        group_score="top2_sum",
+        renormalize=large or cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
     return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
@@ -96,7 +119,9 @@ def _granitemoeshared():
 
     # top-k of the logits, softmax over those k: the softmax of all E scores renormalized over the chosen k (the
     # layout's +1e-20 is below float32 rounding of a sum >= 1/E); no bias, no groups, no scaling factor.
-    cfg = m.GraniteMoeSharedConfig(hidden_size=H, num_local_experts=20, num_experts_per_tok=3, shared_intermediate_size=8)
+    cfg = m.GraniteMoeSharedConfig(
+        hidden_size=H, num_local_experts=20, num_experts_per_tok=3, shared_intermediate_size=8
+    )
     r = m.GraniteMoeSharedTopKRouter(cfg)
     rc = dict(scoring="softmax", renormalize=True)
     return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
@@ -130,8 +155,14 @@ def _hy_v4():
     # DeepSeek-V3 routing: sigmoid + bias, groups by top-2 sum of biased scores, -inf fill, renormalized, rsf.
     cfg = m.HYV4Config(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2)
     r = m.HYV4TopkRouter(cfg)
-    rc = dict(scoring="sigmoid", n_group=4, topk_group=2, group_score="top2_sum", renormalize=cfg.norm_topk_prob,
-              routed_scaling_factor=cfg.routed_scaling_factor)
+    rc = dict(
+        scoring="sigmoid",
+        n_group=4,
+        topk_group=2,
+        group_score="top2_sum",
+        renormalize=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
     return r, "e_score_correction_bias", lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
@@ -154,7 +185,9 @@ def _step3p7():
     # the summed routed output by moe_router_scaling_factor (the same as rsf on the weights).
     cfg = m.Step3p7TextConfig(hidden_size=H, moe_num_experts=20, moe_top_k=3, moe_router_scaling_factor=3.0)
     r = m.Step3p7TopKRouter(cfg)
-    rc = dict(scoring="sigmoid", renormalize=True, renormalize_eps=0.0, routed_scaling_factor=cfg.moe_router_scaling_factor)
+    rc = dict(
+        scoring="sigmoid", renormalize=True, renormalize_eps=0.0, routed_scaling_factor=cfg.moe_router_scaling_factor
+    )
     return r, "e_score_correction_bias", lambda r, h, b, t: r(h), rc, cfg.moe_router_scaling_factor, cfg
 
 
@@ -165,8 +198,14 @@ def _deepseek_v3(zero_bias=False):
     # renormalized (+1e-20) when norm_topk_prob, rsf.
     cfg = m.DeepseekV3Config(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2)
     r = m.DeepseekV3TopkRouter(cfg)
-    rc = dict(scoring="sigmoid", n_group=4, topk_group=2, group_score="top2_sum", renormalize=cfg.norm_topk_prob,
-              routed_scaling_factor=cfg.routed_scaling_factor)
+    rc = dict(
+        scoring="sigmoid",
+        n_group=4,
+        topk_group=2,
+        group_score="top2_sum",
+        renormalize=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
     return r, None if zero_bias else "e_score_correction_bias", lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
@@ -174,11 +213,17 @@ def _glm4_moe():
     from transformers.models.glm4_moe import modeling_glm4_moe as m
 
     # As DeepSeek-V3 (the released GLM configs have n_group 1; groups exercised here).
-    cfg = m.Glm4MoeConfig(hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2,
-                          routed_scaling_factor=2.5)
+    cfg = m.Glm4MoeConfig(
+        hidden_size=H, n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
     r = m.Glm4MoeTopkRouter(cfg)
-    rc = dict(scoring="sigmoid", n_group=4, topk_group=2, renormalize=cfg.norm_topk_prob,
-              routed_scaling_factor=cfg.routed_scaling_factor)  # group_score left to the v1 rule: bias -> top2_sum
+    rc = dict(
+        scoring="sigmoid",
+        n_group=4,
+        topk_group=2,
+        renormalize=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )  # group_score left to the v1 rule: bias -> top2_sum
     return r, "e_score_correction_bias", lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
@@ -186,11 +231,25 @@ def _deepseek_v2():
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
     # softmax, no bias, group_limited_greedy: group score = the group's max, others 0.0; never renormalized; rsf.
-    cfg = m.DeepseekV2Config(hidden_size=H, num_attention_heads=2, n_routed_experts=24, num_experts_per_tok=3, n_group=4,
-                             topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
+    cfg = m.DeepseekV2Config(
+        hidden_size=H,
+        num_attention_heads=2,
+        n_routed_experts=24,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=16.0,
+    )
     r = m.DeepseekV2TopkRouter(cfg)
-    rc = dict(scoring="softmax", n_group=4, topk_group=2, group_score="max", renormalize=False,
-              routed_scaling_factor=cfg.routed_scaling_factor)
+    rc = dict(
+        scoring="softmax",
+        n_group=4,
+        topk_group=2,
+        group_score="max",
+        renormalize=False,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
     return r, None, lambda r, h, b, t: r(h), rc, 1.0, cfg
 
 
@@ -266,7 +325,7 @@ def test_many_rows_and_padding(family, backend):
     full_ids, full_w = route(logits, bias, cfg, backend="torch", token_ids=token_ids, tid2eid=tid2eid)
     assert torch.equal(ids[: T - 11], full_ids[: T - 11])
     torch.testing.assert_close(w[: T - 11], full_w[: T - 11], rtol=2e-6, atol=1e-7)
-    assert torch.all(ids[T - 11:] == -1) and torch.all(w[T - 11:] == 0)
+    assert torch.all(ids[T - 11 :] == -1) and torch.all(w[T - 11 :] == 0)
 
 
 def test_v2_group_rule_is_needed_for_mistral4():
@@ -301,6 +360,12 @@ def test_ernie_denominator_form_matters(backend):
     exp_ids, exp_w = _sorted_by_id(ref_ids, ref_w)
     assert torch.equal(got_ids, exp_ids)
     torch.testing.assert_close(got_w, exp_w, rtol=3e-6, atol=0)
-    _, w_add = route(logits, bias, RoutingConfig(20, 3, 1, **{**rc, "renormalize_form": "add", "renormalize_eps": 1e-20}),
-                     backend=backend)
-    torch.testing.assert_close(w_add[:, :3], torch.full((2, 3), 1 / 3), rtol=1e-2, atol=0)  # the default form: ~1/3 each
+    _, w_add = route(
+        logits,
+        bias,
+        RoutingConfig(20, 3, 1, **{**rc, "renormalize_form": "add", "renormalize_eps": 1e-20}),
+        backend=backend,
+    )
+    torch.testing.assert_close(
+        w_add[:, :3], torch.full((2, 3), 1 / 3), rtol=1e-2, atol=0
+    )  # the default form: ~1/3 each

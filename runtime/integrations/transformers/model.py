@@ -22,7 +22,9 @@ from .requires import import_transformers
 
 
 def _fp32_patterns(model) -> list[str]:
-    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) + list(
+        getattr(model, "_keep_in_fp32_modules", None) or []
+    )
     return pats
 
 
@@ -51,10 +53,18 @@ class StreamedModel:
     rank's :class:`runtime.expert_parallel.ExpertParallelMoE` as soon as it is loaded.
     """
 
-    def __init__(self, path: str | os.PathLike, kind: str = "fused", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", backend: str | None = None,
-                 device_map: Mapping[str, Any] | str | None = None, max_memory: Mapping[Any, Any] | None = None,
-                 keep_fp8: bool = False, expert_parallel: Any = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        kind: str = "fused",
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        backend: str | None = None,
+        device_map: Mapping[str, Any] | str | None = None,
+        max_memory: Mapping[Any, Any] | None = None,
+        keep_fp8: bool = False,
+        expert_parallel: Any = False,
+    ):
         if kind not in ("fused", "source"):
             raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
         import_transformers("loading a checkpoint into transformers (from_fused_pretrained, StreamedModel)")
@@ -80,7 +90,9 @@ class StreamedModel:
             self.block = read_config_block(self.reader.config)
             fused = converted_moe_layers(self.reader.names(), self.reader.config)
             if sorted(fused) != sorted(self.block.moe_layers):
-                raise LayoutError(f"{self.path}: MoE layers in tensors {sorted(fused)} != config moe_layers {list(self.block.moe_layers)}")
+                raise LayoutError(
+                    f"{self.path}: MoE layers in tensors {sorted(fused)} != config moe_layers {list(self.block.moe_layers)}"
+                )
         self.plan = plan_tensors(self.model, self.family, self.reader.names(), self.num_layers, fused)
         self._fp32 = _fp32_patterns(self.model)
         self.layers = self.model.get_submodule(self.family.layers_path)
@@ -94,7 +106,9 @@ class StreamedModel:
             raise ValueError("max_memory is for device_map='auto'")
         if device_map == "auto":
             auto = auto_device_map(self.placement_units(), max_memory or default_max_memory())
-            device_map = {"": next(iter(auto.values()))} | auto  # modules holding no checkpoint tensor: the first device
+            device_map = {
+                "": next(iter(auto.values()))
+            } | auto  # modules holding no checkpoint tensor: the first device
         elif isinstance(device_map, str) or (device_map is not None and not isinstance(device_map, Mapping)):
             raise ValueError(f"device_map must be 'auto' or a {{module path: device}} dict, got {device_map!r}")
         self.device_map = DeviceMap(device_map if device_map is not None else {"": self.device})
@@ -155,7 +169,9 @@ class StreamedModel:
             for layer in self.plan.fused_moe_layers:
                 prefix = moe[layer].block_prefix + "."
                 key = f"{layers_path}.{layer}"
-                sizes[key] = sizes.get(key, 0) + sum(i.nbytes for n, i in self.reader.tensors.items() if n.startswith(prefix))
+                sizes[key] = sizes.get(key, 0) + sum(
+                    i.nbytes for n, i in self.reader.tensors.items() if n.startswith(prefix)
+                )
         order = {p: k for k, (p, _) in enumerate(self.model.named_modules())}
         return sorted(sizes.items(), key=lambda kv: order.get(kv[0], len(order)))
 
@@ -164,8 +180,9 @@ class StreamedModel:
         back to the device of its input ids (as accelerate's hooks do)."""
         if len(self.device_map.devices) < 2:
             return
-        units = [p for p, _ in self.placement_units()] + [n for n, m in self.model.named_modules()
-                                                           if getattr(m, "_non_persistent_buffers_set", None)]
+        units = [p for p, _ in self.placement_units()] + [
+            n for n, m in self.model.named_modules() if getattr(m, "_non_persistent_buffers_set", None)
+        ]
         for path in dict.fromkeys(units):
             align_inputs(self.model.get_submodule(path), self.device_of(path, computed_only=True))
 
@@ -212,7 +229,9 @@ class StreamedModel:
             linear = self.model.get_submodule(path)
             s = read_block_scales(self.reader.tensors[scale], device)
             parent, _, leaf = path.rpartition(".")
-            setattr(self.model.get_submodule(parent), leaf, FP8BlockLinear(self.reader.get(src, device), s, linear.bias))
+            setattr(
+                self.model.get_submodule(parent), leaf, FP8BlockLinear(self.reader.get(src, device), s, linear.bias)
+            )
 
     def load_rest(self) -> None:
         """Everything outside the decoder layers (embeddings, final norm, lm_head, vision tower), rotary buffers included."""
@@ -228,8 +247,10 @@ class StreamedModel:
             nonpersistent = getattr(mod, "_non_persistent_buffers_set", ())
             if any(mod._buffers.get(b) is not None and mod._buffers[b].is_meta for b in nonpersistent):
                 path = ".".join(p for p in (root_path, sub) if p)
-                mod.to_empty(device=self.device_of(path, computed_only=not any(True for _ in mod.parameters(False))),
-                             recurse=False)
+                mod.to_empty(
+                    device=self.device_of(path, computed_only=not any(True for _ in mod.parameters(False))),
+                    recurse=False,
+                )
                 # the model class's own _init_weights: DeepseekV4's rotary keeps per-type main_/compress_inv_freq,
                 # which only its override fills (PreTrainedModel's knows the single inv_freq)
                 self.model._init_weights(mod)
@@ -294,7 +315,9 @@ class StreamedModel:
         """The source MoE block of ``layer`` built as ``type(like)`` (for MTP layers, which the model lacks)."""
         if self.kind != "source":
             raise ValueError("source_moe_module needs kind='source'")
-        mtp_index = layer - self.num_layers if self.family.mtp_restarts_layer_index and layer >= self.num_layers else None
+        mtp_index = (
+            layer - self.num_layers if self.family.mtp_restarts_layer_index and layer >= self.num_layers else None
+        )
         with torch.device("meta"):
             mod = _moe_block_like(like, self.text_config, mtp_index)
         mod.eval()
@@ -308,7 +331,9 @@ class StreamedModel:
             names = [n for n in self.reader.names() if self.family.rename(n).startswith(prefix)]
         if not names:
             raise LayoutError(f"{self.path}: no MoE tensors for layer {layer}")
-        strip = replace(self.family, layers_path="\0", renames=renames + ((r"^" + re.escape(prefix), ""),), mtp_moe_prefix=None)
+        strip = replace(
+            self.family, layers_path="\0", renames=renames + ((r"^" + re.escape(prefix), ""),), mtp_moe_prefix=None
+        )
         plan = plan_tensors(mod, strip, names, 0)
         for name in plan.recipes:
             _set_tensor(mod, name, self._make(name, plan))
@@ -341,10 +366,16 @@ def _moe_block_like(like: torch.nn.Module, text_config, index: int | None = None
     return cls(text_config, idx if isinstance(idx, int) else int(text_config.num_hidden_layers) - 1)
 
 
-def from_fused_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                          backend: str | None = None, device_map: Mapping[str, Any] | str | None = None,
-                          max_memory: Mapping[Any, Any] | None = None, keep_fp8: bool = False,
-                          expert_parallel: Any = False):
+def from_fused_pretrained(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+    device_map: Mapping[str, Any] | str | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
+    keep_fp8: bool = False,
+    expert_parallel: Any = False,
+):
     """Build the source architecture's transformers model from a converted checkpoint folder.
 
     Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts
@@ -355,14 +386,25 @@ def from_fused_pretrained(path: str | os.PathLike, device: str | torch.device = 
     this rank's share of every MoE block (:mod:`runtime.expert_parallel`). Returns an eval-mode model
     ready for ``generate()``, with the folder's generation_config.json when it has one.
     """
-    sm = StreamedModel(path, kind="fused", dtype=dtype, device=device, backend=backend, device_map=device_map,
-                       max_memory=max_memory, keep_fp8=keep_fp8, expert_parallel=expert_parallel)
+    sm = StreamedModel(
+        path,
+        kind="fused",
+        dtype=dtype,
+        device=device,
+        backend=backend,
+        device_map=device_map,
+        max_memory=max_memory,
+        keep_fp8=keep_fp8,
+        expert_parallel=expert_parallel,
+    )
     model = sm.load_all()
     _attach_generation_config(model, path)
     return model
 
 
-def from_source_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def from_source_pretrained(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+):
     """The original (unconverted) checkpoint through the same streaming loader (FP8 sources dequantized)."""
     sm = StreamedModel(path, kind="source", dtype=dtype, device=device)
     model = sm.load_all()

@@ -22,7 +22,9 @@ def transformers_classes_for(config: Mapping[str, Any]) -> TransformersClasses:
     try:
         classes = family_for(config).transformers_classes(config)
     except UnsupportedModelError as e:
-        raise LayoutError(f"model_type {config.get('model_type')!r} has no transformers integration: {e.detail}") from None
+        raise LayoutError(
+            f"model_type {config.get('model_type')!r} has no transformers integration: {e.detail}"
+        ) from None
     if classes is None:
         raise LayoutError(f"model_type {config.get('model_type')!r} has no transformers integration")
     return classes
@@ -59,7 +61,9 @@ def _is_scale_companion(name: str, names: set[str]) -> bool:
     return False
 
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
 _PROJ_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -96,11 +100,16 @@ def _module_layer(module_name: str, layers_path: str) -> int | None:
     p = layers_path + "."
     if not module_name.startswith(p):
         return None
-    return int(module_name[len(p):].split(".", 1)[0])
+    return int(module_name[len(p) :].split(".", 1)[0])
 
 
-def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[str], num_layers: int,
-                 fused: Mapping[int, Any] | None = None) -> TensorPlan:
+def plan_tensors(
+    model,
+    family: TransformersClasses,
+    checkpoint_names: Iterable[str],
+    num_layers: int,
+    fused: Mapping[int, Any] | None = None,
+) -> TensorPlan:
     """Map every checkpoint tensor onto ``model``'s state dict, strictly.
 
     ``fused``: for a converted checkpoint, ``{layer: ExpertTensorNames}`` of its fused MoE
@@ -128,7 +137,10 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
     fused_experts = tuple(tn.experts_prefix + "." for tn in fused.values())
 
     # Module tensors stored in parts: a shared MLP's gate_up_proj as gate_proj + up_proj, and the family's own.
-    concats = tuple((c + (0,))[:3] for c in (("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),) + tuple(family.concats))
+    concats = tuple(
+        (c + (0,))[:3]
+        for c in (("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),) + tuple(family.concats)
+    )
     recipes: dict[str, Recipe] = {}
     ignored: list[str] = []
     leftovers: list[str] = []
@@ -152,14 +164,18 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
         if m_name in expected:
             recipes[m_name] = Recipe("copy", [name])
             continue
-        cut, targets = next(((m_name[: -len(src)], t) for src, t in family.splits if m_name.endswith("." + src)), (None, ()))
+        cut, targets = next(
+            ((m_name[: -len(src)], t) for src, t in family.splits if m_name.endswith("." + src)), (None, ())
+        )
         if cut is not None and all(cut + t in expected for t in targets):
             for i, t in enumerate(targets):
                 recipes[cut + t] = Recipe("chunk", [name], index=i, count=len(targets))
             continue
         m = _PER_EXPERT.match(m_name)
         if m:
-            experts.setdefault(m.group("prefix"), {}).setdefault(int(m.group("e")), {})[_PROJ_ROLE[m.group("proj")]] = name
+            experts.setdefault(m.group("prefix"), {}).setdefault(int(m.group("e")), {})[_PROJ_ROLE[m.group("proj")]] = (
+                name
+            )
             continue
         for target, parts, _ in concats:
             part = next((p for p in parts if m_name.endswith("." + p)), None)
@@ -189,17 +205,25 @@ def plan_tensors(model, family: TransformersClasses, checkpoint_names: Iterable[
             recipes[k].rope_heads = _config_value(model.config, heads_path)
 
     if leftovers:
-        raise LayoutError(f"{len(leftovers)} checkpoint tensor(s) fit no module of {type(model).__name__}: "
-                          + ", ".join(leftovers[:6]) + (" ..." if len(leftovers) > 6 else ""))
+        raise LayoutError(
+            f"{len(leftovers)} checkpoint tensor(s) fit no module of {type(model).__name__}: "
+            + ", ".join(leftovers[:6])
+            + (" ..." if len(leftovers) > 6 else "")
+        )
     missing = sorted(expected - set(recipes))
     tied = getattr(model, "_tied_weights_keys", None) or {}
     cfg = getattr(model, "config", None)
-    tie = cfg is not None and bool(getattr(text_config_of(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
+    tie = cfg is not None and bool(
+        getattr(text_config_of(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
+    )
     if tie and isinstance(tied, Mapping):
         missing = [k for k in missing if not (k in tied and tied[k] in recipes)]
     if missing:
-        raise LayoutError(f"{len(missing)} module tensor(s) of {type(model).__name__} have no checkpoint tensor: "
-                          + ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else ""))
+        raise LayoutError(
+            f"{len(missing)} module tensor(s) of {type(model).__name__} have no checkpoint tensor: "
+            + ", ".join(missing[:6])
+            + (" ..." if len(missing) > 6 else "")
+        )
     by_layer: dict[int | None, list[str]] = {}
     for k in recipes:
         by_layer.setdefault(_module_layer(k, family.layers_path), []).append(k)

@@ -19,8 +19,18 @@ import torch
 
 from ...layout import LayoutError
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_memory(value: int | str) -> int:
@@ -39,7 +49,9 @@ def as_device(value: int | str | torch.device) -> torch.device:
     if isinstance(value, int) and not isinstance(value, bool):
         return torch.device("cuda", value)
     if str(value) in ("disk", "meta") or (isinstance(value, torch.device) and value.type == "meta"):
-        raise ValueError(f"device_map value {value!r}: weights must be on a real device (cpu, cuda:N); disk offload is not supported")
+        raise ValueError(
+            f"device_map value {value!r}: weights must be on a real device (cpu, cuda:N); disk offload is not supported"
+        )
     try:
         return torch.device(value)
     except RuntimeError:
@@ -78,8 +90,10 @@ def auto_device_map(units: Iterable[tuple[str, int]], max_memory: Mapping[Any, A
         while i < len(budgets) and used + size > budgets[i][1]:
             i, used = i + 1, 0
         if i == len(budgets):
-            raise ValueError(f"{path} ({size / 2**30:.2f} GiB) fits in none of max_memory's devices "
-                             f"({', '.join(f'{d}: {b / 2**30:.2f} GiB' for d, b in budgets)})")
+            raise ValueError(
+                f"{path} ({size / 2**30:.2f} GiB) fits in none of max_memory's devices "
+                f"({', '.join(f'{d}: {b / 2**30:.2f} GiB' for d, b in budgets)})"
+            )
         out[path] = budgets[i][0]
         used += size
     return out

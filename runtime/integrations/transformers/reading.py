@@ -40,7 +40,11 @@ class ShardReader(ModelFolder):
 
     def is_float(self, name: str) -> bool:
         """Whether ``name`` holds floating-point data (any quantized weight format included), from its headers alone."""
-        return name in self.combined_weights or self.dtype(name).startswith(("F", "BF")) or recognise(self.tensors, name) is not None
+        return (
+            name in self.combined_weights
+            or self.dtype(name).startswith(("F", "BF"))
+            or recognise(self.tensors, name) is not None
+        )
 
     def e8m0_bytes(self, name: str) -> torch.Tensor:
         """An ``F8_E8M0`` tensor's raw bytes as uint8 (torch's loader does not take that dtype)."""

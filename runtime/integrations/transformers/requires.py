@@ -15,6 +15,8 @@ def import_transformers(what: str):
     try:
         import transformers
     except ImportError:
-        raise ImportError(f"{what} needs transformers, which is not installed: {TRANSFORMERS_EXTRA} "
-                          "(from a checkout: pip install -e '.[verify]')") from None
+        raise ImportError(
+            f"{what} needs transformers, which is not installed: {TRANSFORMERS_EXTRA} "
+            "(from a checkout: pip install -e '.[verify]')"
+        ) from None
     return transformers
