@@ -224,6 +224,15 @@ def test_wrapper_of_a_refused_family_is_refused_with_its_reason(src, tmp_path):
     )
 
 
+@pytest.mark.parametrize("model_type", [[], {"a": 1}, 3])
+def test_a_wrapper_whose_model_type_is_not_a_string_is_refused_in_one_line(src, tmp_path, model_type):
+    """Found by the config fuzzer: a list as the outer model_type of a config with a text_config crashed the wrapper
+    lookup (an unhashable registry key) instead of being refused, naming the field."""
+    text = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({"model_type": model_type, "text_config": text}))
+    assert_refused(*run_convert(src, tmp_path / "out"), tmp_path / "out", "model_type")
+
+
 def test_wrapper_of_a_fused_family_is_described_as_that_family(src):
     text = json.loads((src / "config.json").read_text())
     arch = describe_model({"model_type": "some_future_vl", "text_config": text, "vision_config": {"depth": 1}})

@@ -283,9 +283,9 @@ def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[
 def wrapped_text_family(config: Mapping) -> type[Family] | None:
     """The family of a wrapper's text model: the config's own ``model_type`` is no family's, and its ``text_config``
     names one (a vision or audio model around a known language model). None otherwise."""
-    text = config.get("text_config")
-    if not isinstance(text, Mapping) or config.get("model_type") is None or config.get("model_type") in REGISTRY:
-        return None
+    text, outer = config.get("text_config"), config.get("model_type")
+    if not isinstance(text, Mapping) or not isinstance(outer, str) or outer in REGISTRY:
+        return None  # a model_type that is not a string is family_for's to refuse, naming the field
     inner = text.get("model_type")
     return REGISTRY.get(inner) if isinstance(inner, str) else None
 

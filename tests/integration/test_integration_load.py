@@ -142,8 +142,13 @@ def test_minimax_vl_release_names_map_to_transformers_modules():
     assert transformers_classes_for({"model_type": "kimi_k2"}) == transformers_classes_for(
         {"model_type": "deepseek_v3"}
     )
-    for model_type in supported_model_types():  # every supported family runs in transformers
-        assert transformers_classes_for({"model_type": model_type}).classes()
+    from transformers import CONFIG_MAPPING
+
+    for model_type in supported_model_types():  # every supported family runs in transformers, where it has one
+        try:
+            assert transformers_classes_for({"model_type": model_type}).classes()
+        except LayoutError as e:  # converter only (DeepSeek-V4.1): only where transformers has no such model
+            assert model_type not in CONFIG_MAPPING and "no transformers integration" in str(e), (model_type, e)
     with pytest.raises(LayoutError, match="no transformers integration"):
         transformers_classes_for({"model_type": "llama"})
 

@@ -363,7 +363,7 @@ def test_verify_extra_is_declared():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert "transformers>=5.22" in extras["verify"] and "transformers>=5.22" in extras["test"]
+    assert "transformers>=5.25" in extras["verify"] and "transformers>=5.25" in extras["test"]
     assert not any(d.startswith("transformers") for d in project["dependencies"])
 
 
