@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import signal
 import sys
 from pathlib import Path
@@ -14,22 +13,10 @@ try:  # torch loads here, for seconds: a Ctrl-C meanwhile ends in one line, not 
     from .errors import ConversionError, FuseSharedError
     from .plan import DEFAULT_MAX_SHARD_SIZE, ConvertOptions
     from .report import describe_plan
+    from runtime.sizes import parse_size as parse_byte_size
 except KeyboardInterrupt:
     sys.stderr.write("error: interrupted\n")
     raise SystemExit(130) from None
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 # --max-shard-size bounds. Below one file-system page a shard costs more in header and inode than it
@@ -41,11 +28,11 @@ MAX_SHARD_SIZE = 50 * 10**9
 
 
 def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000 (SI, as huggingface_hub), '512MiB' -> binary units."""
-    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,9})?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size like 5GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    """'5GB' -> 5_000_000_000 (SI, as huggingface_hub), '512MiB' -> binary units (:func:`runtime.sizes.parse_size`)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _shard_size(ctx, param, value: str) -> int:

@@ -12,35 +12,22 @@ module only resolves names and moves each placed module's tensor inputs to its d
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ...layout import LayoutError
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+from ...sizes import parse_size
 
 
 def parse_memory(value: int | str) -> int:
     """``max_memory`` values as accelerate takes them: bytes, or ``"70GiB"`` / ``"80GB"``."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(value), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"max_memory value {value!r} is not a size like 70GiB or 80GB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    try:
+        return parse_size(str(value))
+    except ValueError:
+        raise ValueError(f"max_memory value {value!r} is not a size like 70GiB or 80GB") from None
 
 
 def as_device(value: int | str | torch.device) -> torch.device:
