@@ -206,6 +206,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         source_quantization=source_quantization,
         modules_to_not_convert=modules,
         notes=parts.notes,
+        routed_bytes=parts.routed_bytes,
     )
 
 

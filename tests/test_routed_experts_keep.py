@@ -1,0 +1,114 @@
+"""``convert --routed-experts keep`` (issue 23): four-bit routed experts (DeepSeek-V4's MXFP4, Kimi-K2.6's INT4) stay as
+released, byte for byte, beside FP8 shared slots made exactly as the FP8 conversion makes them; refused clearly where
+nothing four-bit is there to keep; inspect and --dry-run show both output sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fuse_tool.cli import main
+from fuse_tool.convert import convert_checkpoint, plan_conversion
+from fuse_tool.errors import ConversionError
+from fuse_tool.plan import ConvertOptions
+from kimi_k25_checkpoint import build_float, build_int4
+from runtime.safetensors_io import read_bytes, read_header
+from v4_checkpoint import E as V4_E
+from v4_checkpoint import build_v4_checkpoint
+
+KEEP = ConvertOptions(routed_experts="keep")
+
+
+def headers(folder) -> dict:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        out.update(read_header(folder / fname)[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4keep")
+    src = build_v4_checkpoint(root / "src", "flash")
+    kept = convert_checkpoint(src, root / "keep", KEEP, progress=False)
+    fp8 = convert_checkpoint(src, root / "fp8", progress=False)
+    return src, root / "keep", kept, root / "fp8", fp8
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k26keep")
+    build_int4(root / "src")
+    kept = convert_checkpoint(root / "src", root / "keep", KEEP, progress=False)
+    fp8 = convert_checkpoint(root / "src", root / "fp8", progress=False)
+    return root / "src", root / "keep", kept, root / "fp8", fp8
+
+
+def _check_kept(src_dir, keep_dir, fp8_dir, routed_suffixes, E):
+    """Every routed expert tensor of the source is in the output under its own name, same dtype, shape and bytes; every
+    other tensor of the kept output is the FP8 conversion's own (same name, dtype, shape and bytes)."""
+    src, keep, fp8 = headers(src_dir), headers(keep_dir), headers(fp8_dir)
+    routed = [n for n in src if ".experts." in n and n.endswith(routed_suffixes)]
+    assert len(routed) >= 3 * 2 * E
+    for n in routed:
+        assert (keep[n].dtype, keep[n].shape) == (src[n].dtype, src[n].shape), n
+        assert bytes(read_bytes(keep[n])) == bytes(read_bytes(src[n])), n
+    rest = [n for n in keep if n not in routed]
+    assert any(f".experts.{E}." in n for n in rest), "the shared slots are there"
+    for n in rest:
+        assert (keep[n].dtype, keep[n].shape) == (fp8[n].dtype, fp8[n].shape), n
+        assert bytes(read_bytes(keep[n])) == bytes(read_bytes(fp8[n])), n
+    assert set(keep) == set(rest) | set(routed)
+    assert not [n for n in fp8 if n not in keep and not (".experts." in n and int(n.split(".experts.")[1].split(".")[0]) < E)]
+
+
+def test_v4_mxfp4_experts_kept_byte_for_byte(v4):
+    src, keep_dir, kept, fp8_dir, fp8 = v4
+    _check_kept(src, keep_dir, fp8_dir, (".weight", ".scale"), V4_E)
+    sizes = kept.plan.output_sizes()
+    assert sizes == {"keep": kept.plan.total_size, "fp8": fp8.plan.total_size}
+    assert all(lp.routed_kept for lp in kept.plan.layers)
+    manifest = json.loads((keep_dir / "fuse_shared_manifest.json").read_text())
+    assert manifest["options"]["routed_experts"] == "keep"
+
+
+def test_kimi_int4_experts_kept_byte_for_byte(kimi):
+    src, keep_dir, kept, fp8_dir, fp8 = kimi
+    _check_kept(src, keep_dir, fp8_dir, (".weight_packed", ".weight_scale", ".weight_shape"), 6)
+    assert kept.plan.output_sizes() == {"keep": kept.plan.total_size, "fp8": fp8.plan.total_size}
+    assert kept.plan.converted_weights() == {}, "nothing routed is requantized"
+
+
+def test_dry_run_and_inspect_show_both_sizes(v4, tmp_path):
+    src, _, kept, _, fp8 = v4
+    for args in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "o"), "--dry-run"]):
+        for choice, plan in (("fp8", fp8.plan), ("keep", kept.plan)):
+            r = CliRunner().invoke(main, args + ["--routed-experts", choice])
+            assert r.exit_code == 0, r.output
+            line = next(x for x in r.output.splitlines() if x.startswith("routed experts"))
+            assert f"--routed-experts {choice}, this plan" in line
+            assert "as FP8 (--routed-experts fp8" in line and "kept as released (--routed-experts keep" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_refused_without_four_bit_experts(tmp_path):
+    build_float(tmp_path / "bf16")
+    with pytest.raises(ConversionError, match=r"--routed-experts keep keeps four-bit routed experts .* are BF16") as e:
+        plan_conversion(tmp_path / "bf16", KEEP)
+    assert "experts.0.gate_proj.weight" in str(e.value) and "\n" not in str(e.value)
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "bf16"), str(tmp_path / "out"), "--routed-experts", "keep"])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_refused_with_precision_source(tmp_path):
+    with pytest.raises(ConversionError, match="--precision source writes no FP8"):
+        ConvertOptions(precision="source", routed_experts="keep")
+    build_float(tmp_path / "bf16")
+    r = CliRunner().invoke(
+        main, ["inspect", str(tmp_path / "bf16"), "--precision", "source", "--routed-experts", "keep"]
+    )
+    assert r.exit_code == 1 and "--routed-experts keep" in r.output and len(r.output.strip().splitlines()) == 1
