@@ -14,6 +14,8 @@ from fuse_tool.convert import convert_checkpoint, plan_conversion
 from fuse_tool.errors import ConversionError
 from fuse_tool.plan import ConvertOptions
 from kimi_k25_checkpoint import build_float, build_int4
+from runtime import layout
+from runtime.layout import FusedSharedExperts, LayoutError, converted_moe_layers, read_config_block
 from runtime.safetensors_io import read_bytes, read_header
 from v4_checkpoint import E as V4_E
 from v4_checkpoint import build_v4_checkpoint
@@ -62,7 +64,9 @@ def _check_kept(src_dir, keep_dir, fp8_dir, routed_suffixes, E):
         assert (keep[n].dtype, keep[n].shape) == (fp8[n].dtype, fp8[n].shape), n
         assert bytes(read_bytes(keep[n])) == bytes(read_bytes(fp8[n])), n
     assert set(keep) == set(rest) | set(routed)
-    assert not [n for n in fp8 if n not in keep and not (".experts." in n and int(n.split(".experts.")[1].split(".")[0]) < E)]
+    assert not [
+        n for n in fp8 if n not in keep and not (".experts." in n and int(n.split(".experts.")[1].split(".")[0]) < E)
+    ]
 
 
 def test_v4_mxfp4_experts_kept_byte_for_byte(v4):
@@ -112,3 +116,47 @@ def test_refused_with_precision_source(tmp_path):
         main, ["inspect", str(tmp_path / "bf16"), "--precision", "source", "--routed-experts", "keep"]
     )
     assert r.exit_code == 1 and "--routed-experts keep" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the layout says so (version 3)
+
+
+def _config(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("which,fmt", [("v4", "mxfp4"), ("kimi", "int4")])
+def test_kept_block_is_version_3_with_its_routed_format(which, fmt, request):
+    _, keep_dir, kept, fp8_dir, _ = request.getfixturevalue(which)
+    block = read_config_block(_config(keep_dir))
+    assert (block.version, block.routed_format, block.routed_group_size) == (3, fmt, 32)
+    assert block.weight_block_size == (128, 128)
+    E = block.num_routed_experts
+    assert [block.slot_format(e) for e in (0, E - 1, E)] == [fmt, fmt, "fp8"]
+    assert read_config_block(_config(fp8_dir)).version < 3 and read_config_block(_config(fp8_dir)).routed_format is None
+    layers = converted_moe_layers(headers(keep_dir), _config(keep_dir))
+    assert sorted(layers) == sorted(block.moe_layers)
+
+
+def test_a_version_2_reader_refuses_the_kept_block_in_one_line(v4, monkeypatch):
+    """The reader's own path with the versions a LAYOUT v2 reader knew: the block is refused by its number."""
+    config = _config(v4[1])
+    monkeypatch.setattr(layout, "LAYOUT_VERSIONS", (1, 2))
+    with pytest.raises(LayoutError) as e:
+        read_config_block(config)
+    assert str(e.value) == "fused_shared_experts version 3 is not supported (this reader knows 1, 2)"
+
+
+def test_version_3_fields_are_checked(v4):
+    d = read_config_block(_config(v4[1])).to_dict()
+    assert list(d)[-3:] == ["routed_format", "routed_group_size", "source"]
+    for change, message in (
+        ({"version": 2}, "routed_format is a LAYOUT version 3 field, but the block says version 2"),
+        ({"routed_format": "nvfp4"}, "routed_format"),
+        ({"routed_group_size": 64}, "MXFP4 has 32 inputs per scale"),
+        ({"weight_block_size": None}, r"four-bit routed slots are FP8 \[128, 128\] blocks"),
+        ({"routed_format": "int4", "routed_group_size": 48}, "a multiple of 32"),
+    ):
+        with pytest.raises(LayoutError, match=message):
+            FusedSharedExperts.from_dict(d | change)
+    assert FusedSharedExperts.from_dict(d).to_dict() == d
