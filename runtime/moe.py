@@ -23,12 +23,14 @@ import torch
 from ._backend import resolve_backend
 from .checkpoint import ModelFolder
 from .families import router_tensor_names
+from .formats import FormatError, stored_weight
 from .formats.fp8_block import read_block_scales
 from .fp8 import FP8_DTYPE
 from .int4 import dequantize_int4
 from .mxfp4 import dequantize_mxfp4
 from .layout import ACTIVATIONS, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
 from .routing import RoutingConfig, check_hash_table, route
+from .safetensors_io import bytes_to_tensor, read_bytes
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -356,7 +358,7 @@ class _Checkpoint(ModelFolder):
         """A block scale as float32: float32 ``_scale_inv`` as stored, E8M0 bytes as ``2^(b-127)`` (DeepSeek-V4)."""
         return read_block_scales(self._info(name), device)
 
-    def experts(self, layer: int, device) -> ExpertWeights:
+    def experts(self, layer: int, device) -> "ExpertWeights | MixedExpertWeights":
         names = self.names(layer)
         NE = self.block.num_expert_slots
         has = self.__contains__
@@ -374,22 +376,70 @@ class _Checkpoint(ModelFolder):
             if w13.shape[0] != NE:
                 raise LayoutError(f"{up_side[0]}: {w13.shape[0]} experts, config says E+S = {NE}")
         else:
-            per = [names.per_expert(e) for e in range(NE)]
-            w13 = torch.stack([torch.cat([self.get(g, device), self.get(u, device)], 0) for g, u, _ in per])
-            w2 = torch.stack([self.get(d, device) for _, _, d in per])
-            s13 = s2 = None
-            if has(scale_name(per[0][0])):
-                s13 = torch.stack(
-                    [
-                        torch.cat([self.scale(scale_name(g), device), self.scale(scale_name(u), device)], 0)
-                        for g, u, _ in per
-                    ]
-                )
-                s2 = torch.stack([self.scale(scale_name(d), device) for _, _, d in per])
+            if self.block.routed_format:
+                return self._mixed_experts(layer, names, device)
+            w13, w2, s13, s2 = self._per_expert_slots(names, range(NE), device)
         alpha, beta, limit = (
             self.get(n, device) for n in names.gemm1_params()
         )  # per slot, as the converter wrote them
         return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit, self.block.activation)
+
+    def _per_expert_slots(self, names, slots, device):
+        """Slots ``slots`` of a per-expert layer: gate_up ``[n, 2I, H]``, down ``[n, H, I]`` and their block scales (or
+        None without FP8)."""
+        per = [names.per_expert(e) for e in slots]
+        w13 = torch.stack([torch.cat([self.get(g, device), self.get(u, device)], 0) for g, u, _ in per])
+        w2 = torch.stack([self.get(d, device) for _, _, d in per])
+        s13 = s2 = None
+        if names.scale(per[0][0]) in self:
+            s13 = torch.stack(
+                [
+                    torch.cat([self.scale(names.scale(g), device), self.scale(names.scale(u), device)], 0)
+                    for g, u, _ in per
+                ]
+            )
+            s2 = torch.stack([self.scale(names.scale(d), device) for _, _, d in per])
+        return w13, w2, s13, s2
+
+    def _four_bit(self, name: str, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed weight ``name`` (``X.weight``, logically ``shape``) as stored in the block's ``routed_format``, checked
+        by its ``runtime.formats`` module: (codes: uint8 MXFP4 bytes or int32 INT4 words, scales: E8M0 bytes or
+        float)."""
+        block = self.block
+        try:
+            stored = stored_weight(self.tensors, name, group=block.routed_group_size, expect=shape)
+        except FormatError as e:
+            raise LayoutError(f"{self.path}: {e.tensor}: {e.message}") from None
+        if stored.format.name != block.routed_format:
+            raise LayoutError(
+                f"{self.path}: {name} is stored as {stored.format.name}, but the block's routed_format is "
+                f"{block.routed_format!r}"
+            )
+        raw = lambda info: bytes_to_tensor(read_bytes(info), "U8", info.shape).to(device)  # noqa: E731
+        if block.routed_format == "mxfp4":
+            return raw(stored.data), raw(stored.scale)
+        return self.get(stored.data.name, device), self.get(stored.scale.name, device)
+
+    def _mixed_experts(self, layer: int, names, device) -> "MixedExpertWeights":
+        """A LAYOUT v3 layer: routed slots in the block's ``routed_format`` (read as stored), shared slots FP8."""
+        E, NE = self.block.num_routed_experts, self.block.num_expert_slots
+        w13, w2, s13, s2 = self._per_expert_slots(names, range(E, NE), device)
+        if s13 is None:
+            raise LayoutError(f"{self.path}: layer {layer}'s shared slots have no FP8 block scales (routed_format set)")
+        H, I = w13.shape[2], self.block.expert_intermediate_size  # noqa: E741
+        shapes = ((I, H), (I, H), (H, I))  # gate, up, down
+        per = [[self._four_bit(n, sh, device) for n, sh in zip(names.per_expert(e), shapes)] for e in range(E)]
+        routed = FourBitExperts(
+            self.block.routed_format,
+            torch.stack([torch.cat([g[0], u[0]]) for g, u, _ in per]),
+            torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in per]),
+            torch.stack([d[0] for _, _, d in per]),
+            torch.stack([d[1] for _, _, d in per]),
+            self.block.routed_group_size,
+        )
+        alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())
+        shared = ExpertWeights(w13, w2, s13, s2, activation=self.block.activation)
+        return MixedExpertWeights(routed, shared, alpha, beta, limit, self.block.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's names."""

@@ -29,7 +29,7 @@ no dequantized copy of any expert exists in memory:
 
 The activations are the FP8 path's (1x128 groups), so a routed slot's result is the reference's
 (:func:`runtime.moe_reference.fused_moe_reference` on the exact four-bit values) up to float32 summation order, and
-exactly that wherever MXFP4's rule holds. Shapes: H and I multiples of 128.
+exactly that wherever MXFP4's rule holds. Shapes: H and I multiples of 32.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ def _pow2_of_e8m0(b):
 
 
 @triton.jit
-def _mxfp4_tile(w_ptrs, s_ptrs, mask, BN: tl.constexpr, INTERP: tl.constexpr):
+def _mxfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, INTERP: tl.constexpr):
     """One ``[BN, 128]`` MXFP4 tile as e4m3 and its per-row scale ``[BN]``: ``w_ptrs`` ``[BN, 64]`` packed bytes,
     ``s_ptrs`` ``[BN, 4]`` E8M0 group scales. Code ``c`` (sign bit 3, exponent bits 1-2, mantissa bit 0) is
     ``e2m1(c) * 2^(g - gmax)``, built as float32 bits and cast once."""
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    g = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)  # [BN, 4]
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+    g = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)  # [BN, 4]
     gmax = tl.max(g, axis=1)
     codes = tl.join(packed & 15, packed >> 4)  # [BN, 64, 2]: input 2k (low nibble), 2k + 1
     exp = (codes >> 1) & 3
@@ -196,27 +196,30 @@ def _mixed_gemm_kernel(
         if FMT == 0:
             for kb in range(0, tl.cdiv(K, 128)):
                 offs_k = kb * 128 + tl.arange(0, 128)
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
                 a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
                 wk = kb * 64 + tl.arange(0, 64)[None, :]
                 gk = kb * 4 + tl.arange(0, 4)[None, :]
-                b, b_s = _mxfp4_tile(rg + wk, sg + gk, n_mask[:, None], BN, INTERP)
+                # past K (a last block of 32 or 64 inputs): codes 0 and scales 0, which add nothing
+                wmask, smask = n_mask[:, None] & (2 * wk < K), n_mask[:, None] & (32 * gk < K)
+                b, b_s = _mxfp4_tile(rg + wk, sg + gk, wmask, smask, BN, INTERP)
                 acc_g = _dot_scaled(acc_g, a, b, a_s, b_s, SWAP)
                 if GATED:
-                    b, b_s = _mxfp4_tile(ru + wk, su + gk, n_mask[:, None], BN, INTERP)
+                    b, b_s = _mxfp4_tile(ru + wk, su + gk, wmask, smask, BN, INTERP)
                     acc_u = _dot_scaled(acc_u, a, b, a_s, b_s, SWAP)
         else:
             for ks in range(0, tl.cdiv(K, KSTEP)):
                 offs_k = ks * KSTEP + tl.arange(0, KSTEP)
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
                 a_s = tl.load(a_scale_ptr + a_row * stride_asm + (ks * KSTEP) // 128, mask=m_mask, other=0.0)
                 wk = ks * (KSTEP // 8) + tl.arange(0, KSTEP // 8)[None, :]
                 gk = (ks * KSTEP) // GROUP
-                b = _int4_tile(rg + wk, n_mask[:, None], BN, KSTEP, INTERP)
+                wmask = n_mask[:, None] & (8 * wk < K)  # past K: activations 0, whatever the codes
+                b = _int4_tile(rg + wk, wmask, BN, KSTEP, INTERP)
                 b_s = tl.load(sg + gk, mask=n_mask[:, None], other=0.0).to(tl.float32)
                 acc_g = _dot_scaled(acc_g, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
                 if GATED:
-                    b = _int4_tile(ru + wk, n_mask[:, None], BN, KSTEP, INTERP)
+                    b = _int4_tile(ru + wk, wmask, BN, KSTEP, INTERP)
                     b_s = tl.load(su + gk, mask=n_mask[:, None], other=0.0).to(tl.float32)
                     acc_u = _dot_scaled(acc_u, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
     else:
@@ -227,13 +230,14 @@ def _mixed_gemm_kernel(
         su = s_scale_ptr + j * stride_sse + (up_scale_row + offs_n // 128) * stride_ssn
         for kb in range(0, tl.cdiv(K, 128)):
             offs_k = kb * 128 + tl.arange(0, 128)
-            a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            k_mask = (offs_k < K)[None, :]
+            a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
             a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
-            b = tl.load(bg + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            b = tl.load(bg + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
             b_s = tl.load(sg + kb, mask=n_mask, other=0.0)
             acc_g = _dot_scaled(acc_g, a, b, a_s, b_s, SWAP)
             if GATED:
-                b = tl.load(bu + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                b = tl.load(bu + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
                 b_s = tl.load(su + kb, mask=n_mask, other=0.0)
                 acc_u = _dot_scaled(acc_u, a, b, a_s, b_s, SWAP)
     if SWAP:
@@ -273,13 +277,13 @@ def mixed_tile_config(num_tokens: int, slots_per_token: int, num_slots: int, ove
 def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
     """Triton fused MoE over :class:`runtime.moe.MixedExpertWeights`: the same arguments, result and errors as
     :func:`runtime.moe.fused_moe` (which checks shapes before calling this); ``tile_config`` overrides
-    :func:`mixed_tile_config`. Raises ``ValueError`` when H or I is not a multiple of 128."""
+    :func:`mixed_tile_config`. Raises ``ValueError`` when H or I is not a multiple of 32."""
     T, H = x.shape
     KS = ids.shape[1]
     routed, shared = experts.routed, experts.shared
     I, E, NE = experts.intermediate_size, experts.num_routed_experts, experts.num_expert_slots  # noqa: E741
-    if H % 128 or I % 128:
-        raise ValueError(f"mixed slots need H and I multiples of 128, got H {H}, I {I}")
+    if H % 32 or I % 32:
+        raise ValueError(f"mixed slots need H and I multiples of 32, got H {H}, I {I}")
     if out is None:
         out = _alloc((T, H), x.dtype, x)
     elif out.shape != (T, H) or out.dtype != x.dtype or not out.is_contiguous():
@@ -301,7 +305,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         sorted_ids, expert_ids, bound, num_pid_m = _align(launch, ids_c, num_valid_tokens, numel, KS, NE, BM)
     xq, xs = _quantize_rows(launch, x, T, H, x.stride(0), x.stride(1))
     h = _alloc((numel, I), FP8_DTYPE, x)
-    h_s = _alloc((numel, I // 128), torch.float32, x)
+    h_s = _alloc((numel, triton.cdiv(I, 128)), torch.float32, x)
     c = _alloc((1, numel, H), torch.float32, x)
     act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     common = dict(
@@ -354,7 +358,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             E,
             NE,
             I if gated else 0,
-            I // 128 if gated else 0,
+            triton.cdiv(I, 128) if gated else 0,
             a.stride(0),
             a_s.stride(0),
             r.stride(0),

@@ -5,8 +5,14 @@ nothing four-bit is there to keep; inspect and --dry-run show both output sizes.
 from __future__ import annotations
 
 import json
+import os
 
-import pytest
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton: kernels run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from click.testing import CliRunner
 
 from fuse_tool.cli import main
@@ -160,3 +166,81 @@ def test_version_3_fields_are_checked(v4):
         with pytest.raises(LayoutError, match=message):
             FusedSharedExperts.from_dict(d | change)
     assert FusedSharedExperts.from_dict(d).to_dict() == d
+
+
+# ----------------------------------------------------------------------------- loading and checking (step 4)
+
+
+@pytest.fixture(scope="module")
+def kimi_exact(tmp_path_factory):
+    """A Kimi-K2.6-layout source, its routed experts' exact INT4 values, and its --routed-experts keep conversion."""
+    root = tmp_path_factory.mktemp("k26exact")
+    _, exact = build_int4(root / "src")
+    convert_checkpoint(root / "src", root / "keep", KEEP, progress=False)
+    return root / "src", exact, root / "keep"
+
+
+def test_from_checkpoint_loads_the_release_values(kimi_exact):
+    """FusedSharedMoE.from_checkpoint on a v3 folder: routed slots four-bit as stored (their exact values are the
+    release's), shared slots FP8; the Triton kernel (the interpreter here) and the reference agree on it."""
+    from runtime import FusedSharedMoE
+    from runtime.moe import MixedExpertWeights
+
+    _, exact, keep = kimi_exact
+    for L in (1, 2):
+        moe = FusedSharedMoE.from_checkpoint(keep, L)
+        ew = moe.experts
+        assert isinstance(ew, MixedExpertWeights) and ew.routed.format == "int4" and ew.shared.is_fp8
+        blk = f"language_model.model.layers.{L}.mlp.experts"
+        for e in range(ew.num_routed_experts):
+            w13, w2 = ew.routed.dequantized(e)
+            want = [exact[f"{blk}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
+            assert torch.equal(w13, torch.cat(want[:2])) and torch.equal(w2, want[2])
+        x = torch.randn(5, ew.hidden_size, generator=torch.Generator().manual_seed(L))
+        moe.backend = "torch"
+        ref = moe(x)
+        moe.backend = "triton"
+        assert float((moe(x) - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_from_fused_pretrained_runs_the_kept_model(v4):
+    """The whole model from a v3 folder: every MoE block a FusedSharedMoE over mixed slots; its logits agree with the
+    FP8 conversion's within FP8 rounding (the tiny release's MXFP4 experts mostly convert exactly)."""
+    from runtime.integrations.transformers import from_fused_pretrained
+    from runtime.moe import FusedSharedMoE, MixedExpertWeights
+
+    _, keep_dir, _, fp8_dir, _ = v4
+    kept = from_fused_pretrained(keep_dir, dtype=torch.float32)
+    fp8 = from_fused_pretrained(fp8_dir, dtype=torch.float32)
+    blocks = [m.mlp for m in kept.model.layers if isinstance(m.mlp, FusedSharedMoE)]
+    assert blocks and all(isinstance(b.experts, MixedExpertWeights) for b in blocks)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = kept(input_ids=ids, use_cache=False).logits, fp8(input_ids=ids, use_cache=False).logits
+    assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("which", ["v4", "kimi"])
+def test_verify_checksums_and_against_show_the_routed_experts_exact(which, request):
+    from fuse_tool.verify.numerics import format_result, verify_against
+
+    src, keep_dir, *_ = request.getfixturevalue(which)
+    r = CliRunner().invoke(main, ["verify", str(keep_dir), "--checksums"])
+    assert r.exit_code == 0 and "matches the manifest" in r.output, r.output
+    res = verify_against(keep_dir, src)
+    same, total = res.routed_tensors_same
+    assert res.passed and same == total > 0, format_result(res)
+    assert f"{total:,} of {total:,} tensors byte for byte the source's (exact)" in format_result(res)
+
+
+def test_verify_refuses_a_routed_weight_in_the_wrong_format(v4, tmp_path):
+    """A v3 folder whose block says int4 while the routed experts are MXFP4: verify names the first weight."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(v4[1], bad)
+    cfg = _config(bad)
+    cfg["fused_shared_experts"]["routed_format"] = "int4"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["verify", str(bad)])
+    assert r.exit_code == 1 and "routed_format is 'int4'" in r.output and "experts.0.w1.weight" in r.output, r.output

@@ -116,7 +116,9 @@ def test_shapes_and_formats_are_checked():
 
 
 CASES = [
-    # format, E, S, T, KS, span, valid tokens, tiles
+    # format, E, S, T, KS, span, valid tokens, tiles[, H, I]
+    ("mxfp4", 4, 1, 6, 3, 4, None, None, 192, 96),  # H and I not multiples of 128: partial K blocks and h groups
+    ("int4", 4, 1, 5, 3, 0, None, dict(swap_ab=False), 160, 96),
     ("mxfp4", 4, 1, 1, 3, 4, None, None),  # one token: no alignment, each pair its own M block
     ("mxfp4", 6, 1, 9, 3, 8, None, None),  # the rule's edge (span 2^8): still exact
     ("mxfp4", 5, 2, 7, 4, 4, 5, dict(swap_ab=False)),  # two shared slots, padding rows, unswapped MMA
@@ -129,15 +131,15 @@ CASES = [
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-E{c[1]}S{c[2]}T{c[3]}KS{c[4]}")
 def test_triton_matches_reference(case):
-    fmt, E, S, T, KS, span, nv, tiles = case
+    fmt, E, S, T, KS, span, nv, tiles, H, I = case if len(case) == 10 else (*case, 256, 128)  # noqa: E741
     g = torch.Generator().manual_seed(E * 100 + T)
-    ew = random_mixed_experts(E, S, 256, 128, fmt, gen=g, span=span, oai=T % 2 == 0)
-    x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
+    ew = random_mixed_experts(E, S, H, I, fmt, gen=g, span=span, oai=T % 2 == 0)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids = torch.cat([random_ids(T, KS - S, E, gen=g), torch.arange(E, E + S, dtype=torch.int32).expand(T, S)], 1)
     w = torch.cat([torch.rand(T, KS - S, generator=g), torch.ones(T, S)], 1)
     num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
     ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
-    out = torch.full((T, 256), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
     fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=tiles, out=out)
     assert not torch.isnan(out).any()
     if nv is not None:
