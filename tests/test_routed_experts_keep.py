@@ -244,3 +244,12 @@ def test_verify_refuses_a_routed_weight_in_the_wrong_format(v4, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     r = CliRunner().invoke(main, ["verify", str(bad)])
     assert r.exit_code == 1 and "routed_format is 'int4'" in r.output and "experts.0.w1.weight" in r.output, r.output
+
+
+def test_model_card_says_the_routed_experts_are_kept(kimi):
+    from fuse_tool.hub.model_card import render_model_card
+    from fuse_tool.verify.integrity import check_output
+
+    card = render_model_card(check_output(kimi[1]), repo_id="alice/Kimi-K2.6-kept")
+    assert "the release's INT4 for the 6 routed experts (byte for byte" in card
+    assert '"routed_format": "int4"' in card and "| routed_experts | keep |" in card
