@@ -35,6 +35,21 @@ from .safetensors_io import bytes_to_tensor, read_bytes
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _set_slot_params(experts, num_slots: int, device) -> None:
+    """``experts``' ``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit`` as contiguous float32 ``[num_slots]`` on
+    ``device``; None becomes plain SwiGLU's value (1, 0, +inf)."""
+    for name, value in {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}.items():
+        t = getattr(experts, name)
+        t = (
+            torch.full((num_slots,), value, dtype=torch.float32, device=device)
+            if t is None
+            else t.to(device=device, dtype=torch.float32).reshape(-1)
+        )
+        if t.numel() != num_slots:
+            raise ValueError(f"{name} must have {num_slots} entries, got {t.numel()}")
+        setattr(experts, name, t.contiguous())
+
+
 @dataclass
 class ExpertWeights:
     """The E+S experts of one MoE layer, gate and up stacked.
@@ -90,17 +105,7 @@ class ExpertWeights:
                 )
             self.gate_up_scale = self.down_scale = None
         dev = self.gate_up.device
-        defaults = {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}
-        for name, value in defaults.items():
-            t = getattr(self, name)
-            t = (
-                torch.full((NE,), value, dtype=torch.float32, device=dev)
-                if t is None
-                else t.to(device=dev, dtype=torch.float32).reshape(-1)
-            )
-            if t.numel() != NE:
-                raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
-            setattr(self, name, t.contiguous())
+        _set_slot_params(self, NE, dev)
 
     @property
     def num_expert_slots(self) -> int:
@@ -275,12 +280,7 @@ class MixedExpertWeights:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         NE, dev = self.num_expert_slots, r.gate_up.device
-        for name, value in {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}.items():
-            t = getattr(self, name)
-            t = torch.full((NE,), value, device=dev) if t is None else t.to(device=dev, dtype=torch.float32).reshape(-1)
-            if t.numel() != NE:
-                raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
-            setattr(self, name, t.contiguous())
+        _set_slot_params(self, NE, dev)
         E = r.num_experts
         self.shared = replace(
             s,
