@@ -31,7 +31,6 @@ from common import copy_bandwidth, graph_time_us, random_fp8_experts, versions  
 from rt_helpers import random_four_bit_experts  # noqa: E402
 from runtime import ExpertWeights, RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.fp8 import quantize_block_fp8  # noqa: E402
-from runtime.int4 import dequantize_int4  # noqa: E402
 from runtime.moe import MixedExpertWeights  # noqa: E402
 from runtime.moe_mixed_triton import mixed_tile_config  # noqa: E402
 from runtime.mxfp4 import e8m0_to_float, mxfp4_to_fp8_blocks  # noqa: E402
@@ -140,11 +139,11 @@ def main():
             )
             r["ok"] = bool(r["rel_mixed"] < TOL and r["rel_fp8"] < TOL and not torch.isnan(y_mixed).any())
 
-            def run_mixed():
-                return [fused_moe(x, mixed, i, w, tile_config=override, out=out) for i, w in sets]
+            def run_mixed(x=x, ew=mixed, sets=sets, out=out):
+                return [fused_moe(x, ew, i, w, tile_config=override, out=out) for i, w in sets]
 
-            def run_fp8():
-                return [fused_moe(x, fp8, i, w, out=out, shared_slots=S) for i, w in sets]
+            def run_fp8(x=x, ew=fp8, sets=sets, out=out, S=S):
+                return [fused_moe(x, ew, i, w, out=out, shared_slots=S) for i, w in sets]
 
             t_mixed = graph_time_us(run_mixed, ROT, args.trials)
             t_fp8 = graph_time_us(run_fp8, ROT, args.trials)

@@ -370,7 +370,8 @@ class FusedSharedExperts:
 
     def _check_routed_format(self) -> None:
         """(v3) ``routed_format`` is one of :data:`ROUTED_FORMATS` beside FP8 128x128 shared slots, with its group size
-        (MXFP4: 32; INT4: a positive multiple of 32 that divides, or is a multiple of, 128: what the kernels tile by)."""
+        (MXFP4: 32; INT4: a positive multiple of 32 that divides, or is a multiple of, 128: what the kernels tile
+        by)."""
         fmt, group = self.routed_format, self.routed_group_size
         if fmt is None:
             if group is not None:

@@ -256,8 +256,8 @@ class FourBitExperts:
 
 @dataclass
 class MixedExpertWeights:
-    """The E+S slots of a LAYOUT v3 MoE layer: routed slots ``0 .. E-1`` four-bit (:class:`FourBitExperts`), shared slots
-    ``E .. E+S-1`` FP8 128x128 blocks (:class:`ExpertWeights` of S slots). ``gemm1_alpha``, ``gemm1_beta``,
+    """The E+S slots of a LAYOUT v3 MoE layer: routed slots ``0 .. E-1`` four-bit (:class:`FourBitExperts`), shared
+    slots ``E .. E+S-1`` FP8 128x128 blocks (:class:`ExpertWeights` of S slots). ``gemm1_alpha``, ``gemm1_beta``,
     ``gemm1_clamp_limit`` ``[E+S]`` float32 (None: plain SwiGLU); the shared part carries its own slots' values.
     Activations are FP8 (1x128 groups) before every GEMM, as for FP8 experts."""
 
@@ -402,8 +402,8 @@ class _Checkpoint(ModelFolder):
         return w13, w2, s13, s2
 
     def _four_bit(self, name: str, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed weight ``name`` (``X.weight``, logically ``shape``) as stored in the block's ``routed_format``, checked
-        by its ``runtime.formats`` module: (codes: uint8 MXFP4 bytes or int32 INT4 words, scales: E8M0 bytes or
+        """Routed weight ``name`` (``X.weight``, logically ``shape``) as stored in the block's ``routed_format``,
+        checked by its ``runtime.formats`` module: (codes: uint8 MXFP4 bytes or int32 INT4 words, scales: E8M0 bytes or
         float)."""
         block = self.block
         try:

@@ -19,6 +19,7 @@ from fuse_tool.cli import main
 from fuse_tool.convert import convert_checkpoint, plan_conversion
 from fuse_tool.errors import ConversionError
 from fuse_tool.plan import ConvertOptions
+from fuse_tool.progress import human_size
 from kimi_k25_checkpoint import build_float, build_int4
 from runtime import layout
 from runtime.layout import FusedSharedExperts, LayoutError, converted_moe_layers, read_config_block
@@ -100,7 +101,10 @@ def test_dry_run_and_inspect_show_both_sizes(v4, tmp_path):
             assert r.exit_code == 0, r.output
             line = next(x for x in r.output.splitlines() if x.startswith("routed experts"))
             assert f"--routed-experts {choice}, this plan" in line
-            assert "as FP8 (--routed-experts fp8" in line and "kept as released (--routed-experts keep" in line
+            fp8_size, keep_size = human_size(fp8.plan.total_size), human_size(kept.plan.total_size)
+            assert f"{fp8_size} as FP8 (--routed-experts fp8" in line
+            assert f"{keep_size} kept as released (--routed-experts keep" in line
+            assert f"output         {plan.num_tensors:,} tensors" in r.output
     assert not (tmp_path / "o").exists()
 
 

@@ -339,7 +339,8 @@ def format_result(r: VerifyResult) -> str:
     lines = [
         f"verify {r.out_dir}",
         f"  against {r.model_dir} ({r.family}), {r.tokens[0]}x{r.tokens[1]} tokens (seed {r.seed}), {r.dtype}, "
-        f"experts {_experts_words(r)}, non-expert linears {'FP8 (dequantized)' if r.fp8_linears else 'as in the source'}",
+        f"experts {_experts_words(r)}, "
+        f"non-expert linears {'FP8 (dequantized)' if r.fp8_linears else 'as in the source'}",
         f"{'layer':>6}  {'kind':<5}  {'moe rel err':>11}  {'moe max abs':>11}  {'layer rel err':>13}",
     ]
     fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
