@@ -177,6 +177,14 @@ _convert_options = [
         help="fp8: experts as FP8 e4m3 128x128 blocks; source: no FP8 anywhere, the fusion alone in the source's precision.",
     ),
     click.option(
+        "--routed-experts",
+        type=click.Choice(["fp8", "keep"]),
+        default="fp8",
+        show_default=True,
+        help="fp8: routed experts as FP8 128x128 blocks; keep: four-bit routed experts (MXFP4, INT4) stay as released, "
+        "byte for byte, beside FP8 shared slots (about half the size; inspect shows both).",
+    ),
+    click.option(
         "--other-linear",
         type=click.Choice(["fp8", "keep"]),
         default="fp8",
@@ -205,9 +213,10 @@ def _with_convert_options(f):
     return f
 
 
-def _options(precision, other_linear, scale_fmt, max_shard_size) -> ConvertOptions:
+def _options(precision, routed_experts, other_linear, scale_fmt, max_shard_size) -> ConvertOptions:
     return ConvertOptions(
         precision=precision,
+        routed_experts=routed_experts,
         other_linear=other_linear,
         scale_fmt=scale_fmt,
         max_shard_size=max_shard_size if isinstance(max_shard_size, int) else DEFAULT_MAX_SHARD_SIZE,
@@ -217,13 +226,13 @@ def _options(precision, other_linear, scale_fmt, max_shard_size) -> ConvertOptio
 @main.command()
 @click.argument("model")
 @_with_convert_options
-def inspect(model, precision, other_linear, scale_fmt, max_shard_size):
+def inspect(model, precision, routed_experts, other_linear, scale_fmt, max_shard_size):
     """Show what MODEL (a folder or Hub repo id) is and what converting it would write."""
     from .convert import plan_conversion
 
     try:
         path, _ = _resolve_source(model)
-        plan = plan_conversion(path, _options(precision, other_linear, scale_fmt, max_shard_size))
+        plan = plan_conversion(path, _options(precision, routed_experts, other_linear, scale_fmt, max_shard_size))
     except Exception as e:  # noqa: BLE001 - every failure is a one-line message
         _fail(e)
     click.echo(describe_plan(plan))
@@ -249,6 +258,7 @@ def convert(
     model,
     out_dir,
     precision,
+    routed_experts,
     other_linear,
     scale_fmt,
     max_shard_size,
@@ -264,7 +274,7 @@ def convert(
     from .convert import convert_checkpoint, plan_conversion
 
     try:
-        options = _options(precision, other_linear, scale_fmt, max_shard_size)
+        options = _options(precision, routed_experts, other_linear, scale_fmt, max_shard_size)
         if push_to and not dry_run:  # the repo id and the token now, not after hours of converting
             from . import hub
 

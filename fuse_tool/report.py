@@ -79,6 +79,17 @@ def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None
         "bytes          " + ", ".join(f"{k} {_size(v)}" for k, v in sorted(kinds.items())),
         f"shared slots   {', '.join(shared_modes)}",
     ]
+    sizes = plan.output_sizes()
+    if sizes and plan.options.precision == "fp8":
+        words = {"fp8": "as FP8", "keep": "kept as released"}
+        chosen = plan.options.routed_experts
+        lines.append(
+            "routed experts four-bit: output "
+            + ", ".join(
+                f"{_size(sizes[k])} {words[k]} (--routed-experts {k}{', this plan' if k == chosen else ''})"
+                for k in ("fp8", "keep")
+            )
+        )
     if plan.modules_to_not_convert and plan.options.precision == "fp8":
         lines.append(
             f"not FP8        {len(plan.modules_to_not_convert)} linear modules (listed in modules_to_not_convert)"
@@ -92,5 +103,10 @@ def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None
 def _options_used(plan) -> str:
     """``precision fp8, other linear fp8, scale format float``; ``precision source`` alone (it writes no FP8)."""
     used = plan.options_used()
-    words = {"precision": "precision", "other_linear": "other linear", "scale_fmt": "scale format"}
+    words = {
+        "precision": "precision",
+        "routed_experts": "routed experts",
+        "other_linear": "other linear",
+        "scale_fmt": "scale format",
+    }
     return ", ".join(f"{words[k]} {v}" for k, v in used.items() if k in words)

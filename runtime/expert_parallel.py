@@ -59,6 +59,11 @@ class ExpertParallelMoE(torch.nn.Module):
         self.start, self.stop = expert_range(cfg.num_experts, self.rank, self.world)
         E, NE = cfg.num_experts, cfg.num_expert_slots
         ex = moe.experts
+        if not isinstance(ex, ExpertWeights):  # (LAYOUT v3 MixedExpertWeights: four-bit routed slots)
+            raise ValueError(
+                "expert parallelism runs FP8 or float experts; this layer keeps its routed experts four-bit "
+                "(LAYOUT version 3): load it whole, or convert with --routed-experts fp8"
+            )
         routed = ex.subset(self.start, self.stop)
         shared = ex.subset(E, NE) if shared_replica else ex.subset(E, E)
         # local slots: this rank's routed experts, then the shared replica (copies: the full layer can be freed)

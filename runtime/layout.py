@@ -1,4 +1,4 @@
-"""The fused-shared checkpoint layout, versions 1 and 2 (``docs/layout.md``).
+"""The fused-shared checkpoint layout, versions 1, 2 and 3 (``docs/layout.md``).
 
 This module is the single definition of the contract between the converter
 (``fuse_tool``) and the runtime: tensor names, the ``fused_shared_experts``
@@ -7,7 +7,9 @@ depends on nothing but the standard library.
 
 Versions: a block that uses no version-2 feature (see :meth:`RoutingSpec.v2_features`
 and :meth:`FusedSharedExperts.v2_features`) is written as version 1, byte for byte what a
-version-1 writer wrote; one that uses any is written as version 2. Both are read.
+version-1 writer wrote; one that uses any is written as version 2; one whose routed slots are kept
+four-bit (``routed_format``, :data:`ROUTED_FORMATS`) as version 3, which readers of versions 1 and 2
+refuse by its number. All three are read.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-LAYOUT_VERSION = 2  # the newest version this module reads and writes
-LAYOUT_VERSIONS = (1, 2)
+LAYOUT_VERSION = 3  # the newest version this module reads and writes
+LAYOUT_VERSIONS = (1, 2, 3)
 CONFIG_KEY = "fused_shared_experts"
 WEIGHT_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
@@ -28,6 +30,19 @@ GROUP_SCORES = ("top2_sum", "max")  # group score: sum of the group's two best c
 RENORMALIZE_FORMS = ("add", "max")  # w / (sum + eps), or w / max(sum, eps)
 DEFAULT_RENORMALIZE_EPS = 1e-20
 ACTIVATIONS = ("swiglu", "swiglu_oai", "swiglu_post_clamp")
+
+# (v3) Routed slots 0..E-1 kept in a release's four-bit format while the shared slots E..E+S-1 are FP8 128x128 blocks:
+# per format, the tensors that store one weight ``X.weight`` (suffixes after the module ``X``) and their dtypes.
+ROUTED_FORMATS = {
+    "mxfp4": ((".weight", ("I8", "U8")), (".scale", ("F8_E8M0",))),  # e2m1 codes two per byte; 2^(b-127) per 32 inputs
+    "int4": (  # compressed-tensors pack-quantized: eight codes (q + 8) per word; a float scale per group of inputs
+        (".weight_packed", ("I32",)),
+        (".weight_scale", ("BF16", "F16", "F32")),
+        (".weight_shape", ("I32", "I64")),
+    ),
+}
+MXFP4_GROUP = 32  # inputs per E8M0 scale of an MXFP4 weight
+V3_KEYS = ("routed_format", "routed_group_size")
 
 # What version 1 could express; anything beyond needs version 2.
 _V1_SCORING_FUNCS = ("sigmoid", "softmax")
@@ -277,6 +292,8 @@ class FusedSharedExperts:
     weight_block_size: tuple[int, int] | None = (WEIGHT_BLOCK, WEIGHT_BLOCK)
     source: Mapping[str, Any] = field(default_factory=dict)
     version: int | None = None
+    routed_format: str | None = None  # (v3) the routed slots' four-bit format (:data:`ROUTED_FORMATS`), else None
+    routed_group_size: int | None = None  # (v3) inputs per scale of the routed slots (32 for MXFP4)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -339,11 +356,49 @@ class FusedSharedExperts:
         stray = [L for L in r.hash_layers if L not in layers]
         if stray:
             raise LayoutError(f"routing.hash_layers {stray} are not in moe_layers")
+        self._check_routed_format()
         needs = self.v2_features()
         if self.version is None:
-            put(self, "version", 2 if needs else 1)
+            put(self, "version", 3 if self.routed_format else 2 if needs else 1)
         elif self.version == 1 and needs:
             raise LayoutError(f"{CONFIG_KEY} says version 1 but uses LAYOUT version 2 features: {', '.join(needs)}")
+        elif self.version < 3 and self.routed_format:
+            raise LayoutError(
+                f"{CONFIG_KEY} says version {self.version} but keeps its routed slots {self.routed_format} "
+                "(routed_format is a LAYOUT version 3 field)"
+            )
+
+    def _check_routed_format(self) -> None:
+        """(v3) ``routed_format`` is one of :data:`ROUTED_FORMATS` beside FP8 128x128 shared slots, with its group size
+        (MXFP4: 32; INT4: a positive multiple of 32 that divides, or is a multiple of, 128: what the kernels tile
+        by)."""
+        fmt, group = self.routed_format, self.routed_group_size
+        if fmt is None:
+            if group is not None:
+                raise LayoutError(f"routed_group_size {group!r} without a routed_format")
+            return
+        check_choice("routed_format", fmt, tuple(ROUTED_FORMATS))
+        group = check_int("routed_group_size", group, lo=1)
+        if fmt == "mxfp4" and group != MXFP4_GROUP:
+            raise LayoutError(
+                f"routed_group_size {group} with routed_format 'mxfp4': MXFP4 has {MXFP4_GROUP} inputs per scale"
+            )
+        if group % 32 or (128 % group and group % 128):
+            raise LayoutError(
+                f"routed_group_size {group}: expected a multiple of 32 that divides 128 or is a multiple of it"
+            )
+        if self.weight_block_size != (WEIGHT_BLOCK, WEIGHT_BLOCK):
+            raise LayoutError(
+                f"weight_block_size {self.weight_block_size!r} with routed_format {fmt!r}: the shared slots beside "
+                f"four-bit routed slots are FP8 [{WEIGHT_BLOCK}, {WEIGHT_BLOCK}] blocks"
+            )
+
+    def slot_format(self, slot: int) -> str:
+        """The format of expert slot ``slot``: the routed slots' ``routed_format`` (v3), else ``"fp8"`` with a
+        ``weight_block_size``, else ``"float"`` (the source's float dtype)."""
+        if self.routed_format and slot < self.num_routed_experts:
+            return self.routed_format
+        return "fp8" if self.weight_block_size else "float"
 
     def v2_features(self) -> list[str]:
         """What in this block version 1 cannot express."""
@@ -358,7 +413,7 @@ class FusedSharedExperts:
         return self.num_routed_experts + self.num_fused_shared_experts
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "version": self.version,
             "num_routed_experts": self.num_routed_experts,
             "num_fused_shared_experts": self.num_fused_shared_experts,
@@ -368,12 +423,16 @@ class FusedSharedExperts:
             "activation": self.activation,
             "routing": self.routing.to_dict(self.version),
             "weight_block_size": list(self.weight_block_size) if self.weight_block_size else None,
-            "source": dict(self.source),
         }
+        if self.routed_format:  # (v3) before ``source``, which stays last
+            d.update(routed_format=self.routed_format, routed_group_size=self.routed_group_size)
+        d["source"] = dict(self.source)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FusedSharedExperts":
-        """Parse a block of version 1 (also when ``version`` is absent) or 2."""
+        """Parse a block of version 1 (also when ``version`` is absent), 2 or 3 (version-3 keys in an older block are
+        errors: such a block would be misread by the readers its number admits)."""
         if not isinstance(d, Mapping):
             raise LayoutError(f"{CONFIG_KEY} must be a JSON object, got {d!r}")
         version = d.get("version", 1)
@@ -381,6 +440,10 @@ class FusedSharedExperts:
             raise LayoutError(
                 f"{CONFIG_KEY} version {version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})"
             )
+        if version < 3:
+            late = [k for k in V3_KEYS if k in d]
+            if late:
+                raise LayoutError(f"{late[0]} is a LAYOUT version 3 field, but the block says version {version}")
         try:
             return cls(
                 version=version,
@@ -393,6 +456,8 @@ class FusedSharedExperts:
                 routing=RoutingSpec.from_dict(d["routing"], version),
                 weight_block_size=d.get("weight_block_size"),
                 source=d.get("source", {}),
+                routed_format=d.get("routed_format"),
+                routed_group_size=d.get("routed_group_size"),
             )
         except KeyError as e:
             raise LayoutError(f"{CONFIG_KEY} block is missing {e.args[0]!r}") from None
@@ -592,8 +657,8 @@ def moe_layer_tensors(
             storage = "stacked"
         elif f"{prefix}.0.{PER_EXPERT_NAMES['w13'][0]}.weight" in names:
             storage = "w13"
-        elif f"{prefix}.0.{PER_EXPERT_NAMES['proj'][0]}.weight" in names:
-            storage = "proj"
+        elif any(f"{prefix}.0.{PER_EXPERT_NAMES['proj'][0]}{m}" in names for m in (".weight", ".weight_packed")):
+            storage = "proj"  # (v3: routed slots kept INT4 store expert 0's gate as .weight_packed)
         elif f"{prefix}.{STACKED_SPLIT_NAMES[0]}" in names:
             storage = "stacked_split"
         else:

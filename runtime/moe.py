@@ -23,12 +23,31 @@ import torch
 from ._backend import resolve_backend
 from .checkpoint import ModelFolder
 from .families import router_tensor_names
+from .formats import FormatError, stored_weight
 from .formats.fp8_block import read_block_scales
 from .fp8 import FP8_DTYPE
+from .int4 import dequantize_int4
+from .mxfp4 import dequantize_mxfp4
 from .layout import ACTIVATIONS, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
 from .routing import RoutingConfig, check_hash_table, route
+from .safetensors_io import bytes_to_tensor, read_bytes
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _set_slot_params(experts, num_slots: int, device) -> None:
+    """``experts``' ``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit`` as contiguous float32 ``[num_slots]`` on
+    ``device``; None becomes plain SwiGLU's value (1, 0, +inf)."""
+    for name, value in {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}.items():
+        t = getattr(experts, name)
+        t = (
+            torch.full((num_slots,), value, dtype=torch.float32, device=device)
+            if t is None
+            else t.to(device=device, dtype=torch.float32).reshape(-1)
+        )
+        if t.numel() != num_slots:
+            raise ValueError(f"{name} must have {num_slots} entries, got {t.numel()}")
+        setattr(experts, name, t.contiguous())
 
 
 @dataclass
@@ -86,17 +105,7 @@ class ExpertWeights:
                 )
             self.gate_up_scale = self.down_scale = None
         dev = self.gate_up.device
-        defaults = {"gemm1_alpha": 1.0, "gemm1_beta": 0.0, "gemm1_clamp_limit": math.inf}
-        for name, value in defaults.items():
-            t = getattr(self, name)
-            t = (
-                torch.full((NE,), value, dtype=torch.float32, device=dev)
-                if t is None
-                else t.to(device=dev, dtype=torch.float32).reshape(-1)
-            )
-            if t.numel() != NE:
-                raise ValueError(f"{name} must have {NE} entries, got {t.numel()}")
-            setattr(self, name, t.contiguous())
+        _set_slot_params(self, NE, dev)
 
     @property
     def num_expert_slots(self) -> int:
@@ -114,6 +123,10 @@ class ExpertWeights:
     @property
     def is_fp8(self) -> bool:
         return self.gate_up.dtype == FP8_DTYPE
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up.device
 
     @property
     def post_clamp(self) -> bool:
@@ -155,6 +168,179 @@ class ExpertWeights:
         return _Checkpoint(path).experts(layer, device)
 
 
+FOUR_BIT_SCALE_DTYPES = {"mxfp4": (torch.uint8,), "int4": (torch.bfloat16, torch.float16, torch.float32)}
+
+
+@dataclass
+class FourBitExperts:
+    """Routed experts kept in a release's four-bit format (LAYOUT v3 section 7), gate and up stacked, never dequantized
+    in memory.
+
+    - ``format`` ``"mxfp4"``: ``gate_up`` uint8 ``[E, 2I, H/2]`` (two e2m1 codes per byte, input ``2k`` in the low
+      nibble; gate rows then up rows), ``gate_up_scale`` uint8 ``[E, 2I, H/32]`` (E8M0 bytes, ``2^(b-127)``);
+      ``down`` uint8 ``[E, H, I/2]``, ``down_scale`` uint8 ``[E, H, I/32]``; ``group`` 32.
+    - ``format`` ``"int4"`` (pack-quantized): ``gate_up`` int32 ``[E, 2I, H/8]`` (input ``8k + i`` in bits ``4i..4i+3``
+      of word ``k``, stored ``q + 8``), ``gate_up_scale`` bf16/fp16/fp32 ``[E, 2I, H/group]``; ``down`` int32
+      ``[E, H, I/8]``, ``down_scale`` ``[E, H, I/group]``. Value ``q * scale``.
+    """
+
+    format: str
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    group: int
+
+    def __post_init__(self) -> None:
+        per_word = {"mxfp4": 2, "int4": 8}.get(self.format)
+        if per_word is None:
+            raise ValueError(f"four-bit format must be 'mxfp4' or 'int4', got {self.format!r}")
+        code_dtype = torch.uint8 if self.format == "mxfp4" else torch.int32
+        if self.format == "mxfp4" and self.gate_up.dtype == torch.int8:  # the release's I8 bytes, read as uint8
+            self.gate_up, self.down = self.gate_up.view(torch.uint8), self.down.view(torch.uint8)
+        if self.format == "mxfp4" and self.group != 32:
+            raise ValueError(f"MXFP4 has 32 inputs per scale, got group {self.group}")
+        for name in ("gate_up", "down"):
+            t, s = getattr(self, name), getattr(self, name + "_scale")
+            if t.dtype != code_dtype or t.dim() != 3:
+                raise ValueError(
+                    f"{self.format} {name} must be a 3-D {code_dtype} tensor, got {t.dtype} {tuple(t.shape)}"
+                )
+            if s.dtype not in FOUR_BIT_SCALE_DTYPES[self.format]:
+                raise ValueError(f"{self.format} {name}_scale must be one of {FOUR_BIT_SCALE_DTYPES[self.format]}")
+        E, I2, h = self.gate_up.shape
+        H, I = h * per_word, I2 // 2
+        want = {
+            "gate_up_scale": (E, I2, -(-H // self.group)),
+            "down": (E, H, I // per_word),
+            "down_scale": (E, H, -(-I // self.group)),
+        }
+        for name, shape in want.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"{self.format} {name} is {tuple(getattr(self, name).shape)}, expected {shape}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.down.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate_up.shape[1] // 2
+
+    def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s exact float32 ``gate_up [2I, H]`` and ``down [H, I]`` (the release's own dequantization)."""
+        if self.format == "mxfp4":
+            return dequantize_mxfp4(self.gate_up[e], self.gate_up_scale[e]), dequantize_mxfp4(
+                self.down[e], self.down_scale[e]
+            )
+        H, I = self.hidden_size, self.intermediate_size  # noqa: E741
+        return (
+            dequantize_int4(self.gate_up[e], self.gate_up_scale[e], H, self.group),
+            dequantize_int4(self.down[e], self.down_scale[e], I, self.group),
+        )
+
+    def to(self, device) -> "FourBitExperts":
+        f = lambda t: t.to(device)  # noqa: E731
+        return replace(
+            self,
+            gate_up=f(self.gate_up),
+            gate_up_scale=f(self.gate_up_scale),
+            down=f(self.down),
+            down_scale=f(self.down_scale),
+        )
+
+
+@dataclass
+class MixedExpertWeights:
+    """The E+S slots of a LAYOUT v3 MoE layer: routed slots ``0 .. E-1`` four-bit (:class:`FourBitExperts`), shared
+    slots ``E .. E+S-1`` FP8 128x128 blocks (:class:`ExpertWeights` of S slots). ``gemm1_alpha``, ``gemm1_beta``,
+    ``gemm1_clamp_limit`` ``[E+S]`` float32 (None: plain SwiGLU); the shared part carries its own slots' values.
+    Activations are FP8 (1x128 groups) before every GEMM, as for FP8 experts."""
+
+    routed: FourBitExperts
+    shared: ExpertWeights
+    gemm1_alpha: torch.Tensor | None = None
+    gemm1_beta: torch.Tensor | None = None
+    gemm1_clamp_limit: torch.Tensor | None = None
+    activation: str = "swiglu"
+
+    def __post_init__(self) -> None:
+        r, s = self.routed, self.shared
+        if not s.is_fp8:
+            raise ValueError("the shared slots beside four-bit routed slots must be FP8 128x128 blocks")
+        if (r.hidden_size, r.intermediate_size) != (s.hidden_size, s.intermediate_size):
+            raise ValueError(
+                f"routed experts [H {r.hidden_size}, I {r.intermediate_size}] and shared slots "
+                f"[H {s.hidden_size}, I {s.intermediate_size}] do not fit together"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        NE, dev = self.num_expert_slots, r.gate_up.device
+        _set_slot_params(self, NE, dev)
+        E = r.num_experts
+        self.shared = replace(
+            s,
+            gemm1_alpha=self.gemm1_alpha[E:],
+            gemm1_beta=self.gemm1_beta[E:],
+            gemm1_clamp_limit=self.gemm1_clamp_limit[E:],
+            activation=self.activation,
+        )
+
+    @property
+    def num_routed_experts(self) -> int:
+        return self.routed.num_experts
+
+    @property
+    def num_expert_slots(self) -> int:
+        return self.routed.num_experts + self.shared.num_expert_slots
+
+    @property
+    def hidden_size(self) -> int:
+        return self.routed.hidden_size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.routed.intermediate_size
+
+    @property
+    def is_fp8(self) -> bool:
+        """True: every slot runs on FP8 activations and no slot is a float weight to cast (loaders ask this)."""
+        return True
+
+    @property
+    def post_clamp(self) -> bool:
+        return self.activation == "swiglu_post_clamp"
+
+    @property
+    def device(self) -> torch.device:
+        return self.routed.gate_up.device
+
+    def slot_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``e``'s float32 ``gate_up [2I, H]`` and ``down [H, I]``: exact four-bit values for a routed slot, the
+        FP8 blocks times their scales for a shared one (what :mod:`runtime.moe_reference` multiplies by)."""
+        E = self.routed.num_experts
+        if e < E:
+            return self.routed.dequantized(e)
+        from .moe_reference import fp8_slot_weights
+
+        return fp8_slot_weights(self.shared, e - E)
+
+    def to(self, device) -> "MixedExpertWeights":
+        f = lambda t: t.to(device)  # noqa: E731
+        return MixedExpertWeights(
+            self.routed.to(device),
+            self.shared.to(device),
+            f(self.gemm1_alpha),
+            f(self.gemm1_beta),
+            f(self.gemm1_clamp_limit),
+            self.activation,
+        )
+
+
 class _Checkpoint(ModelFolder):
     """A converted folder's MoE layers (the fused_shared_experts block and each layer's tensor names)."""
 
@@ -172,7 +358,7 @@ class _Checkpoint(ModelFolder):
         """A block scale as float32: float32 ``_scale_inv`` as stored, E8M0 bytes as ``2^(b-127)`` (DeepSeek-V4)."""
         return read_block_scales(self._info(name), device)
 
-    def experts(self, layer: int, device) -> ExpertWeights:
+    def experts(self, layer: int, device) -> "ExpertWeights | MixedExpertWeights":
         names = self.names(layer)
         NE = self.block.num_expert_slots
         has = self.__contains__
@@ -190,22 +376,70 @@ class _Checkpoint(ModelFolder):
             if w13.shape[0] != NE:
                 raise LayoutError(f"{up_side[0]}: {w13.shape[0]} experts, config says E+S = {NE}")
         else:
-            per = [names.per_expert(e) for e in range(NE)]
-            w13 = torch.stack([torch.cat([self.get(g, device), self.get(u, device)], 0) for g, u, _ in per])
-            w2 = torch.stack([self.get(d, device) for _, _, d in per])
-            s13 = s2 = None
-            if has(scale_name(per[0][0])):
-                s13 = torch.stack(
-                    [
-                        torch.cat([self.scale(scale_name(g), device), self.scale(scale_name(u), device)], 0)
-                        for g, u, _ in per
-                    ]
-                )
-                s2 = torch.stack([self.scale(scale_name(d), device) for _, _, d in per])
+            if self.block.routed_format:
+                return self._mixed_experts(layer, names, device)
+            w13, w2, s13, s2 = self._per_expert_slots(names, range(NE), device)
         alpha, beta, limit = (
             self.get(n, device) for n in names.gemm1_params()
         )  # per slot, as the converter wrote them
         return ExpertWeights(w13, w2, s13, s2, alpha, beta, limit, self.block.activation)
+
+    def _per_expert_slots(self, names, slots, device):
+        """Slots ``slots`` of a per-expert layer: gate_up ``[n, 2I, H]``, down ``[n, H, I]`` and their block scales (or
+        None without FP8)."""
+        per = [names.per_expert(e) for e in slots]
+        w13 = torch.stack([torch.cat([self.get(g, device), self.get(u, device)], 0) for g, u, _ in per])
+        w2 = torch.stack([self.get(d, device) for _, _, d in per])
+        s13 = s2 = None
+        if names.scale(per[0][0]) in self:
+            s13 = torch.stack(
+                [
+                    torch.cat([self.scale(names.scale(g), device), self.scale(names.scale(u), device)], 0)
+                    for g, u, _ in per
+                ]
+            )
+            s2 = torch.stack([self.scale(names.scale(d), device) for _, _, d in per])
+        return w13, w2, s13, s2
+
+    def _four_bit(self, name: str, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed weight ``name`` (``X.weight``, logically ``shape``) as stored in the block's ``routed_format``,
+        checked by its ``runtime.formats`` module: (codes: uint8 MXFP4 bytes or int32 INT4 words, scales: E8M0 bytes or
+        float)."""
+        block = self.block
+        try:
+            stored = stored_weight(self.tensors, name, group=block.routed_group_size, expect=shape)
+        except FormatError as e:
+            raise LayoutError(f"{self.path}: {e.tensor}: {e.message}") from None
+        if stored.format.name != block.routed_format:
+            raise LayoutError(
+                f"{self.path}: {name} is stored as {stored.format.name}, but the block's routed_format is "
+                f"{block.routed_format!r}"
+            )
+        raw = lambda info: bytes_to_tensor(read_bytes(info), "U8", info.shape).to(device)  # noqa: E731
+        if block.routed_format == "mxfp4":
+            return raw(stored.data), raw(stored.scale)
+        return self.get(stored.data.name, device), self.get(stored.scale.name, device)
+
+    def _mixed_experts(self, layer: int, names, device) -> "MixedExpertWeights":
+        """A LAYOUT v3 layer: routed slots in the block's ``routed_format`` (read as stored), shared slots FP8."""
+        E, NE = self.block.num_routed_experts, self.block.num_expert_slots
+        w13, w2, s13, s2 = self._per_expert_slots(names, range(E, NE), device)
+        if s13 is None:
+            raise LayoutError(f"{self.path}: layer {layer}'s shared slots have no FP8 block scales (routed_format set)")
+        H, I = w13.shape[2], self.block.expert_intermediate_size  # noqa: E741
+        shapes = ((I, H), (I, H), (H, I))  # gate, up, down
+        per = [[self._four_bit(n, sh, device) for n, sh in zip(names.per_expert(e), shapes)] for e in range(E)]
+        routed = FourBitExperts(
+            self.block.routed_format,
+            torch.stack([torch.cat([g[0], u[0]]) for g, u, _ in per]),
+            torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in per]),
+            torch.stack([d[0] for _, _, d in per]),
+            torch.stack([d[1] for _, _, d in per]),
+            self.block.routed_group_size,
+        )
+        alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())
+        shared = ExpertWeights(w13, w2, s13, s2, activation=self.block.activation)
+        return MixedExpertWeights(routed, shared, alpha, beta, limit, self.block.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's names."""
@@ -241,7 +475,9 @@ def fused_moe(
 
     Args:
         x: ``[T, H]`` activations, bfloat16, float16 or float32.
-        experts: the layer's ``num_expert_slots`` = E routed + S shared experts (:class:`ExpertWeights`).
+        experts: the layer's ``num_expert_slots`` = E routed + S shared experts (:class:`ExpertWeights`), or
+            :class:`MixedExpertWeights` (LAYOUT v3: four-bit routed slots beside FP8 shared slots, one pass per GEMM
+            over both; ``runtime.moe_mixed_triton`` on CUDA).
         ids: ``[T, K+S]`` integer slot ids per token (as :func:`runtime.route` returns, int32);
             ids outside ``[0, num_expert_slots)``, e.g. -1, are skipped.
         weights: ``[T, K+S]`` float32 weight of each slot (shared slots: 1).
@@ -274,7 +510,12 @@ def fused_moe(
     if not 0 <= shared_slots <= min(ids.shape[1], experts.num_expert_slots):
         most = min(ids.shape[1], experts.num_expert_slots)
         raise ValueError(f"shared_slots must be in [0, {most}], got {shared_slots}")
-    if resolve_backend(backend, x, experts.gate_up) == "triton":
+    mixed = isinstance(experts, MixedExpertWeights)
+    if resolve_backend(backend, x, experts.routed.gate_up if mixed else experts.gate_up) == "triton":
+        if mixed:  # routed four-bit slots expanded inside the kernel, shared FP8 slots in the same launches
+            from .moe_mixed_triton import fused_moe_mixed_triton
+
+            return fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens, tile_config, out)
         from .moe_triton import fused_moe_triton
 
         return fused_moe_triton(x, experts, ids, weights, num_valid_tokens, tile_config, out, shared_slots)
@@ -364,7 +605,7 @@ class FusedSharedMoE(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         dev = self.router_weight.device
-        if self.experts.gate_up.device != dev:
+        if self.experts.device != dev:
             self.experts = self.experts.to(dev)
         return self
 

@@ -3,6 +3,8 @@
 FP8 experts: activations are quantized per 1x128 token group (``fp8.quantize_activations``)
 before GEMM1 and again (the SwiGLU output) before GEMM2; weights are dequantized with their
 128x128 block scales. Other experts: activations are rounded to the weight dtype before each GEMM.
+Mixed slots (LAYOUT v3, :class:`runtime.moe.MixedExpertWeights`): activations as for FP8; routed slots' weights are
+the exact dequantization of their four-bit values (MXFP4, INT4), shared slots' their FP8 blocks times the scales.
 """
 
 from __future__ import annotations
@@ -31,12 +33,32 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, alpha, beta, limit, post_clamp: boo
     return g * torch.sigmoid(alpha * g) * (u + beta)
 
 
+def fp8_slot_weights(experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot ``e`` of FP8 :class:`runtime.moe.ExpertWeights` as float32 ``gate_up [2I, H]`` and ``down [H, I]`` (each
+    half of gate_up on its own block grid)."""
+    I = experts.intermediate_size  # noqa: E741
+    w13 = (
+        dequantize_block_fp8(experts.gate_up[e], experts.gate_up_scale[e])
+        if I % 128 == 0
+        else torch.cat(
+            [
+                dequantize_block_fp8(experts.gate_up[e, :I], experts.gate_up_scale[e, : -(-I // 128)]),
+                dequantize_block_fp8(experts.gate_up[e, I:], experts.gate_up_scale[e, -(-I // 128) :]),
+            ],
+            0,
+        )
+    )
+    return w13, dequantize_block_fp8(experts.down[e], experts.down_scale[e])
+
+
 def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
     """Reference fused MoE in float32, expert by expert; same arguments, result and errors as
-    :func:`runtime.moe.fused_moe` (which checks the arguments) without its ``tile_config``/``out``."""
+    :func:`runtime.moe.fused_moe` (which checks the arguments) without its ``tile_config``/``out``. ``experts``:
+    :class:`runtime.moe.ExpertWeights`, or :class:`runtime.moe.MixedExpertWeights` (its ``slot_weights``)."""
     T, H = x.shape
     num_slots, I = experts.num_expert_slots, experts.intermediate_size
     fp8 = experts.is_fp8
+    slot_weights = getattr(experts, "slot_weights", None)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     ids = ids.to(torch.int64)
     ok = (ids >= 0) & (ids < num_slots)
@@ -46,19 +68,10 @@ def fused_moe_reference(x, experts, ids, weights, num_valid_tokens=None):
     a = _quant_dequant(x) if fp8 else x.to(experts.gate_up.dtype).to(torch.float32)
     for e in torch.unique(ids[ok]).tolist():
         tok, slot = torch.nonzero(ok & (ids == e), as_tuple=True)
-        if fp8:
-            w13 = (
-                dequantize_block_fp8(experts.gate_up[e], experts.gate_up_scale[e])
-                if I % 128 == 0
-                else torch.cat(
-                    [
-                        dequantize_block_fp8(experts.gate_up[e, :I], experts.gate_up_scale[e, : -(-I // 128)]),
-                        dequantize_block_fp8(experts.gate_up[e, I:], experts.gate_up_scale[e, -(-I // 128) :]),
-                    ],
-                    0,
-                )
-            )
-            w2 = dequantize_block_fp8(experts.down[e], experts.down_scale[e])
+        if slot_weights is not None:
+            w13, w2 = slot_weights(e)
+        elif fp8:
+            w13, w2 = fp8_slot_weights(experts, e)
         else:
             w13, w2 = experts.gate_up[e].to(torch.float32), experts.down[e].to(torch.float32)
         gu = a[tok] @ w13.T

@@ -194,3 +194,20 @@ def test_kimi_k2_6_inspect_and_dry_run_cli(skeleton_root, tmp_path):
     r = CliRunner().invoke(main, ["convert", str(path), str(out), "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "nothing written" in r.output and "139,790 tensors" in r.output and not out.exists()
+
+
+# The four-bit releases: --routed-experts keep plans an output no larger than 1.02x the source (issue 23), and the
+# size it reports for the FP8 choice is what the FP8 plan writes (checked where that plan is quick to make).
+FOUR_BIT = {"deepseek-v4-flash": True, "deepseek-v4-flash-0731": False, "kimi-k2.6": False}
+
+
+@pytest.mark.parametrize("name", list(FOUR_BIT))
+def test_four_bit_release_kept_plans_at_most_1_02x_the_source(name, skeleton_root):
+    path = build_skeleton(name, skeleton_root / f"{name}-keep")
+    keep = plan_conversion(path, ConvertOptions(routed_experts="keep"))
+    assert keep.total_size <= 1.02 * keep.source.total_bytes, (keep.total_size, keep.source.total_bytes)
+    sizes = keep.output_sizes()
+    assert sizes["keep"] == keep.total_size and sizes["fp8"] > 1.7 * keep.total_size
+    assert all(lp.routed_kept for lp in keep.layers)
+    if FOUR_BIT[name]:
+        assert plan_conversion(path).total_size == sizes["fp8"]

@@ -171,6 +171,11 @@ def render_model_card(
         if e8m0
         else "FP8 e4m3 with 128x128 block scales (`*_scale_inv`, DeepSeek-V3 convention)"
     )
+    if block.routed_format:  # LAYOUT v3: the routed slots as released, only the shared slots FP8
+        fmt = (
+            f"the release's {block.routed_format.upper()} for the {E} routed experts (byte for byte, "
+            f"`fuse-shared convert --routed-experts keep`, LAYOUT version 3) and {fmt} for the shared slots"
+        )
 
     lines = [
         "\n".join(front),

@@ -20,7 +20,7 @@ from runtime.errors import ModelError
 from runtime.families import check_hidden_size, describe_model, family_for
 from runtime.formats import REGISTRY
 from runtime.formats.fp8_block import scale_fmt_of
-from runtime.layout import WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
+from runtime.layout import MXFP4_GROUP, WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
 
 from .. import __version__
 from ..errors import ConversionError
@@ -182,6 +182,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
 
     plan_other_tensors(inputs, parts)
 
+    routed_format = layer_plans[0].source_format if options.routed_experts == "keep" else None
     block = FusedSharedExperts(
         num_routed_experts=E,
         num_fused_shared_experts=S,
@@ -192,6 +193,8 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         routing=routing,
         weight_block_size=(WEIGHT_BLOCK, WEIGHT_BLOCK) if inputs.out_fp8 else None,
         source={"model_type": arch.model_type, "quantization": source_quantization, "converter_version": __version__},
+        routed_format=routed_format,
+        routed_group_size={"mxfp4": MXFP4_GROUP, "int4": inputs.group_size}.get(routed_format),
     )
     modules = sorted(parts.not_converted)
     return ConversionPlan(
@@ -206,6 +209,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         source_quantization=source_quantization,
         modules_to_not_convert=modules,
         notes=parts.notes,
+        routed_bytes=parts.routed_bytes,
     )
 
 

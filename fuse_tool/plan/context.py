@@ -47,3 +47,6 @@ class PlanParts:
     groups: list[Group] = field(default_factory=list)  # output tensors that share a shard, with their tasks
     notes: list[str] = field(default_factory=list)
     not_converted: set[str] = field(default_factory=set)  # linear modules kept in the source dtype
+    # Four-bit routed experts' output bytes both ways ({"fp8": as FP8 blocks, "keep": as released}): the other choice
+    # of --routed-experts, for inspect and --dry-run
+    routed_bytes: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "keep": 0})

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from runtime.formats import has_weight
+from runtime.formats import REGISTRY, has_weight
 from runtime.layout import (
     GEMM1_PARAMS,
     PER_EXPERT_NAMES,
@@ -214,13 +214,26 @@ def _plan_stacked(inputs: PlanInputs, parts: PlanParts, stacks, g: Geometry, slo
     return [tasks[p][e].mode for e in range(g.E, n) for p in (0, 1, 2)]
 
 
-def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, storage: str, slots, cuts) -> list[str]:
-    """Per-expert output: one weight (and scale) per expert and projection, each its own group."""
+def _plan_per_expert(
+    inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, storage: str, slots, cuts, keep_routed: bool
+) -> list[str]:
+    """Per-expert output: one weight (and scale) per expert and projection, each its own group; with
+    ``keep_routed``, the routed experts' tensors copied as released (their format's ``kept_tensors``)."""
     fp8 = inputs.out_fp8
     shared_modes = []
     for e, (trio, cut3) in enumerate(zip(slots, cuts)):
         for p, sw, cut in zip(PER_EXPERT_NAMES[storage], trio, cut3):
             out_name = f"{X}.{e}.{p}.weight"
+            if keep_routed and e < g.E:
+                kept = sw.format.kept_tensors(sw.stored, sw.label, out_name)
+                parts.groups.append(
+                    Group(
+                        [OutputTensor(out, info.dtype, info.shape) for info, out in kept],
+                        [CopyTask(info, Target(out)) for info, out in kept],
+                        (str(sw.weight.info.file), sw.weight.info.offset),
+                    )
+                )
+                continue
             s_name, s_dtype = block_scale_tensor(out_name, inputs.arch.names.scale_storage)
             task = projection_task(inputs, sw, cut, fp8, Target(out_name), Target(s_name) if fp8 else None)
             tensors = [OutputTensor(out_name, task.out_dtype, (cut.out_rows, cut.out_cols))]
@@ -230,6 +243,35 @@ def _plan_per_expert(inputs: PlanInputs, parts: PlanParts, X: str, g: Geometry, 
             if e >= g.E:
                 shared_modes.append(task.mode)
     return shared_modes
+
+
+def _count_routed_bytes(inputs: PlanInputs, parts: PlanParts, routed: list[tuple[SourceWeight, ...]]) -> None:
+    """Add the four-bit routed experts' output bytes both ways (FP8 blocks, or kept as released) to ``parts``."""
+    scale_item = DTYPE_SIZES[block_scale_tensor("x.weight", inputs.arch.names.scale_storage)[1]]
+    for trio in routed:
+        for sw in trio:
+            rows, cols = sw.weight.rows, sw.cols
+            parts.routed_bytes["fp8"] += rows * cols + math.prod(scale_grid(rows, cols)) * scale_item
+            kept = sw.format.kept_tensors(sw.stored, sw.label, sw.label)  # (a whole weight's label is its X.weight)
+            parts.routed_bytes["keep"] += sum(info.nbytes for info, _ in kept)
+
+
+def _check_keep_routed(inputs: PlanInputs, storage: str, first: SourceWeight) -> None:
+    """``--routed-experts keep`` keeps four-bit per-expert routed experts; anything else is refused naming expert 0."""
+    fmt = first.format
+    if not (fmt.keeps_routed and first.scale is not None):
+        kept = ", ".join(f.label for f in REGISTRY if f.keeps_routed)
+        raise inputs.error(
+            f"--routed-experts keep keeps four-bit routed experts ({kept}) as released, but this source's routed "
+            f"experts are {first.fmt}; use --routed-experts fp8",
+            first.weight.info.name,
+        )
+    if storage not in PER_EXPERT_NAMES:
+        raise inputs.error(
+            f"--routed-experts keep needs one tensor per expert and projection; these {fmt.label} experts are stored "
+            f"{storage}",
+            first.weight.info.name,
+        )
 
 
 def _mixed_formats_ok(inputs: PlanInputs, routed: SourceWeight, shared: SourceWeight) -> bool:
@@ -281,13 +323,19 @@ def plan_moe_layer(
                 sw.weight.info.name,
             )
 
+    keep_routed = inputs.options.routed_experts == "keep"
+    if keep_routed:
+        _check_keep_routed(inputs, storage, routed[0][0])
+    if routed[0][0].format.keeps_routed and routed[0][0].scale is not None:
+        _count_routed_bytes(inputs, parts, routed)
+
     slots = list(routed) + [shared] * g.S
     cuts = _slot_cuts(g, H)
     order = (str(gate_info.file), min(sw.weight.info.offset for sw in routed[0]))
     if storage in ("stacked", "stacked_split"):
         shared_modes = _plan_stacked(inputs, parts, _stacked_outputs(P, X, storage, form), g, slots, cuts, fmt, order)
     else:
-        shared_modes = _plan_per_expert(inputs, parts, X, g, storage, slots, cuts)
+        shared_modes = _plan_per_expert(inputs, parts, X, g, storage, slots, cuts, keep_routed)
 
     # Router in float32, bias unchanged, SwiGLU parameters per slot.
     parts.consumed.add(gate_info.name)
@@ -329,7 +377,7 @@ def plan_moe_layer(
             Group([OutputTensor(pname, "F32", (g.E + g.S,))], [ConstantTask(values[key], Target(pname))], order)
         )
 
-    return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash), has_bias
+    return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash, keep_routed), has_bias
 
 
 def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g: Geometry, has_bias: bool) -> bool:

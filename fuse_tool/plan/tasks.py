@@ -217,6 +217,7 @@ class LayerPlan:
     is_mtp: bool
     shared_modes: tuple[str, ...]
     is_hash: bool = False  # expert ids from the layer's token table (DeepSeek-V4 gate.tid2eid)
+    routed_kept: bool = False  # the routed experts copied as released (--routed-experts keep)
 
 
 @dataclass
@@ -232,11 +233,24 @@ class ConversionPlan:
     source_quantization: str
     modules_to_not_convert: list[str]
     notes: list[str] = field(default_factory=list)
+    # Four-bit routed experts' output bytes as FP8 blocks and as released (both 0 for other sources)
+    routed_bytes: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "keep": 0})
+
+    def output_sizes(self) -> dict[str, int]:
+        """The output's total bytes under each ``--routed-experts`` choice, ``{"fp8": n, "keep": n}``, for a source
+        whose routed experts are four-bit (empty for others): this plan's size, and the other choice's."""
+        if not self.routed_bytes["keep"]:
+            return {}
+        mine = self.options.routed_experts
+        other = "fp8" if mine == "keep" else "keep"
+        return {mine: self.total_size, other: self.total_size - self.routed_bytes[mine] + self.routed_bytes[other]}
 
     def options_used(self) -> dict[str, object]:
         """The options that shaped the output, as the summary and the manifest report them: ``--precision source``
         writes no FP8, so the FP8 settings (``other_linear``, ``scale_fmt``) are not among them."""
         used: dict[str, object] = {"precision": self.options.precision}
+        if self.options.routed_experts != "fp8":  # (left out at its default: earlier manifests stay comparable)
+            used["routed_experts"] = self.options.routed_experts
         if self.options.precision == "fp8":
             used.update(other_linear=self.options.other_linear, scale_fmt=self.scale_fmt)
         used["max_shard_size"] = self.options.max_shard_size

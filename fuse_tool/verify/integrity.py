@@ -30,6 +30,7 @@ from typing import Any
 
 from runtime.errors import ModelError
 from runtime.families import MoEArchitecture, check_hidden_size, describe_model, family_for, router_tensor_names
+from runtime.formats import FormatError, stored_weight
 from runtime.layout import (
     CONFIG_KEY,
     WEIGHT_BLOCK,
@@ -185,6 +186,24 @@ def _check_scale(
         raise _fail(f"is a scale but its weight {weight.name} is {weight.dtype}, not FP8", tensors[name].file, name)
 
 
+def _check_routed_four_bit(
+    tensors: dict[str, TensorInfo], name: str, shape: tuple[int, int], block: FusedSharedExperts, why: str
+) -> None:
+    """A routed weight of a LAYOUT v3 block: stored in the block's ``routed_format`` with its group size, every tensor
+    of it checked by that format's module in ``runtime.formats`` (LAYOUT section 7)."""
+    try:
+        stored = stored_weight(tensors, name, shape, block.routed_group_size)
+    except FormatError as e:
+        info = tensors.get(e.tensor)
+        raise _fail(f"{e.message} ({why})", info.file if info else INDEX_NAME, e.tensor) from None
+    if stored.format.name != block.routed_format:
+        raise _fail(
+            f"is stored as {stored.format.name}, but {CONFIG_KEY}.routed_format is {block.routed_format!r} ({why})",
+            stored.data.file,
+            stored.data.name,
+        )
+
+
 def _check_layer_shapes(
     layer: int, names: ExpertTensorNames, block: FusedSharedExperts, tensors: dict[str, TensorInfo], config: dict
 ) -> None:
@@ -249,6 +268,9 @@ def _check_layer_shapes(
         for e in range(n):
             kind = f"{'routed' if e < E else 'fused shared'} expert {e} of E+S = {n}"
             for w, shape in zip(names.per_expert(e), ((I, H), (I, H), (H, I))):
+                if e < E and block.routed_format:  # (v3) kept four-bit, checked by its format module
+                    _check_routed_four_bit(tensors, w, shape, block, kind)
+                    continue
                 t = _want(tensors, w, shape, None, kind)
                 _check_scale(tensors, t, scale_grid(*shape), names.scale_storage)
                 dtypes.add(t.dtype)

@@ -113,6 +113,8 @@ class VerifyResult:
     fp8_experts: bool
     bounds: Bounds
     fp8_linears: bool = False
+    routed_kept: str | None = None  # (LAYOUT v3) the routed experts' four-bit format, kept as released
+    routed_tensors_same: tuple[int, int] = (0, 0)  # (tensors byte for byte the source's, routed tensors compared)
     layers: list[LayerResult] = field(default_factory=list)
     logits_rel: float = float("nan")
     logits_max_abs: float = float("nan")
@@ -186,6 +188,9 @@ def verify_against(
         bounds or default,
         fp8_linear,
     )
+    if conv.block.routed_format:
+        res.routed_kept = conv.block.routed_format
+        res.routed_tensors_same = _routed_tensors_same(conv, orig)
     ids = deterministic_tokens(orig.reader.config, batch, seq_len, seed).to(device)
     moe_layers = set(conv.plan.fused_moe_layers)
     moe_name, shared_name = conv.family.moe_module, conv.family.shared_module
@@ -276,10 +281,32 @@ def verify_against(
     return rescore(res, res.bounds)
 
 
+def _routed_tensors_same(conv, orig) -> tuple[int, int]:
+    """A LAYOUT v3 output's routed-expert tensors (every tensor under ``<experts>.{e}.`` for ``e < E``) against the
+    source's tensors of the same names: (how many are byte for byte the same, how many there are)."""
+    from runtime.layout import converted_moe_layers
+    from runtime.safetensors_io import read_bytes
+
+    E = conv.block.num_routed_experts
+    src = orig.reader.tensors
+    same = total = 0
+    for tn in converted_moe_layers(conv.reader.tensors, conv.reader.config).values():
+        prefix = tn.experts_prefix + "."
+        for name, info in conv.reader.tensors.items():
+            slot = name[len(prefix) :].split(".", 1)[0] if name.startswith(prefix) else ""
+            if slot.isdigit() and int(slot) < E:
+                total += 1
+                same += name in src and src[name].dtype == info.dtype and read_bytes(src[name]) == read_bytes(info)
+    return same, total
+
+
 def _has_fp8_experts(conv) -> bool:
-    """Whether the converted checkpoint's experts are FP8 (probed on its first fused MoE layer)."""
+    """Whether the converted checkpoint's experts are FP8 (probed on its first fused MoE layer; a LAYOUT v3 block's
+    shared slots are, and its routed slots run on FP8 activations)."""
     from runtime.layout import moe_layer_tensors
 
+    if conv.block.routed_format:
+        return True
     names = conv.reader.weight_map
     layers = moe_layer_tensors(names)
     for layer in sorted(layers):
@@ -301,12 +328,19 @@ def _adds_fp8_linears(conv, orig) -> bool:
     return False
 
 
+def _experts_words(r: VerifyResult) -> str:
+    if r.routed_kept:
+        return f"routed {r.routed_kept} as released + shared FP8"
+    return "FP8" if r.fp8_experts else "not FP8"
+
+
 def format_result(r: VerifyResult) -> str:
     b = r.bounds
     lines = [
         f"verify {r.out_dir}",
         f"  against {r.model_dir} ({r.family}), {r.tokens[0]}x{r.tokens[1]} tokens (seed {r.seed}), {r.dtype}, "
-        f"experts {'FP8' if r.fp8_experts else 'not FP8'}, non-expert linears {'FP8 (dequantized)' if r.fp8_linears else 'as in the source'}",
+        f"experts {_experts_words(r)}, "
+        f"non-expert linears {'FP8 (dequantized)' if r.fp8_linears else 'as in the source'}",
         f"{'layer':>6}  {'kind':<5}  {'moe rel err':>11}  {'moe max abs':>11}  {'layer rel err':>13}",
     ]
     fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
@@ -322,6 +356,12 @@ def format_result(r: VerifyResult) -> str:
     lines.append(
         f"tolerance ({b.why}): MoE rel err <= {b.moe_rel:g}, logits rel err <= {b.logits_rel:g}, top-1 >= {b.min_top1:g}"
     )
+    if r.routed_kept:
+        same, total = r.routed_tensors_same
+        lines.append(
+            f"routed experts kept {r.routed_kept}: {same:,} of {total:,} tensors byte for byte the source's"
+            + (" (exact)" if same == total else "")
+        )
     if r.passed:
         lines.append("PASS")
     else:
@@ -424,4 +464,7 @@ def rescore(res: VerifyResult, bounds: Bounds) -> VerifyResult:
         out.failures.append(f"final logits rel err {out.logits_rel:.3e} > {bounds.logits_rel:g}")
     if not out.top1 >= bounds.min_top1:
         out.failures.append(f"top-1 agreement {out.top1:.4f} < {bounds.min_top1:g}")
+    same, total = out.routed_tensors_same
+    if out.routed_kept and same != total:
+        out.failures.append(f"{total - same} of {total} kept routed-expert tensors differ from the source's")
     return out

@@ -107,6 +107,7 @@ def conversion_inputs(plan, headers: dict[str, bytes], device: str) -> dict[str,
         "layout_version": LAYOUT_VERSION,
         "options": {
             "precision": opts.precision,
+            "routed_experts": opts.routed_experts,
             "other_linear": opts.other_linear,
             "scale_fmt": plan.scale_fmt,
             "max_shard_size": opts.max_shard_size,

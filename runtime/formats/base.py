@@ -9,7 +9,8 @@ values, and companions such as scales), their dtypes and shapes. Each format say
 - how it becomes FP8 e4m3 with 128x128 block scales: bytes kept (``keeps_blocks``), dequantized rows quantized
   (:meth:`WeightFormat.dequantize_rows`), or, for formats converted whole (``whole_only``), rows converted with a
   measurement of what was not exact (:meth:`WeightFormat.to_fp8_rows`);
-- how it is copied unchanged (``keeps_bytes``).
+- how it is copied unchanged (``keeps_bytes``), and whether routed experts stored so may stay as released beside FP8
+  shared slots (``keeps_routed``: ``convert --routed-experts keep``; :meth:`WeightFormat.kept_tensors` names them).
 
 This package needs only torch and ``runtime`` (the converter asks it; it never imports the converter).
 """
@@ -118,7 +119,8 @@ class WeightFormat:
     description: ClassVar[str] = ""  # the manifest's words for a measured conversion's source
     keeps_bytes: ClassVar[bool] = False  # --precision source copies it unchanged
     keeps_blocks: ClassVar[bool] = False  # already FP8 128x128 blocks: bytes (and scales) copied into an FP8 output
-    whole_only: ClassVar[bool] = False  # converted whole by to_fp8_rows, never cut or kept
+    whole_only: ClassVar[bool] = False  # converted whole by to_fp8_rows, never cut
+    keeps_routed: ClassVar[bool] = False  # --routed-experts keep copies routed experts stored so unchanged (four-bit)
     fp8_scale_dtype: ClassVar[str] = "F32"  # the dtype of the block scales to_fp8_rows makes
     measurement: ClassVar[type | None] = None
     declared_as: ClassVar[str] = (
@@ -175,6 +177,20 @@ class WeightFormat:
     def weight_stored_in(self, tensors: Mapping[str, TensorInfo], name: str) -> str | None:
         """The weight that tensor ``name`` stores part of, where this format stores a weight under other names."""
         return None
+
+    def kept_tensors(self, stored: StoredWeight, name: str, out_name: str) -> tuple[tuple[TensorInfo, str], ...]:
+        """Every tensor that stores weight ``name`` (``X.weight``), with the name it gets when the weight is copied
+        unchanged as ``out_name``: each keeps its suffix after the module (``X.``), so ``X.scale``,
+        ``X.weight_packed``, ``X.weight_scale``, ``X.weight_shape`` follow the weight."""
+        module, out_module = name[: -len("weight")], out_name[: -len("weight")]
+        out = []
+        for info in (stored.data, stored.scale, *stored.companions):
+            if info is None:
+                continue
+            if not info.name.startswith(module):
+                raise FormatError(f"is stored outside its weight's module {module[:-1]!r}", info.name)
+            out.append((info, out_module + info.name[len(module) :]))
+        return tuple(out)
 
     def to_fp8_rows(
         self, data: torch.Tensor, scales: torch.Tensor, stored: StoredWeight, scale_fmt: str

@@ -40,6 +40,7 @@ class Int4PackQuantized(WeightFormat):
     label = "INT4"
     description = "int4 pack-quantized (compressed-tensors)"
     whole_only = True
+    keeps_routed = True
     measurement = RequantizationError
     declared_as = f"compressed-tensors INT4 '{PACK_QUANTIZED}'"
 

@@ -23,6 +23,7 @@ class MXFP4(WeightFormat):
     label = "MXFP4"
     description = "mxfp4 (e2m1 codes, E8M0 scales per 32 inputs)"
     whole_only = True
+    keeps_routed = True
     fp8_scale_dtype = E8M0_DTYPE_CODE
     measurement = BlockExactness
 

@@ -244,3 +244,45 @@ MODELS = {
     "MiniMax-M3": (6144, 3072, 128, 1, 4, 1, 1, 1.0, True),
     "Kimi-K2": (7168, 2048, 384, 1, 8, 1, 1, 2.827, False),  # DeepSeek-V3's expert shape, 384 routed experts
 }
+
+
+def random_four_bit_experts(E, H, I, fmt, gen=None, span=4, group=32, device="cpu"):
+    """Routed experts as a release stores them, unit-ish output scale, made on ``device`` (``gen`` a generator there):
+    ``fmt`` "mxfp4" (random e2m1 bytes, E8M0 group scales spread over ``span`` powers of two below
+    2^-7 / sqrt(H / 256): LAYOUT section 4's rule holds while ``span <= 8``) or "int4" (random words, BF16 group scales
+    of ``group`` inputs)."""
+    from runtime.moe import FourBitExperts
+
+    kw = dict(generator=gen, device=device)
+
+    def mx(rows, cols):
+        codes = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, **kw)
+        top = 127 - 7 - round(math.log2(math.sqrt(cols / 256)))
+        scales = (top - torch.randint(0, span + 1, (E, rows, cols // 32), **kw)).to(torch.uint8)
+        return codes, scales
+
+    def i4(rows, cols):
+        words = torch.randint(-(2**31), 2**31 - 1, (E, rows, cols // 8), dtype=torch.int32, **kw)
+        scales = ((torch.rand(E, rows, cols // group, **kw) + 0.5) / (4 * math.sqrt(cols))).to(torch.bfloat16)
+        return words, scales
+
+    make = mx if fmt == "mxfp4" else i4
+    gu, gus = make(2 * I, H)
+    dn, dns = make(H, I)
+    return FourBitExperts(fmt, gu, gus, dn, dns, 32 if fmt == "mxfp4" else group)
+
+
+def random_mixed_experts(E, S, H, I, fmt, gen=None, span=4, oai=False, device="cpu"):
+    """:class:`runtime.moe.MixedExpertWeights`: E four-bit routed slots (:func:`random_four_bit_experts`) and S FP8
+    shared slots (:func:`random_experts`); SwiGLU-OAI parameters on every slot when ``oai``."""
+    from runtime.moe import MixedExpertWeights
+
+    shared = random_experts(S, H, I, fp8=True, gen=gen)
+    act = {}
+    if oai:
+        act = dict(
+            gemm1_alpha=torch.full((E + S,), 1.702),
+            gemm1_beta=torch.ones(E + S),
+            gemm1_clamp_limit=torch.cat([torch.full((E,), 0.5), torch.full((S,), 0.7)]),
+        )
+    return MixedExpertWeights(random_four_bit_experts(E, H, I, fmt, gen, span), shared, **act).to(device)

@@ -1,0 +1,188 @@
+"""Mixed slots (LAYOUT v3, issue 23): four-bit routed slots (MXFP4, INT4) beside FP8 shared slots. The PyTorch reference
+against independent float64 math on the exact four-bit values, and the Triton kernel (interpreter on CPU) against the
+reference at small shapes."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from runtime import ExpertWeights, fused_moe
+from runtime._backend import triton_available
+from runtime.moe import FourBitExperts, MixedExpertWeights
+from runtime.mxfp4 import e8m0_to_float, mxfp4_to_fp8_blocks
+
+from rt_helpers import random_experts, random_ids, random_mixed_experts
+from runtime.fp8 import dequantize_block_fp8
+from test_moe import _q64, rel
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def independent_weight(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """One stored four-bit matrix in float64, element by element from the formats' descriptions (LAYOUT section 7)."""
+    if fmt == "mxfp4":
+        b = codes.to(torch.int64)
+        vals = torch.tensor(E2M1, dtype=torch.float64)[torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)]
+        return vals * (2.0 ** (scales.to(torch.float64) - 127)).repeat_interleave(32, 1)
+    w = codes.to(torch.int64) & 0xFFFFFFFF
+    q = torch.stack([(w >> (4 * i)) & 15 for i in range(8)], -1).reshape(w.shape[0], -1) - 8
+    return q.double() * scales.double().repeat_interleave(q.shape[1] // scales.shape[1], 1)
+
+
+def independent_mixed(x, ew, ids, w):
+    """Token by token, slot by slot, float64: FP8 activations (test_moe's _q64), exact four-bit routed weights."""
+    E, I = ew.num_routed_experts, ew.intermediate_size  # noqa: E741
+    r, fmt = ew.routed, ew.routed.format
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xs = _q64(x.double())
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < E:
+                gu = independent_weight(r.gate_up[e], r.gate_up_scale[e], fmt)
+                d = independent_weight(r.down[e], r.down_scale[e], fmt)
+            else:
+                sh = ew.shared
+                gu = torch.cat(
+                    [
+                        dequantize_block_fp8(sh.gate_up[e - E, p], sh.gate_up_scale[e - E, q])
+                        for p, q in ((slice(0, I), slice(0, I // 128)), (slice(I, None), slice(I // 128, None)))
+                    ]
+                ).double()
+                d = dequantize_block_fp8(sh.down[e - E], sh.down_scale[e - E]).double()
+            a, b, lim = float(ew.gemm1_alpha[e]), float(ew.gemm1_beta[e]), float(ew.gemm1_clamp_limit[e])
+            gv, uv = (gu[:I] @ xs[t]).clamp(max=lim), (gu[I:] @ xs[t]).clamp(-lim, lim)
+            h = _q64((gv * torch.sigmoid(a * gv) * (uv + b))[None])[0]
+            out[t] += float(w[t, k]) * (d @ h)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_reference_matches_independent_float64(fmt):
+    """The reference's routed slots are the exact four-bit values: independent float64 math on the stored codes
+    agrees to float32 rounding (FP8 activations both ways)."""
+    g = torch.Generator().manual_seed(3)
+    ew = random_mixed_experts(5, 1, 256, 128, fmt, gen=g, oai=True)
+    x = torch.randn(7, 256, generator=g)
+    ids = random_ids(7, 3, 5, gen=g)
+    ids[:, 2] = 5
+    w = torch.rand(7, 3, generator=g)
+    y = fused_moe(x, ew, ids, w, backend="torch")
+    assert rel(y, independent_mixed(x, ew, ids, w)) < 2e-3
+
+
+def test_four_bit_values_are_the_releases():
+    """MXFP4 and INT4 slots dequantize by runtime.mxfp4 / runtime.int4 (the converter's readers), byte for byte of the
+    stored codes: e.g. byte 0x71 is (0.5, 6.0) times 2^(s-127); word 0x0000000F is q = 7 then seven q = -8."""
+    mx = FourBitExperts(
+        "mxfp4",
+        torch.full((1, 64, 128), 0x71, dtype=torch.uint8),
+        torch.full((1, 64, 8), 126, dtype=torch.uint8),
+        torch.zeros(1, 256, 16, dtype=torch.uint8),
+        torch.full((1, 256, 1), 127, dtype=torch.uint8),
+        32,
+    )
+    w13, w2 = mx.dequantized(0)
+    assert w13.shape == (64, 256) and w13[0, :4].tolist() == [0.25, 3.0, 0.25, 3.0] and w2.shape == (256, 32)
+    i4 = FourBitExperts(
+        "int4",
+        torch.full((1, 64, 32), 0xF, dtype=torch.int32),
+        torch.full((1, 64, 8), 0.5, dtype=torch.bfloat16),
+        torch.zeros(1, 256, 4, dtype=torch.int32),
+        torch.ones(1, 256, 1, dtype=torch.bfloat16),
+        32,
+    )
+    w13, w2 = i4.dequantized(0)
+    assert w13[0, :9].tolist() == [3.5] + [-4.0] * 7 + [3.5] and w2.unique().tolist() == [-8.0]
+
+
+def test_shapes_and_formats_are_checked():
+    g = torch.Generator().manual_seed(0)
+    ew = random_mixed_experts(3, 1, 256, 128, "mxfp4", gen=g)
+    with pytest.raises(ValueError, match="MXFP4 has 32 inputs per scale"):
+        dataclasses.replace(ew.routed, group=64)
+    with pytest.raises(ValueError, match="down_scale is"):
+        dataclasses.replace(ew.routed, down_scale=ew.routed.down_scale[:, :, :1])
+    with pytest.raises(ValueError, match="do not fit together"):
+        MixedExpertWeights(ew.routed, random_experts(1, 512, 128, gen=g))
+    with pytest.raises(ValueError, match="must be FP8"):
+        MixedExpertWeights(ew.routed, random_experts(1, 256, 128, fp8=False, gen=g))
+    with pytest.raises(ValueError, match="four-bit format"):
+        dataclasses.replace(ew.routed, format="nvfp4")
+
+
+CASES = [
+    # format, E, S, T, KS, span, valid tokens, tiles[, H, I]
+    ("mxfp4", 4, 1, 6, 3, 4, None, None, 192, 96),  # H and I not multiples of 128: partial K blocks and h groups
+    ("int4", 4, 1, 5, 3, 0, None, dict(swap_ab=False), 160, 96),
+    ("mxfp4", 4, 1, 1, 3, 4, None, None),  # one token: no alignment, each pair its own M block
+    ("mxfp4", 6, 1, 9, 3, 8, None, None),  # the rule's edge (span 2^8): still exact
+    ("mxfp4", 5, 2, 7, 4, 4, 5, dict(swap_ab=False)),  # two shared slots, padding rows, unswapped MMA
+    ("mxfp4", 4, 1, 40, 3, 4, None, dict(block_m=32)),  # several M blocks per slot
+    ("int4", 4, 1, 1, 3, 0, None, None),
+    ("int4", 5, 2, 9, 4, 0, 6, dict(swap_ab=False)),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-E{c[1]}S{c[2]}T{c[3]}KS{c[4]}")
+def test_triton_matches_reference(case):
+    fmt, E, S, T, KS, span, nv, tiles, H, I = case if len(case) == 10 else (*case, 256, 128)  # noqa: E741
+    g = torch.Generator().manual_seed(E * 100 + T)
+    ew = random_mixed_experts(E, S, H, I, fmt, gen=g, span=span, oai=T % 2 == 0)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.cat([random_ids(T, KS - S, E, gen=g), torch.arange(E, E + S, dtype=torch.int32).expand(T, S)], 1)
+    w = torch.cat([torch.rand(T, KS - S, generator=g), torch.ones(T, S)], 1)
+    num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
+    ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+    fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=tiles, out=out)
+    assert not torch.isnan(out).any()
+    if nv is not None:
+        assert torch.all(out[nv:] == 0)
+    assert rel(out, ref) < 2e-3, rel(out, ref)
+
+
+@needs_triton
+def test_mixed_kernel_matches_the_fp8_kernel_on_the_exact_fp8_conversion():
+    """Where LAYOUT section 4's rule holds per 128x128 block, the FP8 conversion of MXFP4 experts is exact, so the FP8
+    kernel on the converted slots and the mixed kernel on the four-bit ones compute the same products."""
+    g = torch.Generator().manual_seed(12)
+    ew = random_mixed_experts(4, 1, 256, 128, "mxfp4", gen=g, span=8)
+    r, sh = ew.routed, ew.shared
+    conv = [
+        mxfp4_to_fp8_blocks(t[e], s[e])
+        for t, s in ((r.gate_up, r.gate_up_scale), (r.down, r.down_scale))
+        for e in range(4)
+    ]
+    assert all(bool(c[3].all()) for c in conv), "every block within the rule: exact"
+    gu, dn = conv[:4], conv[4:]
+    fp8 = ExpertWeights(
+        torch.cat([torch.stack([c[0] for c in gu]), sh.gate_up]),
+        torch.cat([torch.stack([c[0] for c in dn]), sh.down]),
+        torch.cat([e8m0_to_float(torch.stack([c[1] for c in gu])), sh.gate_up_scale]),
+        torch.cat([e8m0_to_float(torch.stack([c[1] for c in dn])), sh.down_scale]),
+    )
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    ids = torch.cat([random_ids(6, 2, 4, gen=g), torch.full((6, 1), 4, dtype=torch.int32)], 1)
+    w = torch.cat([torch.rand(6, 2, generator=g), torch.ones(6, 1)], 1)
+    a = fused_moe(x, ew, ids, w, backend="triton")
+    b = fused_moe(x, fp8, ids, w, backend="triton")
+    assert rel(a, b) < 2e-3
+    assert rel(fused_moe(x, ew, ids, w, backend="torch"), fused_moe(x, fp8, ids, w, backend="torch")) < 1e-5
+
+
+@needs_triton
+def test_mxfp4_outside_the_rule_rounds_like_the_fp8_conversion():
+    """Group scales spread over 2^12 within 128 inputs of a row: the smallest groups' values round on the e4m3 grid in
+    the kernel (at most 2^-10 of the row's largest scale each), so the result stays close to the exact reference."""
+    g = torch.Generator().manual_seed(21)
+    ew = random_mixed_experts(4, 1, 256, 128, "mxfp4", gen=g, span=12)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    ids = torch.cat([random_ids(5, 2, 4, gen=g), torch.full((5, 1), 4, dtype=torch.int32)], 1)
+    w = torch.cat([torch.rand(5, 2, generator=g), torch.ones(5, 1)], 1)
+    assert rel(fused_moe(x, ew, ids, w, backend="triton"), fused_moe(x, ew, ids, w, backend="torch")) < 1e-2
