@@ -97,6 +97,11 @@ class ModelFolder:
         t = bytes_to_tensor(read_bytes(info), info.dtype, info.shape)
         return t.to(device) if torch.device(device).type != "cpu" else t
 
+    def e8m0_bytes(self, name: str) -> torch.Tensor:
+        """An ``F8_E8M0`` tensor's raw bytes as uint8 (torch's loader does not take that dtype)."""
+        info = self._info(name)
+        return bytes_to_tensor(read_bytes(info), "U8", info.shape)
+
     def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
         if info is None:

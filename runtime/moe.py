@@ -28,9 +28,8 @@ from .formats.fp8_block import read_block_scales
 from .fp8 import FP8_DTYPE
 from .int4 import dequantize_int4
 from .mxfp4 import dequantize_mxfp4
-from .layout import ACTIVATIONS, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
+from .layout import ACTIVATIONS, E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
 from .routing import RoutingConfig, check_hash_table, route
-from .safetensors_io import bytes_to_tensor, read_bytes
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -415,9 +414,9 @@ class _Checkpoint(ModelFolder):
                 f"{self.path}: {name} is stored as {stored.format.name}, but the block's routed_format is "
                 f"{block.routed_format!r}"
             )
-        raw = lambda info: bytes_to_tensor(read_bytes(info), "U8", info.shape).to(device)  # noqa: E731
-        if block.routed_format == "mxfp4":
-            return raw(stored.data), raw(stored.scale)
+        # MXFP4 codes come as the release's I8/U8 bytes (FourBitExperts views them as uint8); E8M0 scales as raw bytes
+        if stored.scale.dtype == E8M0_DTYPE_CODE:
+            return self.get(stored.data.name, device), self.e8m0_bytes(stored.scale.name).to(device)
         return self.get(stored.data.name, device), self.get(stored.scale.name, device)
 
     def _mixed_experts(self, layer: int, names, device) -> "MixedExpertWeights":

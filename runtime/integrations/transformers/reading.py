@@ -9,7 +9,6 @@ from ...checkpoint import ModelFolder
 from ...formats import FormatError, combined_weights, recognise
 from ...formats.base import FP8_DTYPES
 from ...layout import SCALE_SUFFIX, LayoutError
-from ...safetensors_io import bytes_to_tensor, read_bytes
 
 
 class ShardReader(ModelFolder):
@@ -45,11 +44,6 @@ class ShardReader(ModelFolder):
             or self.dtype(name).startswith(("F", "BF"))
             or recognise(self.tensors, name) is not None
         )
-
-    def e8m0_bytes(self, name: str) -> torch.Tensor:
-        """An ``F8_E8M0`` tensor's raw bytes as uint8 (torch's loader does not take that dtype)."""
-        info = self._info(name)
-        return bytes_to_tensor(read_bytes(info), "U8", info.shape)
 
     def read_float(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         """Tensor ``name`` in ``dtype`` on ``device``, read by its weight format (``runtime.formats``)."""
