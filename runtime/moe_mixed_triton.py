@@ -39,11 +39,10 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting, next_pow2
-from .fp8 import FP8_DTYPE
-from .moe_triton import _Launches, _align, _alloc, _quant_fp8, _quantize_rows, _round_e4m3, _sum_kernel, _swiglu
+from .moe_triton import _align, _alloc, _Launches, _quantize_rows, _round_e4m3, _sum_kernel
 
 FORMAT_CODES = {"mxfp4": 0, "int4": 1}
-MIXED_TILE_KEYS = ("block_m", "block_n", "swap_ab", "num_warps", "num_stages")
+MIXED_TILE_KEYS = ("block_m", "block_n", "gemm1_split_k", "gemm2_split_k", "swap_ab", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -62,34 +61,6 @@ def _to_e4m3(v, INTERP: tl.constexpr):
     if INTERP:  # the interpreter's float32 -> fp8 cast does not round to nearest: round on the e4m3 grid first
         v = _round_e4m3(v)
     return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _pow2_of_e8m0(b):
-    """E8M0 bytes (int32 0..254) as float32 ``2^(b-127)`` (bits built directly: exact, 0 the subnormal 2^-127)."""
-    bits = tl.where(b == 0, 1 << 22, b << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, INTERP: tl.constexpr):
-    """One ``[BN, 128]`` MXFP4 tile as e4m3 and its per-row scale ``[BN]``: ``w_ptrs`` ``[BN, 64]`` packed bytes,
-    ``s_ptrs`` ``[BN, 4]`` E8M0 group scales. Code ``c`` (sign bit 3, exponent bits 1-2, mantissa bit 0) is
-    ``e2m1(c) * 2^(g - gmax)``, built as float32 bits and cast once."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    g = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)  # [BN, 4]
-    gmax = tl.max(g, axis=1)
-    codes = tl.join(packed & 15, packed >> 4)  # [BN, 64, 2]: input 2k (low nibble), 2k + 1
-    exp = (codes >> 1) & 3
-    man = codes & 1
-    # e2m1 magnitude: exp 0 -> 0.5 * man; else 2^(exp - 1) * (1 + man / 2): float32 exponent field exp + 126
-    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
-    bits = bits | ((codes & 8) << 28)  # the sign
-    vals = tl.reshape(bits.to(tl.float32, bitcast=True), (BN, 4, 32))
-    d = g - gmax[:, None]  # <= 0; below -126 every value of the group is far below e4m3's smallest step anyway
-    shift = tl.where(d >= -126, (d + 127) << 23, 0).to(tl.float32, bitcast=True)
-    vals = tl.reshape(vals * shift[:, :, None], (BN, 128))
-    return _to_e4m3(vals, INTERP), _pow2_of_e8m0(gmax)
 
 
 @triton.jit
@@ -112,18 +83,13 @@ def _mixed_gemm_kernel(
     s_ptr,
     s_scale_ptr,
     c_ptr,
-    c_scale_ptr,
     sorted_ptr,
     expert_ids_ptr,
     total_ptr,
     topk_w_ptr,
-    alpha_ptr,
-    beta_ptr,
-    limit_ptr,
     N,
     K,
     numel,
-    num_pid_m,
     num_routed,
     num_slots,
     up_row,
@@ -139,28 +105,28 @@ def _mixed_gemm_kernel(
     stride_sse,
     stride_ssn,
     stride_cm,
-    stride_csm,
+    c_split_stride,
     FMT: tl.constexpr,
     GROUP: tl.constexpr,
     KSTEP: tl.constexpr,
     A_DIV: tl.constexpr,
-    GATED: tl.constexpr,
     MUL_W: tl.constexpr,
     SWAP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     NAIVE: tl.constexpr,
     HAS_NVALID: tl.constexpr,
     INTERP: tl.constexpr,
-    POST_CLAMP: tl.constexpr,
 ):
-    """One (M block, N tile) of a grouped GEMM over mixed slots. ``a`` FP8 ``[rows, K]`` with 1x128 scales; routed
-    weights ``r`` (packed, ``FMT`` 0 MXFP4 bytes / 1 INT4 words, per row) with scales ``r_scale`` (E8M0 bytes per 32 /
-    float per ``GROUP`` inputs); shared weights ``s`` FP8 ``[S, rows, K]`` with 128x128 scales ``s_scale``. GATED: gate
-    rows ``n`` and up rows ``up_row + n`` in one program, SwiGLU, FP8 h and one scale per row (BN == 128) into
-    ``c`` / ``c_scale``; else float32 ``c``, times the routing weight with MUL_W. NAIVE (one token): M block ``m`` is
-    pair ``m``, its slot ``sorted_ptr[m]``."""
+    """One (M block, N tile, K split) of a grouped GEMM over mixed slots, float32 ``c[split, pair, n]`` (times the
+    routing weight with MUL_W). ``a`` FP8 ``[rows, K]`` with 1x128 scales; routed weights ``r`` (``FMT`` 0: MXFP4 bytes,
+    1: INT4 words, per row) with scales ``r_scale`` (E8M0 bytes per 32 / float per ``GROUP`` inputs); shared weights
+    ``s`` FP8 ``[S, N, K]`` with 128x128 scales ``s_scale``, whose rows from ``up_row`` on (GEMM1's up half) take
+    their scales from row ``up_scale_row``. NAIVE (one token): M block ``m`` is pair ``m``, its slot
+    ``sorted_ptr[m]``."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
@@ -183,94 +149,91 @@ def _mixed_gemm_kernel(
     n_mask = offs_n < N
     a_base = a_ptr + a_row[:, None] * stride_am
     if SWAP:
-        acc_g = tl.zeros([BN, BM], tl.float32)
-        acc_u = tl.zeros([BN, BM], tl.float32)
+        acc = tl.zeros([BN, BM], tl.float32)
     else:
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
+        acc = tl.zeros([BM, BN], tl.float32)
     if e < num_routed:
-        rg = r_ptr + e * stride_re + offs_n[:, None].to(tl.int64) * stride_rn
-        ru = r_ptr + e * stride_re + (up_row + offs_n[:, None]).to(tl.int64) * stride_rn
-        sg = r_scale_ptr + e * stride_rse + offs_n[:, None].to(tl.int64) * stride_rsn
-        su = r_scale_ptr + e * stride_rse + (up_row + offs_n[:, None]).to(tl.int64) * stride_rsn
+        r_row = r_ptr + e * stride_re + offs_n[:, None].to(tl.int64) * stride_rn
+        rs_row = r_scale_ptr + e * stride_rse + offs_n[:, None].to(tl.int64) * stride_rsn
         if FMT == 0:
-            for kb in range(0, tl.cdiv(K, 128)):
+            nk = tl.cdiv(K, 128)
+            per = tl.cdiv(nk, SPLIT_K)
+            j = tl.arange(0, 64)
+            for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
                 offs_k = kb * 128 + tl.arange(0, 128)
                 a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
                 a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
-                wk = kb * 64 + tl.arange(0, 64)[None, :]
-                gk = kb * 4 + tl.arange(0, 4)[None, :]
-                # past K (a last block of 32 or 64 inputs): codes 0 and scales 0, which add nothing
-                wmask, smask = n_mask[:, None] & (2 * wk < K), n_mask[:, None] & (32 * gk < K)
-                b, b_s = _mxfp4_tile(rg + wk, sg + gk, wmask, smask, BN, INTERP)
-                acc_g = _dot_scaled(acc_g, a, b, a_s, b_s, SWAP)
-                if GATED:
-                    b, b_s = _mxfp4_tile(ru + wk, su + gk, wmask, smask, BN, INTERP)
-                    acc_u = _dot_scaled(acc_u, a, b, a_s, b_s, SWAP)
+                # past K (a last block of 32 or 64 inputs): codes 0, which add nothing
+                wk = kb * 64 + j
+                w_ok = (2 * wk < K)[None, :]
+                sc = tl.load(rs_row + (kb * 4 + tl.arange(0, 4))[None, :], mask=n_mask[:, None], other=127)
+                if SWAP:
+                    w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & w_ok, other=0)
+                    t = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "e4m3")
+                    acc += t * a_s[None, :]
+                else:
+                    w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & w_ok, other=0)
+                    t = tl.dot_scaled(a, None, "e4m3", tl.trans(w), sc, "e2m1")
+                    acc += t * a_s[:, None]
         else:
-            for ks in range(0, tl.cdiv(K, KSTEP)):
+            nk = tl.cdiv(K, KSTEP)
+            per = tl.cdiv(nk, SPLIT_K)
+            for ks in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
                 offs_k = ks * KSTEP + tl.arange(0, KSTEP)
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                k_ok = (offs_k < K)[None, :]
+                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
                 a_s = tl.load(a_scale_ptr + a_row * stride_asm + (ks * KSTEP) // 128, mask=m_mask, other=0.0)
-                wk = ks * (KSTEP // 8) + tl.arange(0, KSTEP // 8)[None, :]
-                gk = (ks * KSTEP) // GROUP
-                wmask = n_mask[:, None] & (8 * wk < K)  # past K: activations 0, whatever the codes
-                b = _int4_tile(rg + wk, wmask, BN, KSTEP, INTERP)
-                b_s = tl.load(sg + gk, mask=n_mask[:, None], other=0.0).to(tl.float32)
-                acc_g = _dot_scaled(acc_g, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
-                if GATED:
-                    b = _int4_tile(ru + wk, wmask, BN, KSTEP, INTERP)
-                    b_s = tl.load(su + gk, mask=n_mask[:, None], other=0.0).to(tl.float32)
-                    acc_u = _dot_scaled(acc_u, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
+                wk = ks * (KSTEP // 8) + tl.arange(0, KSTEP // 8)
+                b = _int4_tile(r_row + wk[None, :], n_mask[:, None] & (8 * wk < K)[None, :], BN, KSTEP, INTERP)
+                b_s = tl.load(rs_row + (ks * KSTEP) // GROUP, mask=n_mask[:, None], other=0.0).to(tl.float32)
+                acc = _dot_scaled(acc, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
     else:
-        j = e - num_routed
-        bg = s_ptr + j * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-        bu = s_ptr + j * stride_se + (up_row + offs_n[:, None]).to(tl.int64) * stride_sn
-        sg = s_scale_ptr + j * stride_sse + (offs_n // 128) * stride_ssn
-        su = s_scale_ptr + j * stride_sse + (up_scale_row + offs_n // 128) * stride_ssn
-        for kb in range(0, tl.cdiv(K, 128)):
+        sl = e - num_routed
+        w_row = s_ptr + sl * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+        scale_row = tl.where(offs_n < up_row, offs_n // 128, up_scale_row + (offs_n - up_row) // 128)
+        ws_row = s_scale_ptr + sl * stride_sse + scale_row * stride_ssn
+        nk = tl.cdiv(K, 128)
+        per = tl.cdiv(nk, SPLIT_K)
+        for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
             offs_k = kb * 128 + tl.arange(0, 128)
-            k_mask = (offs_k < K)[None, :]
-            a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+            k_ok = (offs_k < K)[None, :]
+            a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
             a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
-            b = tl.load(bg + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
-            b_s = tl.load(sg + kb, mask=n_mask, other=0.0)
-            acc_g = _dot_scaled(acc_g, a, b, a_s, b_s, SWAP)
-            if GATED:
-                b = tl.load(bu + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
-                b_s = tl.load(su + kb, mask=n_mask, other=0.0)
-                acc_u = _dot_scaled(acc_u, a, b, a_s, b_s, SWAP)
+            b = tl.load(w_row + offs_k[None, :], mask=n_mask[:, None] & k_ok, other=0.0)
+            b_s = tl.load(ws_row + kb, mask=n_mask, other=0.0)
+            acc = _dot_scaled(acc, a, b, a_s, b_s, SWAP)
     if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
-    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    cmask = m_mask[:, None] & n_mask[None, :]
-    if GATED:
-        out = _swiglu(acc_g, acc_u, tl.load(alpha_ptr + e), tl.load(beta_ptr + e), tl.load(limit_ptr + e), POST_CLAMP)
-        q, s = _quant_fp8(tl.where(n_mask[None, :], out, 0.0), INTERP)
-        tl.store(c_ptrs, q, mask=cmask)
-        tl.store(c_scale_ptr + pair.to(tl.int64) * stride_csm + pid_n, s, mask=m_mask)
-    else:
-        out = acc_g
-        if MUL_W:
-            out = out * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
-        tl.store(c_ptrs, out, mask=cmask)
+        acc = tl.trans(acc)
+    if MUL_W:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=m_mask, other=0.0)[:, None]
+    c_ptrs = c_ptr + pid_k * c_split_stride + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 def mixed_tile_config(num_tokens: int, slots_per_token: int, num_slots: int, overrides=None) -> dict:
     """Tiles for one call: ``block_m`` from the mean pairs per slot (one token: 16), the weight tile in the MMA's M
-    dimension (``swap_ab``) while ``block_m`` is small. ``block_n`` is 128 (GEMM1's epilogue quantizes h by 128
-    columns). Not tuned on a card yet: ``benchmarks/bench_mixed_moe.py`` measures it; ``overrides`` replace keys of
-    :data:`MIXED_TILE_KEYS`."""
+    dimension (``swap_ab``) while ``block_m`` is small, K split over several programs (``gemm1_split_k``,
+    ``gemm2_split_k``) while there are few M blocks. Chosen on the H200 by ``benchmarks/bench_mixed_moe.py``
+    (docs/benchmarks.md); ``overrides`` replace keys of :data:`MIXED_TILE_KEYS`."""
     mean = num_tokens * slots_per_token / num_slots
     bm = 16 if num_tokens == 1 else min(128, max(16, next_pow2(int(mean))))
-    cfg = {"block_m": bm, "block_n": 128, "swap_ab": bm <= 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 3}
+    few = num_tokens * slots_per_token <= 64
+    cfg = {
+        "block_m": bm,
+        "block_n": 64 if bm <= 32 else 128,
+        "gemm1_split_k": 2 if few else 1,
+        "gemm2_split_k": 1,
+        "swap_ab": bm <= 32,
+        "num_warps": 4 if bm <= 64 else 8,
+        "num_stages": 3,
+    }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
             raise ValueError(f"unknown mixed tile config key {k!r} (known: {', '.join(MIXED_TILE_KEYS)})")
         cfg[k] = v
-    if cfg["block_n"] != 128:
-        raise ValueError("block_n must be 128 for mixed slots (h is quantized per 128 columns in GEMM1's epilogue)")
+    for k in ("block_n", "gemm1_split_k", "gemm2_split_k"):
+        if not isinstance(cfg[k], int) or cfg[k] < 1 or (k == "block_n" and cfg[k] not in (16, 32, 64, 128, 256)):
+            raise ValueError(f"mixed tile config {k} must be a positive int (block_n a power of two, 16..256)")
     return cfg
 
 
@@ -281,7 +244,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     T, H = x.shape
     KS = ids.shape[1]
     routed, shared = experts.routed, experts.shared
-    I, E, NE = experts.intermediate_size, experts.num_routed_experts, experts.num_expert_slots  # noqa: E741
+    I, E, NE = experts.intermediate_size, experts.num_routed_experts, experts.num_expert_slots
     if H % 32 or I % 32:
         raise ValueError(f"mixed slots need H and I multiples of 32, got H {H}, I {I}")
     if out is None:
@@ -303,11 +266,6 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         sorted_ids, expert_ids, bound, num_pid_m = ids_c, ids_c, num_valid_tokens if has_nv else ids_c, numel
     else:
         sorted_ids, expert_ids, bound, num_pid_m = _align(launch, ids_c, num_valid_tokens, numel, KS, NE, BM)
-    xq, xs = _quantize_rows(launch, x, T, H, x.stride(0), x.stride(1))
-    h = _alloc((numel, I), FP8_DTYPE, x)
-    h_s = _alloc((numel, triton.cdiv(I, 128)), torch.float32, x)
-    c = _alloc((1, numel, H), torch.float32, x)
-    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     common = dict(
         FMT=FORMAT_CODES[routed.format],
         GROUP=routed.group,
@@ -318,47 +276,35 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         NAIVE=naive,
         HAS_NVALID=has_nv,
         INTERP=interp,
-        POST_CLAMP=experts.post_clamp,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    for gemm in (1, 2):
-        gated = gemm == 1
-        a, a_s = (xq, xs) if gated else (h, h_s)
+
+    def gemm(a, a_s, weights, N, K, split, up_row, up_scale_row, A_DIV, MUL_W):
         # the kernel steps along K with unit stride: each tensor's last dimension contiguous (a no-op as loaded)
-        r, rs, w, ws = (
-            t.contiguous()
-            for t in (
-                (routed.gate_up, routed.gate_up_scale, shared.gate_up, shared.gate_up_scale)
-                if gated
-                else (routed.down, routed.down_scale, shared.down, shared.down_scale)
-            )
-        )
-        N, K = (I, H) if gated else (H, I)
+        r, rs, w, ws = (t.contiguous() for t in weights)
+        c = _alloc((split, numel, N), torch.float32, x)
         launch(
             _mixed_gemm_kernel,
-            (num_pid_m * triton.cdiv(N, BN),),
+            (num_pid_m * triton.cdiv(N, BN), split),
             a,
             a_s,
             r,
             rs,
             w,
             ws,
-            h if gated else c,
-            h_s if gated else c,
+            c,
             sorted_ids,
             expert_ids,
             bound,
             w_c,
-            *act,
             N,
             K,
             numel,
-            num_pid_m,
             E,
             NE,
-            I if gated else 0,
-            triton.cdiv(I, 128) if gated else 0,
+            up_row,
+            up_scale_row,
             a.stride(0),
             a_s.stride(0),
             r.stride(0),
@@ -369,13 +315,46 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             w.stride(1),
             ws.stride(0),
             ws.stride(1),
-            h.stride(0) if gated else c.stride(1),
-            h_s.stride(0),
-            A_DIV=KS if gated else 1,
-            GATED=gated,
-            MUL_W=not gated,
+            c.stride(1),
+            c.stride(0),
+            SPLIT_K=split,
+            A_DIV=A_DIV,
+            MUL_W=MUL_W,
             **common,
         )
+        return c
+
+    xq, xs = _quantize_rows(launch, x, T, H, x.stride(0), x.stride(1))
+    # GEMM1 over gate | up (2I rows), then one launch sums its K splits, applies each slot's SwiGLU and quantizes h
+    # per 128 columns (the FP8 path's own kernel); a split K keeps every SM busy when few tokens leave few M blocks.
+    split1 = cfg["gemm1_split_k"]
+    c1 = gemm(
+        xq,
+        xs,
+        (routed.gate_up, routed.gate_up_scale, shared.gate_up, shared.gate_up_scale),
+        2 * I,
+        H,
+        split1,
+        I,
+        triton.cdiv(I, 128),
+        KS,
+        False,
+    )
+    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
+    h, h_s = _quantize_rows(
+        launch,
+        c1,
+        numel,
+        I,
+        2 * I,
+        1,
+        split_stride=numel * 2 * I,
+        swiglu_splits=split1,
+        slots=(ids_c.view(-1), act, NE),
+        post_clamp=experts.post_clamp,
+    )
+    split2 = cfg["gemm2_split_k"]
+    c = gemm(h, h_s, (routed.down, routed.down_scale, shared.down, shared.down_scale), H, I, split2, H, 0, 1, True)
     BH = min(1024 if T > 64 else 256, next_pow2(H))
     launch(
         _sum_kernel,
@@ -390,7 +369,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         numel * H,
         T * H,
         KS=KS,
-        SPLITS=1,
+        SPLITS=split2,
         HAS_NVALID=has_nv,
         BH=BH,
         INTERP=interp,

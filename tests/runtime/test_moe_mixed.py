@@ -125,6 +125,11 @@ CASES = [
     ("mxfp4", 4, 1, 40, 3, 4, None, dict(block_m=32)),  # several M blocks per slot
     ("int4", 4, 1, 1, 3, 0, None, None),
     ("int4", 5, 2, 9, 4, 0, 6, dict(swap_ab=False)),
+    ("mxfp4", 4, 1, 5, 3, 11, None, None),  # a row's groups span 2^11: the folded codes' exact edge
+    ("mxfp4", 4, 1, 5, 3, 16, None, None),  # beyond it the smallest codes round on the e4m3 grid, as the reference
+    # K split over programs (partial sums added by the SwiGLU and slot-sum launches), narrow weight tiles
+    ("mxfp4", 4, 1, 1, 3, 4, None, dict(gemm1_split_k=3, gemm2_split_k=2, block_n=32), 384, 96),
+    ("int4", 4, 2, 7, 4, 0, 5, dict(gemm1_split_k=2, gemm2_split_k=3, block_n=128, swap_ab=False), 192, 160),
 ]
 
 
