@@ -212,8 +212,8 @@ def modality_rows(E: int = 384, tokens=(1, 4096)):
             same = (got[0] == ref[0]).all(dim=1)
             assert (~same).sum().item() <= T // 1000, (label, T)  # an exact near-tie may flip (GPU exp)
             assert torch.allclose(got[1][same], ref[1][same], rtol=1e-5, atol=1e-6), (label, T)
-            f_tr = lambda b=bias, m=modality, o=(ids, w): route(logits, b, cfg, out=o, modality=m)  # noqa: E731
-            f_pt = lambda b=bias, m=modality: route(logits, b, cfg, backend="torch", modality=m)  # noqa: E731
+            f_tr = lambda z=logits, b=bias, m=modality, o=(ids, w): route(z, b, cfg, out=o, modality=m)  # noqa: E731
+            f_pt = lambda z=logits, b=bias, m=modality: route(z, b, cfg, backend="torch", modality=m)  # noqa: E731
             r = dict(
                 model="DeepSeek-V4.1",
                 bias=label,
