@@ -1,10 +1,11 @@
 """Routing benchmark: the fused Triton router against eager PyTorch routing as transformers computes it.
 
-    python3 benchmarks/bench_routing.py [--out results.json] [--variants]
+    python3 benchmarks/bench_routing.py [--out results.json] [--variants | --modality]
 
 Times per call: in a CUDA graph of REPS calls (device time) and eagerly (what a Python loop sees). ``--variants``:
 instead, every selection scheme of the kernel (``routing_triton.select_modes``) with 1, 2 and 4 warps at T = 1,
-each checked against the PyTorch reference (ids equal, weights to 1e-5) before it is timed.
+each checked against the PyTorch reference (ids equal, weights to 1e-5) before it is timed. ``--modality``: only
+DeepSeek-V4.1's routing by modality (a [2, E] bias stack, E = 384, sqrtsoftplus) against the plain [E] bias.
 """
 
 from __future__ import annotations
@@ -57,7 +58,15 @@ def main():
     ap.add_argument("--variants", action="store_true", help="time the kernel's variants at T = 1 instead")
     ap.add_argument("--select", default=None, help="with --variants: only these SELECT schemes, e.g. 4")
     ap.add_argument("--warps", default="1,2,4", help="with --variants: the num_warps to try")
+    ap.add_argument("--modality", action="store_true", help="time routing by modality (DeepSeek-V4.1) alone")
     args = ap.parse_args()
+    if args.modality:
+        print(versions())
+        rows = modality_rows()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(info=versions(), rows=rows), f, indent=1)
+        return
     if args.variants:
         rows = variant_rows(
             selects=args.select and {int(v) for v in args.select.split(",")},
@@ -96,6 +105,7 @@ def main():
                 flush=True,
             )
     rows += v4_rows()
+    rows += modality_rows()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info=versions(), rows=rows), f, indent=1)
@@ -176,6 +186,47 @@ def v4_rows(vocab: int = 129280):
                     f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f}",
                     flush=True,
                 )
+    return rows
+
+
+def modality_rows(E: int = 384, tokens=(1, 4096)):
+    """DeepSeek-V4.1 decoder layers (E = 384, top-6, sqrtsoftplus, rsf 1.5): the plain ``[E]`` bias against the
+    ``[2, E]`` stack picked per token by a bool or int32 modality (half the tokens in an image span), Triton and the
+    PyTorch reference in a CUDA graph, each checked against the reference first."""
+    cfg = RoutingConfig(E, 6, 1, "sqrtsoftplus", 1, 1, True, 1.5)
+    rows = []
+    print(f"{'DeepSeek-V4.1':18} {'bias':12} {'T':>5} | {'triton graph':>12} {'torch graph':>11} {'x':>5}")
+    for T in tokens:
+        logits = torch.randn(T, E, device="cuda")
+        stack = torch.randn(2, E, device="cuda") * 0.05
+        image = torch.rand(T, device="cuda") < 0.5
+        for label, bias, modality in (
+            ("[E]", stack[0], None),
+            ("[2,E] bool", stack, image),
+            ("[2,E] int32", stack, image.to(torch.int32)),
+        ):
+            ids = torch.empty(T, cfg.slots_per_token, dtype=torch.int32, device="cuda")
+            w = torch.empty(T, cfg.slots_per_token, dtype=torch.float32, device="cuda")
+            ref = route(logits, bias, cfg, backend="torch", modality=modality)
+            got = route(logits, bias, cfg, out=(ids, w), modality=modality)
+            same = (got[0] == ref[0]).all(dim=1)
+            assert (~same).sum().item() <= T // 1000, (label, T)  # an exact near-tie may flip (GPU exp)
+            assert torch.allclose(got[1][same], ref[1][same], rtol=1e-5, atol=1e-6), (label, T)
+            f_tr = lambda z=logits, b=bias, m=modality, o=(ids, w): route(z, b, cfg, out=o, modality=m)  # noqa: E731
+            f_pt = lambda z=logits, b=bias, m=modality: route(z, b, cfg, backend="torch", modality=m)  # noqa: E731
+            r = dict(
+                model="DeepSeek-V4.1",
+                bias=label,
+                T=T,
+                triton_graph_us=graph_time_us(lambda f=f_tr: [f() for _ in range(REPS)], REPS, 7, 1),
+                torch_graph_us=graph_time_us(lambda f=f_pt: [f() for _ in range(REPS)], REPS, 5, 1),
+            )
+            rows.append(r)
+            print(
+                f"{'DeepSeek-V4.1':18} {label:12} {T:5d} | {r['triton_graph_us']:12.2f} {r['torch_graph_us']:11.2f} "
+                f"{r['torch_graph_us'] / r['triton_graph_us']:5.1f}",
+                flush=True,
+            )
     return rows
 
 

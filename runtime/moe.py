@@ -4,6 +4,7 @@
     y = fused_moe(x, experts, ids, weights)          # x [T, H] -> [T, H], x's dtype
     moe = FusedSharedMoE.from_checkpoint(path, layer) # router GEMM + route + fused_moe
     y = moe(x, token_ids=input_ids)                   # hash-routed layers (DeepSeek-V4) need the token ids
+    y = moe(x, modality=in_image_span)                # a bias per modality (DeepSeek-V4.1): [T] bool/int rows
 
 Block scales load as float32 whether stored as float32 ``_scale_inv`` or as DeepSeek-V4's E8M0
 ``.scale`` (``2^(b-127)``); MTP blocks under ``mtp.N.`` are layer ``num_hidden_layers + N``.
@@ -29,7 +30,7 @@ from .fp8 import FP8_DTYPE
 from .int4 import dequantize_int4
 from .mxfp4 import dequantize_mxfp4
 from .layout import ACTIVATIONS, E8M0_DTYPE_CODE, WEIGHT_BLOCK, LayoutError, converted_moe_layers, read_config_block
-from .routing import RoutingConfig, check_hash_table, route
+from .routing import RoutingConfig, check_hash_table, check_selection_bias, route
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -534,11 +535,20 @@ def route_rows(
     x: torch.Tensor,
     num_valid_tokens: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    modality: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing half of a MoE block's forward: ``x`` ``[..., H]`` as rows ``h`` ``[T, H]``, and :func:`route`'s
     ``ids`` / ``weights`` ``[T, K+S]`` from the float32 router GEMM. ``moe`` has ``cfg``, ``router_weight``,
-    ``e_score_correction_bias``, ``tid2eid`` and ``backend`` (:class:`FusedSharedMoE`, or one rank's share of it)."""
+    ``e_score_correction_bias``, ``tid2eid`` and ``backend`` (:class:`FusedSharedMoE`, or one rank's share of it).
+    ``modality`` (one value per row of ``x``) picks each row's row of a stacked ``[M, E]`` bias; None routes every
+    row with row 0 (text)."""
     h = x.reshape(-1, x.shape[-1])
+    bias = moe.e_score_correction_bias
+    if modality is None:
+        if bias is not None and bias.dim() == 2:
+            bias = bias[0]  # every token text
+    elif not moe.cfg.hash_routed:
+        modality = modality.reshape(-1).to(h.device)
     if moe.cfg.hash_routed:
         if token_ids is None:
             raise ValueError(
@@ -551,12 +561,13 @@ def route_rows(
     logits = torch.nn.functional.linear(h.to(torch.float32), moe.router_weight)
     ids, w = route(
         logits,
-        moe.e_score_correction_bias,
+        bias,
         moe.cfg,
         num_valid_tokens,
         backend=moe.backend,
         token_ids=token_ids,
         tid2eid=moe.tid2eid,
+        modality=modality,
     )
     return h, ids, w
 
@@ -566,6 +577,10 @@ class FusedSharedMoE(torch.nn.Module):
 
     A hash-routed layer (``cfg.hash_routed``, DeepSeek-V4's first layers) holds its ``tid2eid``
     ``[vocab, K]`` table (checked once here) and must be called with the token ids of ``x``'s rows.
+
+    ``bias`` is the selection bias ``[E]`` (``[1, E]`` as ERNIE-4.5 stores it), or a stack ``[M, E]`` of one
+    bias per modality (DeepSeek-V4.1: row 0 ``gate.bias`` for text, row 1 ``gate.bias_vl`` inside an image span),
+    float32 or cast to it; None for none.
     """
 
     def __init__(
@@ -590,6 +605,8 @@ class FusedSharedMoE(torch.nn.Module):
             check_hash_table(tid2eid, cfg.num_experts, cfg.top_k)
         elif tid2eid is not None:
             raise ValueError("tid2eid given for a score-routed layer")
+        if bias is not None:
+            check_selection_bias(bias, cfg.num_experts)
         self.experts = experts
         self.cfg = cfg
         self.backend = backend
@@ -609,10 +626,24 @@ class FusedSharedMoE(torch.nn.Module):
         return self
 
     def forward(
-        self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        num_valid_tokens: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        modality: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[..., H]``; ``token_ids`` (hash layers only, required there): one id per row of ``x``, same order."""
-        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)
+        """``x`` ``[..., H]`` -> ``[..., H]`` (x's dtype).
+
+        Args:
+            x: activations, any leading shape.
+            num_valid_tokens: optional one-element integer tensor; rows of ``x`` at or past it are padding.
+            token_ids: hash layers only (required there): one id per row of ``x``, same order.
+            modality: a layer with a stacked ``[M, E]`` bias only (DeepSeek-V4.1's text and image biases): one
+                int32/int64/bool value per row of ``x``, same order, the bias row of that token (True/1 inside an
+                image span). None (the default) routes every token as text (row 0). Ignored by hash layers;
+                refused with an ``[E]`` bias or none (see :func:`runtime.route`).
+        """
+        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids, modality)
         return fused_moe(
             h,
             self.experts,

@@ -3,6 +3,9 @@
     cfg = RoutingConfig(num_experts=256, top_k=8, num_fused_shared_experts=1, n_group=8, topk_group=4)
     ids, weights = route(logits, bias, cfg)      # [T, K+S] int32, [T, K+S] float32
 
+    # a bias per modality (DeepSeek-V4.1: gate.bias for text, gate.bias_vl inside an image span)
+    ids, weights = route(logits, torch.stack([bias, bias_vl]), cfg, modality=in_image_span)  # [2, E], [T] bool
+
     # a hash-routed layer (DeepSeek-V4's first layers): ids from the token table
     cfg = RoutingConfig.from_config(block, layer=0)   # hash_routed=True where layer 0 is in hash_layers
     ids, weights = route(logits, None, cfg, token_ids=input_ids.reshape(-1), tid2eid=table)
@@ -27,11 +30,11 @@ from .layout import (
     FusedSharedExperts,
     LayoutError,
     find_config_block,
-    selection_bias_shapes,
 )
 
 MAX_EXPERTS = 512
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_MODALITY_DTYPES = (torch.int32, torch.int64, torch.bool)
 
 
 @dataclass(frozen=True)
@@ -168,14 +171,14 @@ class RoutingConfig:
         )
 
 
-def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid) -> None:
+def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid, modality) -> None:
     E = cfg.num_experts
     if logits.dim() != 2 or logits.shape[1] != E:
         raise ValueError(f"logits must be [T, {E}], got {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
-    if bias is not None and tuple(bias.shape) not in selection_bias_shapes(E):
-        raise ValueError(f"bias must be [{E}] (or [1, {E}], as ERNIE-4.5 stores it), got {tuple(bias.shape)}")
+    if bias is not None:
+        check_selection_bias(bias, E)
     if num_valid_tokens is not None and (num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point()):
         raise ValueError(
             f"num_valid_tokens must be a one-element integer tensor, got {num_valid_tokens.dtype} {tuple(num_valid_tokens.shape)}"
@@ -186,6 +189,7 @@ def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid) -
                 "tid2eid given for a score-routed layer (cfg.hash_routed is False): "
                 "build the config with RoutingConfig.from_config(block, layer=...)"
             )
+        _check_modality_args(logits, bias, modality)
         return
     if token_ids is None or tid2eid is None:
         missing = " and ".join(n for n, v in (("token_ids", token_ids), ("tid2eid", tid2eid)) if v is None)
@@ -210,6 +214,65 @@ def _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid) -
     if token_ids.device != logits.device or tid2eid.device != logits.device:
         raise ValueError(
             f"token_ids ({token_ids.device}) and tid2eid ({tid2eid.device}) must be on the logits' device ({logits.device})"
+        )
+
+
+def check_selection_bias(bias: torch.Tensor, num_experts: int) -> None:
+    """Refuse a selection bias that is neither ``[E]`` nor a stack ``[M, E]`` (M >= 1) of one bias per modality.
+
+    Raises:
+        ValueError naming ``bias`` and its shape.
+    """
+    E = num_experts
+    if not (bias.dim() in (1, 2) and bias.shape[-1:] == (E,) and bias.numel()):
+        raise ValueError(
+            f"bias must be [{E}] or [M, {E}] (one selection bias per modality; [1, {E}] as ERNIE-4.5 stores it), "
+            f"got {tuple(bias.shape)}"
+        )
+
+
+def _check_modality_args(logits, bias, modality) -> None:
+    """A stacked ``[M, E]`` bias (M > 1) and ``modality`` come together; shape, dtype and device of ``modality``."""
+    rows = 0 if bias is None or bias.dim() == 1 else bias.shape[0]
+    if modality is None:
+        if rows > 1:
+            raise ValueError(
+                f"bias is a stack of {rows} selection biases [{rows}, {bias.shape[1]}] (one per modality) and needs "
+                "modality= (the row of each token: 0 text, 1 inside an image span)"
+            )
+        return
+    if rows == 0:
+        shape = "None" if bias is None else f"[{bias.shape[0]}]"
+        raise ValueError(f"modality given but bias is {shape}: modality picks a row of a stacked [M, E] bias")
+    T = logits.shape[0]
+    if modality.dtype not in _MODALITY_DTYPES or modality.numel() != T:
+        raise ValueError(
+            f"modality must hold T = {T} int32/int64/bool values (one per logits row), "
+            f"got {modality.dtype} {tuple(modality.shape)}"
+        )
+    if modality.device != logits.device:
+        raise ValueError(f"modality ({modality.device}) must be on the logits' device ({logits.device})")
+
+
+def check_modality(modality: torch.Tensor, num_rows: int) -> None:
+    """Refuse a modality vector with a value that is not a row of an ``[M, E]`` bias stack.
+
+    Args:
+        modality: ``T`` int32/int64/bool values.
+        num_rows: M, the rows of the bias stack; every value must lie in ``[0, M)``.
+
+    Raises:
+        ValueError naming the first bad entry. (Reads the values on the host: for an integer tensor on a GPU that is
+        a sync; bool values with M >= 2 are always in range and are not read.)
+    """
+    if modality.dtype == torch.bool and num_rows >= 2:
+        return
+    flat = modality.reshape(-1)
+    bad = ((flat < 0) | (flat >= num_rows)).nonzero()
+    if len(bad):
+        t = int(bad[0])
+        raise ValueError(
+            f"modality[{t}] = {int(flat[t])} is not a row of the [{num_rows}, E] bias stack ({len(bad)} such entries)"
         )
 
 
@@ -246,12 +309,13 @@ def route(
     *,
     token_ids: torch.Tensor | None = None,
     tid2eid: torch.Tensor | None = None,
+    modality: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids and weights of every token: K routed slots, then S shared slots (LAYOUT section 5).
 
-    Score-routed layers: ``s = score(logits)``, choice ``c = s + bias``, group-limited top-K of
-    ``c`` (ties to the lowest index), weights from the unbiased ``s`` (renormalized when
-    ``cfg.renormalize``) times rsf. Hash-routed layers (``cfg.hash_routed``): the K ids are
+    Score-routed layers: ``s = score(logits)``, choice ``c = s + bias`` (``s + bias[modality[t]]`` with a bias
+    stack), group-limited top-K of ``c`` (ties to the lowest index), weights from the unbiased ``s`` (renormalized
+    when ``cfg.renormalize``) times rsf. Hash-routed layers (``cfg.hash_routed``): the K ids are
     ``tid2eid[token_ids[t]]``; weights are the same unbiased scores of those ids, always
     renormalized, times rsf. Then ids ``E..E+S-1`` with weight exactly 1.0.
 
@@ -259,7 +323,9 @@ def route(
         logits: ``[T, E]`` router logits, any float dtype (computed in float32; LAYOUT asks for
             float32 logits from the float32 router weight).
         bias: ``[E]`` selection bias (float32 or cast to it) or None; ``[1, E]`` (ERNIE-4.5's
-            ``moe_statics.e_score_correction_bias``, kept as stored) is the same. Ignored by hash layers.
+            ``moe_statics.e_score_correction_bias``, kept as stored) is the same. ``[M, E]``: a stack of
+            selection biases, one row per modality (DeepSeek-V4.1: row 0 ``gate.bias`` for text, row 1
+            ``gate.bias_vl`` inside an image span), picked per token by ``modality``. Ignored by hash layers.
         cfg: the layer's :class:`RoutingConfig`.
         num_valid_tokens: one-element integer device tensor or None; rows at or past it are
             padding: id -1 and weight 0 in every slot, not routed, tokens not read (no host sync:
@@ -271,23 +337,40 @@ def route(
             with T elements, flattened in the row order of ``logits`` (e.g. ``input_ids.reshape(-1)``).
         tid2eid: hash layers only: the layer's ``gate.tid2eid``, ``[vocab, K]`` int32/int64, on the
             logits' device.
+        modality: with an ``[M, E]`` bias only (required there when M > 1; ignored by hash layers): ``T``
+            int32/int64/bool values on the logits' device, any shape with T elements, in the row order of
+            ``logits``: the bias row of each token (bool: True = row 1, inside an image span). With M = 1 or
+            all-zero values the result is bit-identical to routing with ``bias[0]``.
 
     Returns:
         ``(ids, weights)``: ``[T, K+S]`` int32 and ``[T, K+S]`` float32.
 
     Raises:
         ValueError: wrong shapes or dtypes; a hash layer called without ``token_ids`` or
-            ``tid2eid`` (never a fallback to score routing); ``tid2eid`` passed to a score-routed layer.
+            ``tid2eid`` (never a fallback to score routing); ``tid2eid`` passed to a score-routed layer;
+            an ``[M, E]`` bias (M > 1) without ``modality``, ``modality`` without a stacked bias, or a
+            ``modality`` value outside ``[0, M)`` (:func:`check_modality`).
         RuntimeError: ``backend="triton"`` where Triton cannot run.
 
     Out-of-range token ids: a row whose token id is outside ``[0, vocab)``, or whose table row holds
     an expert id outside ``[0, E)``, is not an error here (checking would need a host sync): it comes
     out as a padding row (id -1, weight 0 in all K+S slots), so that token's MoE output is zero and
     nothing out of bounds is read. Use :func:`check_hash_table` once at load to refuse a bad table.
+
+    Modality values are read on the host (a sync for integer values on a GPU; bool values with M >= 2 need no
+    read) except while a CUDA graph is being captured, where a sync cannot happen: there a value outside
+    ``[0, M)`` comes out as a padding row, as a bad token id does.
     """
-    _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid)
-    if bias is not None and bias.dim() != 1:
-        bias = bias.reshape(-1)
+    _check_route_args(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid, modality)
+    if cfg.hash_routed or bias is None:
+        modality = None
+    if modality is None:
+        if bias is not None and bias.dim() != 1:
+            bias = bias.reshape(-1)  # [1, E]
+    else:
+        modality = modality.reshape(-1)
+        if not (modality.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_modality(modality, bias.shape[0])
     if not cfg.hash_routed:
         token_ids = None
     elif token_ids.dim() != 1:
@@ -295,10 +378,10 @@ def route(
     if resolve_backend(backend, logits) == "triton":
         from .routing_triton import route_triton
 
-        return route_triton(logits, bias, cfg, num_valid_tokens, out, token_ids, tid2eid)
+        return route_triton(logits, bias, cfg, num_valid_tokens, out, token_ids, tid2eid, modality=modality)
     from .routing_reference import route_reference
 
-    ids, w = route_reference(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid)
+    ids, w = route_reference(logits, bias, cfg, num_valid_tokens, token_ids, tid2eid, modality)
     if out is not None:
         out[0].copy_(ids)
         out[1].copy_(w)

@@ -51,8 +51,18 @@ def _hash_ids(token_ids: torch.Tensor, tid2eid: torch.Tensor, E: int) -> tuple[t
     return rows.clamp(0, E - 1), ok
 
 
-def route_reference(logits, bias, cfg, num_valid_tokens=None, token_ids=None, tid2eid=None):
-    """Reference routing; same contract as :func:`runtime.routing.route`."""
+def _bias_rows(bias: torch.Tensor, modality: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bias [T, E] float32: row modality[t] of the [M, E] stack, row_ok [T] bool)``; a value outside ``[0, M)``
+    reads row 0 and is not ok (a padding row, see :func:`runtime.routing.route`)."""
+    m = modality.reshape(-1).to(torch.int64)
+    M = bias.shape[0]
+    ok = (m >= 0) & (m < M)
+    return bias.to(torch.float32)[m.clamp(0, M - 1)], ok
+
+
+def route_reference(logits, bias, cfg, num_valid_tokens=None, token_ids=None, tid2eid=None, modality=None):
+    """Reference routing; same contract as :func:`runtime.routing.route` (``bias`` ``[E]``, or ``[M, E]`` with
+    ``modality``)."""
     T, E = logits.shape
     K, S, G = cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group
     z = logits.to(torch.float32)
@@ -61,7 +71,11 @@ def route_reference(logits, bias, cfg, num_valid_tokens=None, token_ids=None, ti
     if cfg.hash_routed:
         idx, row_ok = _hash_ids(token_ids, tid2eid, E)
     else:
-        c = s + bias.to(torch.float32) if bias is not None else s
+        if modality is not None:
+            b, row_ok = _bias_rows(bias, modality)
+        else:
+            b = bias.to(torch.float32) if bias is not None else None
+        c = s + b if b is not None else s
         if G > 1:
             c = _group_mask(c, G, cfg.topk_group, cfg.group_top2(bias is not None))
         idx = _stable_topk_indices(c, K)

@@ -2,7 +2,8 @@
 
 Scores are sigmoid, softmax or sqrt(softplus); groups are ranked by their top-2 sum or their max;
 weights are renormalized as ``w / (sum + eps)`` or ``w / max(sum, eps)``. A hash-routed layer
-(``HASH``) reads its K ids from the token table instead of selecting, in the same launch.
+(``HASH``) reads its K ids from the token table instead of selecting, in the same launch. With a stack of selection
+biases (``HAS_MODALITY``, DeepSeek-V4.1's text and image biases) each row adds the bias row its modality names.
 
 One program per token row. The ``E`` experts are laid out as a ``[GP, GSP]`` tile
 (groups x experts per group, both padded to powers of two and masked), so any ``E <= 512``
@@ -61,9 +62,12 @@ def _route_kernel(
     nvalid_ptr,
     tok_ptr,
     table_ptr,
+    mod_ptr,
     stride_lt,
     stride_le,
     stride_tok,
+    stride_mod,
+    bias_rows,
     stride_tv,
     stride_tk,
     vocab,
@@ -84,6 +88,7 @@ def _route_kernel(
     RENORM: tl.constexpr,
     HASH: tl.constexpr,
     HAS_NVALID: tl.constexpr,
+    HAS_MODALITY: tl.constexpr = False,
     SELECT: tl.constexpr = 0,
     TGP: tl.constexpr = 1,
     KP: tl.constexpr = 1,
@@ -132,7 +137,14 @@ def _route_kernel(
         else:
             s = _scores(z, SCORING)
         if HAS_BIAS:
-            c = s + tl.load(bias_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
+            if HAS_MODALITY:
+                # the row's bias: row modality[t] of the [bias_rows, E] stack; a value outside it makes a padding row
+                mrow = tl.load(mod_ptr + row * stride_mod).to(tl.int64)
+                mod_ok = (mrow >= 0) & (mrow < bias_rows)
+                row_bias_ptr = bias_ptr + tl.where(mod_ok, mrow, 0) * E
+            else:
+                row_bias_ptr = bias_ptr
+            c = s + tl.load(row_bias_ptr + e_idx, mask=valid, other=0.0).to(tl.float32)
         else:
             c = s
         packed = tl.where(valid, _pack(c, e_idx), NEG)
@@ -207,6 +219,9 @@ def _route_kernel(
     if HASH:
         ids = tl.where(row_ok, ids, -1)
         w = tl.where(row_ok, w, 0.0)
+    elif HAS_MODALITY:
+        ids = tl.where(mod_ok, ids, -1)
+        w = tl.where(mod_ok, w, 0.0)
     tl.store(out_ids, ids, mask=kmask)
     tl.store(out_w, w, mask=kmask)
 
@@ -281,9 +296,12 @@ def select_modes(n_group: int, K: int, S: int) -> tuple[int, ...]:
     return modes
 
 
-def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None, launch=None):
-    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` already 1-D). ``launch``
-    overrides the kernel's ``SELECT`` (one of :func:`select_modes`) or ``num_warps`` (benchmarks compare them)."""
+def route_triton(
+    logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=None, tid2eid=None, launch=None, modality=None
+):
+    """Triton routing; same contract as :func:`runtime.routing.route` (``token_ids`` and ``modality`` already 1-D;
+    ``bias`` ``[E]``, or ``[M, E]`` with ``modality``). ``launch`` overrides the kernel's ``SELECT`` (one of
+    :func:`select_modes`) or ``num_warps`` (benchmarks compare them)."""
     T, E = logits.shape
     KS = cfg.slots_per_token
     if out is not None:
@@ -326,6 +344,11 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
         meta = dict(meta, **launch)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.to(torch.float32)
+    if bias is not None and not bias.is_contiguous():  # the kernel reads bias row m at m * E + e
+        bias = bias.contiguous()
+    by_modality = modality is not None and bias is not None and not hashed
+    if by_modality and modality.dtype == torch.bool:
+        modality = modality.view(torch.uint8)
     _route_kernel[(T,)](
         logits,
         bias if bias is not None and not hashed else logits,
@@ -334,15 +357,19 @@ def route_triton(logits, bias, cfg, num_valid_tokens=None, out=None, token_ids=N
         num_valid_tokens if num_valid_tokens is not None else ids,
         token_ids if hashed else ids,
         tid2eid if hashed else ids,
+        modality if by_modality else ids,
         logits.stride(0),
         logits.stride(1),
         token_ids.stride(0) if hashed else 0,
+        modality.stride(0) if by_modality else 0,
+        bias.shape[0] if by_modality else 1,
         tid2eid.stride(0) if hashed else 0,
         tid2eid.stride(1) if hashed else 0,
         tid2eid.shape[0] if hashed else 0,
         float(cfg.routed_scaling_factor),
         float(cfg.renormalize_eps),
         HAS_NVALID=num_valid_tokens is not None,
+        HAS_MODALITY=by_modality,
         **meta,
     )
     return ids, w

@@ -487,3 +487,37 @@ def test_shared_slots_as_dense_gemms(shared, tiles):
     assert torch.all(out[T - 4 :] == 0) and rel(out[: T - 4], ref[: T - 4]) < 6e-3
     with pytest.raises(ValueError, match="shared_slots"):
         fused_moe(x, ew, ids, w, backend="triton", shared_slots=K + shared + 1)
+
+
+def test_layer_with_a_bias_per_modality():
+    """A layer whose selection bias is a [2, E] stack (DeepSeek-V4.1: text, image span): ``modality`` picks each
+    token's row, None routes every token as text (row 0); routing and output as route() + fused_moe give them."""
+    from runtime import FusedSharedMoE, RoutingConfig, route
+
+    E, K, S, H, I, T = 16, 3, 1, 64, 32, 6
+    g = torch.Generator().manual_seed(41)
+    experts = random_experts(E + S, H, I, fp8=False, dtype=torch.float32, gen=g)
+    router = torch.randn(E, H, generator=g) / math.sqrt(H)
+    stack = torch.randn(2, E, generator=g)  # large enough that the image rows choose other experts
+    cfg = RoutingConfig(E, K, S, "sqrtsoftplus", routed_scaling_factor=1.5)
+    moe = FusedSharedMoE(experts, router, stack, cfg, backend="torch")
+    text = FusedSharedMoE(experts, router, stack[0], cfg, backend="torch")
+    x = torch.randn(2, T // 2, H, generator=g)
+    image = torch.tensor([[False, True, True], [False, False, True]])
+
+    def expected(modality):
+        ids, w = route(x.reshape(T, H) @ router.T, stack, cfg, backend="torch", modality=modality.reshape(-1))
+        return fused_moe(x.reshape(T, H), experts, ids, w, backend="torch").reshape(x.shape)
+
+    assert torch.equal(moe(x), text(x))  # default: every token text
+    assert torch.equal(moe(x, modality=torch.zeros(2, 3, dtype=torch.int64)), text(x))
+    got = moe(x, modality=image)
+    assert torch.equal(got, expected(image))
+    torch.testing.assert_close(got[~image], text(x)[~image])  # (the same experts; other rows batched beside them)
+    assert not torch.allclose(got[image], text(x)[image]), "the image tokens are routed by gate.bias_vl's row"
+    with pytest.raises(ValueError, match="modality must hold T = 6"):
+        moe(x, modality=image[0])
+    with pytest.raises(ValueError, match=r"modality given but bias is \[16\]"):
+        text(x, modality=image)
+    with pytest.raises(ValueError, match=r"bias must be \[16\] or \[M, 16\]"):
+        FusedSharedMoE(experts, router, torch.zeros(2, E + 1), cfg)

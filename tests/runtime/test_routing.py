@@ -415,3 +415,126 @@ def test_from_config_hash_layers_need_the_layer():
     assert not cfg.hash_routed and cfg.scoring == "sqrtsoftplus" and cfg.routed_scaling_factor == 1.5
     with pytest.raises(ValueError, match="layer 7 is not a MoE layer"):
         RoutingConfig.from_config(block, layer=7)
+
+
+def _modality_inputs(E, T, seed, dtype=torch.int64):
+    """Logits, a [2, E] bias stack whose rows differ enough to change the choice, and mixed modalities (text rows
+    and image-span rows, the first row text and the second image)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    stack = torch.randn(2, E, generator=g) * 0.5
+    modality = torch.randint(0, 2, (T,), generator=g)
+    modality[:2] = torch.tensor([0, 1])
+    return logits, stack, modality.to(dtype)
+
+
+MODALITY_CASES = [
+    # E, K, scoring, n_group, topk_group
+    (256, 6, "sqrtsoftplus", 1, 1),  # DeepSeek-V4-Flash geometry
+    (384, 6, "sqrtsoftplus", 1, 1),  # DeepSeek-V4.1-Flash decoder layers
+    (256, 8, "sigmoid", 8, 4),
+    (384, 8, "sigmoid", 1, 1),
+    (256, 6, "sqrtsoftplus", 8, 4),
+    (384, 8, "sigmoid", 8, 4),
+]
+
+
+@pytest.mark.parametrize("E,K,scoring,G,TG", MODALITY_CASES)
+def test_modality_reference_matches_naive(E, K, scoring, G, TG):
+    """Each row is chosen with its own modality's bias row; weights stay the unbiased scores."""
+    cfg = RoutingConfig(E, K, 1, scoring, G, TG, routed_scaling_factor=1.5)
+    logits, stack, modality = _modality_inputs(E, 6, seed=E + K)
+    ids, w = route(logits, stack, cfg, backend="torch", modality=modality)
+    for t, m in enumerate(modality.tolist()):
+        nid, nw = naive_route(logits[t : t + 1], stack[m], cfg)
+        assert torch.equal(ids[t : t + 1], nid), t
+        torch.testing.assert_close(w[t : t + 1].double(), nw, rtol=1e-5, atol=1e-7)
+    text_only = route(logits, stack[0], cfg, backend="torch")[0]
+    assert not torch.equal(ids[modality == 1], text_only[modality == 1]), "the image rows chose by their own bias"
+
+
+@needs_triton
+@pytest.mark.parametrize("E,K,scoring,G,TG", MODALITY_CASES)
+def test_modality_triton_matches_reference(E, K, scoring, G, TG):
+    dtype = (torch.int64, torch.int32, torch.bool)[MODALITY_CASES.index((E, K, scoring, G, TG)) % 3]
+    cfg = RoutingConfig(E, K, 1, scoring, G, TG, routed_scaling_factor=1.5)
+    T = 7
+    logits, stack, modality = _modality_inputs(E, T, seed=E + K + G, dtype=dtype)
+    for nv in (None, torch.tensor([5], dtype=torch.int32)):
+        ref_ids, ref_w = route(logits, stack, cfg, nv, backend="torch", modality=modality)
+        ids = torch.full((T, K + 1), -7, dtype=torch.int32)
+        w = torch.full((T, K + 1), float("nan"))
+        route(logits, stack, cfg, nv, backend="triton", out=(ids, w), modality=modality)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w, ref_w, rtol=2e-6, atol=1e-7)
+        if nv is not None:
+            assert torch.all(ids[5:] == -1) and torch.all(w[5:] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_row_stack_or_text_only_modality_is_bit_identical_to_the_plain_bias(backend):
+    cfg = RoutingConfig(256, 8, 1, "sigmoid", 8, 4, routed_scaling_factor=2.5)
+    logits, stack, _ = _modality_inputs(256, 5, seed=11)
+    plain = route(logits, stack[0], cfg, backend=backend)
+    zeros = torch.zeros(5, dtype=torch.int32)
+    for bias, modality in (
+        (stack[:1], zeros),  # M = 1
+        (stack[:1], None),  # [1, E] without modality: ERNIE-4.5's stored shape, as before
+        (stack, zeros),  # every token text
+        (stack, zeros.bool()),
+    ):
+        ids, w = route(logits, bias, cfg, backend=backend, modality=modality)
+        assert torch.equal(ids, plain[0]) and torch.equal(w, plain[1])
+
+
+@needs_triton
+def test_modality_out_of_range_is_a_padding_row_in_both_kernels():
+    """What a CUDA graph sees (route() cannot read the values there): a value outside [0, M) routes nothing."""
+    from runtime.routing_reference import route_reference
+    from runtime.routing_triton import route_triton
+
+    cfg = RoutingConfig(72, 6, 2, "sigmoid", 6, 3)
+    logits, stack, modality = _modality_inputs(72, 6, seed=4)
+    modality[2], modality[4] = 2, -1
+    ref = route_reference(logits, stack, cfg, modality=modality)
+    got = route_triton(logits, stack, cfg, modality=modality)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=2e-6, atol=1e-7)
+    assert torch.all(ref[0][[2, 4]] == -1) and torch.all(ref[1][[2, 4]] == 0)
+    assert torch.all(ref[0][[0, 1, 3, 5]] >= 0)
+
+
+def test_modality_argument_errors():
+    cfg = RoutingConfig(20, 3, 1)
+    logits, stack, modality = _modality_inputs(20, 4, seed=2)
+    with pytest.raises(ValueError, match=r"bias is a stack of 2 selection biases \[2, 20\] .* needs modality="):
+        route(logits, stack, cfg)
+    with pytest.raises(ValueError, match=r"modality given but bias is \[20\]"):
+        route(logits, stack[0], cfg, modality=modality)
+    with pytest.raises(ValueError, match="modality given but bias is None"):
+        route(logits, None, cfg, modality=modality)
+    with pytest.raises(ValueError, match="modality must hold T = 4 int32/int64/bool values"):
+        route(logits, stack, cfg, modality=modality[:3])
+    with pytest.raises(ValueError, match="modality must hold T = 4"):
+        route(logits, stack, cfg, modality=modality.float())
+    with pytest.raises(ValueError, match=r"modality\[1\] = 2 is not a row of the \[2, E\] bias stack \(2 such"):
+        route(logits, stack, cfg, modality=torch.tensor([0, 2, 1, 5]))
+    with pytest.raises(ValueError, match=r"modality\[0\] = -1 is not a row"):
+        route(logits, stack, cfg, modality=torch.tensor([-1, 0, 1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"modality\[2\] = 1 is not a row of the \[1, E\]"):
+        route(logits, stack[:1], cfg, modality=torch.tensor([False, False, True, False]))
+    with pytest.raises(ValueError, match=r"bias must be \[20\] or \[M, 20\]"):
+        route(logits, torch.zeros(2, 2, 20), cfg)
+    with pytest.raises(ValueError, match=r"bias must be \[20\] or \[M, 20\]"):
+        route(logits, torch.zeros(0, 20), cfg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hash_layers_ignore_the_bias_stack_and_modality(backend):
+    cfg = RoutingConfig(20, 3, 1, "sqrtsoftplus", routed_scaling_factor=1.5, hash_routed=True)
+    logits, table, tok = _hash_inputs(20, 3, 5, 30, seed=8)
+    plain = route(logits, None, cfg, backend=backend, token_ids=tok, tid2eid=table)
+    stack = torch.randn(2, 20)
+    for modality in (None, torch.tensor([0, 1, 1, 0, 9])):
+        got = route(logits, stack, cfg, backend=backend, token_ids=tok, tid2eid=table, modality=modality)
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
