@@ -247,7 +247,7 @@ def test_routing_field_checks(routing, match):
 @pytest.mark.parametrize(
     "field,value,match",
     [
-        ("version", 4, "version 4 is not supported"),
+        ("version", 5, "version 5 is not supported"),
         ("version", "1", "version '1' is not supported"),
         ("num_routed_experts", 0, "num_routed_experts must be >= 1, got 0"),
         ("num_routed_experts", 256.5, "num_routed_experts must be an integer, got 256.5"),
