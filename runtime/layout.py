@@ -103,7 +103,7 @@ def _check_tensor_names(where: str, v: Any) -> tuple[str, ...]:
     out = tuple(v)
     for i, n in enumerate(out):
         if not isinstance(n, str) or not n or n.startswith(".") or n.endswith("."):
-            raise LayoutError(f"{where}[{i}] must be a tensor name inside the MoE block (e.g. 'gate.bias_vl'), got {n!r}")
+            raise LayoutError(f"{where}[{i}] must be a tensor name inside the MoE block ('gate.bias_vl'), got {n!r}")
     if len(set(out)) != len(out):
         raise LayoutError(f"{where} lists a tensor more than once: {list(out)}")
     return out
@@ -225,8 +225,8 @@ class RoutingSpec:
         put(self, "modality_biases", _check_tensor_names("routing.modality_biases", self.modality_biases))
         if self.modality_biases and not self.has_bias:
             raise LayoutError(
-                f"routing.modality_biases {list(self.modality_biases)} without a selection bias (has_bias false): row 0 "
-                "of the bias stack is the layer's own bias"
+                f"routing.modality_biases {list(self.modality_biases)} without a selection bias (has_bias false): "
+                "row 0 of the bias stack is the layer's own bias"
             )
 
     def v2_features(self) -> list[str]:
@@ -469,7 +469,7 @@ class FusedSharedExperts:
             raise LayoutError(f"layer_geometry must be a list of entries, got {geometry!r}")
         geometry = tuple(geometry)
         if not all(isinstance(g, LayerGeometry) for g in geometry):
-            raise LayoutError("layer_geometry entries must be LayerGeometry (parse JSON with FusedSharedExperts.from_dict)")
+            raise LayoutError("layer_geometry entries must be LayerGeometry (FusedSharedExperts.from_dict parses JSON)")
         object.__setattr__(self, "layer_geometry", geometry)
         seen: set[int] = set()
         for i, g in enumerate(geometry):

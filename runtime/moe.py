@@ -441,16 +441,17 @@ class _Checkpoint(ModelFolder):
         return MixedExpertWeights(routed, shared, alpha, beta, limit, self.block.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's names;
-        (v4) with ``routing.modality_biases``, the biases stacked ``[M, E]``: row 0 the layer's own (text), row m the
-        m-th modality bias (DeepSeek-V4.1: ``[gate.bias, gate.bias_vl]``)."""
+        """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's
+        names; (v4) with ``routing.modality_biases``, the biases stacked ``[M, E]``: row 0 the layer's own (text), row m
+        the m-th modality bias (DeepSeek-V4.1: ``[gate.bias, gate.bias_vl]``)."""
         prefix = self.names(layer).block_prefix
         router, bias_names = router_tensor_names(self.config, prefix)
         w = self.get(router, device).to(torch.float32)
         bias = next((self.get(b, device).to(torch.float32) for b in bias_names if b in self), None)
         others = self.block.routing.modality_biases
         if bias is not None and others and layer not in self.block.routing.hash_layers:
-            bias = torch.stack([bias.reshape(-1)] + [self.get(f"{prefix}.{b}", device).to(torch.float32) for b in others])
+            rows = [self.get(f"{prefix}.{b}", device).to(torch.float32) for b in others]
+            bias = torch.stack([bias.reshape(-1), *rows])
         return w, bias
 
     def hash_table(self, layer: int, device) -> torch.Tensor:

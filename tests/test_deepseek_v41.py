@@ -55,7 +55,7 @@ def real_plan(tmp_path_factory):
 def _expected_output_bytes() -> int:
     """Output bytes counted from the inventory alone: MXFP4 bytes doubled (one byte per value) with one E8M0 scale per
     128x128 block instead of per 32 inputs, every other FP8 weight's 32x32-tile scales one per 128x128 block but the
-    Engram tables' (copied), routers upcast to float32, three float32 [E+S] tensors per MoE layer (E 384, 128 in MTP)."""
+    Engram tables' (copied), routers upcast to float32, three float32 [E+S] tensors per MoE layer (E: 384, MTP 128)."""
     sizes = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
     rows = read_inventory(NAME)
     shapes = {n: s for n, _, s in rows}
@@ -179,10 +179,8 @@ def test_config_block_is_layout_v4(tiny):
     parsed = read_config_block(cfg)
     assert RoutingConfig.from_config(parsed, layer=LAYERS).num_experts == E_MTP
     assert RoutingConfig.from_config(parsed, layer=LAYERS + 1).top_k == K_MTP
-    assert (RoutingConfig.from_config(parsed, layer=0).num_experts, RoutingConfig.from_config(parsed, layer=1).top_k) == (
-        E,
-        K,
-    )
+    decoder = RoutingConfig.from_config(parsed, layer=1)
+    assert (decoder.num_experts, decoder.top_k) == (E, K)
     with pytest.raises(LayoutError, match=r"layers \[2, 3\] have their own E and top-k.*needs layer="):
         RoutingConfig.from_config(parsed)
 
@@ -259,7 +257,9 @@ def v41_moe_reference(s: dict, root: str, x: torch.Tensor, image: torch.Tensor) 
     experts = s[f"{P}.gate.weight"].shape[0]
     top_k = K_MTP if root.startswith("mtp.") else K
     gate = torch.frombuffer(bytearray(raw(s[f"{P}.gate.weight"])), dtype=torch.bfloat16).reshape(experts, H).float()
-    bias, bias_vl = (torch.frombuffer(bytearray(raw(s[f"{P}.gate.{b}"])), dtype=torch.float32) for b in ("bias", "bias_vl"))
+    bias, bias_vl = (
+        torch.frombuffer(bytearray(raw(s[f"{P}.gate.{b}"])), dtype=torch.float32) for b in ("bias", "bias_vl")
+    )
     scores = torch.sqrt(torch.nn.functional.softplus(x @ gate.T))
     chosen = (scores + torch.where(image[:, None], bias_vl, bias)).topk(top_k, dim=-1).indices
     w = scores.gather(1, chosen)
@@ -269,10 +269,10 @@ def v41_moe_reference(s: dict, root: str, x: torch.Tensor, image: torch.Tensor) 
         act = torch.nn.functional.silu(torch.clamp(h @ w1.T, max=LIMIT)) * torch.clamp(h @ w3.T, -LIMIT, LIMIT)
         return (act if weight is None else act * weight[:, None]) @ w2.T
 
-    def tile32(name: str) -> torch.Tensor:
-        codes = torch.frombuffer(bytearray(raw(s[name + ".weight"])), dtype=torch.float8_e4m3fn).reshape(s[name + ".weight"].shape)
-        e8m0 = torch.frombuffer(bytearray(raw(s[name + ".scale"])), dtype=torch.uint8).reshape(s[name + ".scale"].shape)
-        return tile32_value(codes, e8m0).float()
+    def tile32(module: str) -> torch.Tensor:
+        w, sc = s[module + ".weight"], s[module + ".scale"]
+        codes = torch.frombuffer(bytearray(raw(w)), dtype=torch.float8_e4m3fn).reshape(w.shape)
+        return tile32_value(codes, torch.frombuffer(bytearray(raw(sc)), dtype=torch.uint8).reshape(sc.shape)).float()
 
     y = mlp(x, *(tile32(f"{P}.shared_experts.{p}") for p in ("w1", "w3", "w2")))
     for e in range(experts):
@@ -314,9 +314,9 @@ def test_loader_stacks_the_biases(tiny, layer):
 
 @pytest.mark.parametrize("layer", [1, LAYERS], ids=["decoder", "mtp"])
 def test_text_tokens_match_the_v41_moe(tiny, layer):
-    """Text tokens (row 0 of the bias stack, gate.bias): with the converted experts in float32 the fused layer equals the
-    V4.1 MoE math on the release weights to float32 rounding (both conversions were exact); as run (FP8 weights and
-    activations), within verify's FP8 bound. The swiglu_limit clamp is exercised."""
+    """Text tokens (row 0 of the bias stack, gate.bias): with the converted experts in float32 the fused layer equals
+    the V4.1 MoE math on the release weights to float32 rounding (both conversions were exact); as run (FP8 weights
+    and activations), within verify's FP8 bound. The swiglu_limit clamp is exercised."""
     src, out, _ = tiny
     s = tensors_of(src)
     torch.manual_seed(7)
