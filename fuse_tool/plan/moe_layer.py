@@ -382,10 +382,7 @@ def _plan_bias(inputs: PlanInputs, parts: PlanParts, bias_name: str, g: Geometry
         raise inputs.error(f"has shape {list(b.shape)}, expected [{g.E}] (or [1, {g.E}])", bias_name)
     if b.dtype not in FLOAT_DTYPES:
         raise inputs.error(f"has dtype {b.dtype}, expected a float selection bias (F32/F16/BF16)", bias_name)
-    parts.consumed.add(bias_name)
-    parts.groups.append(
-        Group([OutputTensor(bias_name, b.dtype, b.shape)], [CopyTask(b, Target(bias_name))], (str(b.file), b.offset))
-    )
+    parts.copy(b)
     return True
 
 
@@ -405,14 +402,7 @@ def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g
         raise inputs.error(
             f"layer {layer} has a hash-routing table and a selection bias; hash-routed layers are bias-free", info.name
         )
-    parts.consumed.add(info.name)
-    parts.groups.append(
-        Group(
-            [OutputTensor(info.name, info.dtype, info.shape)],
-            [CopyTask(info, Target(info.name))],
-            (str(info.file), info.offset),
-        )
-    )
+    parts.copy(info)
     return True
 
 
