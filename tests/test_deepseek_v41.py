@@ -377,3 +377,14 @@ def test_mtp_block_without_bias_vl_refused(tmp_path):
     with pytest.raises(ConversionError) as e:
         plan_conversion(src)
     assert e.value.tensor == "mtp.1.ffn.gate.bias_vl" and "MoE layer 3 has no gate.bias_vl" in str(e.value)
+
+
+def test_model_card_describes_v41(tiny):
+    """The card a push writes names the MTP blocks' own geometry and the image-span bias."""
+    from fuse_tool.hub.model_card import render_model_card
+    from fuse_tool.verify.integrity import check_output
+
+    _, out, _ = tiny
+    card = render_model_card(check_output(out), repo_id="me/tiny-v41-fused")
+    assert f"Layers [2, 3] have their own {E_MTP} routed experts and route top-{K_MTP}" in card
+    assert "choose with `gate.bias_vl`" in card
