@@ -28,7 +28,7 @@ from runtime.moe import ExpertWeights, FusedSharedMoE, _Checkpoint
 from runtime.moe_reference import fp8_slot_weights
 from runtime.routing import RoutingConfig
 from skeletons import FIXTURES, build_skeleton, fixture_config, read_inventory
-from test_deepseek_v4 import raw, tensors_of, transformers_dequantized
+from test_deepseek_v4 import fp8_dequantized, raw, tensors_of, transformers_dequantized
 from test_fp8_tile32 import tile32_value
 from v41_checkpoint import CONFIG, E, E_MTP, ENGRAM_LAYER, H, I, K, K_MTP, LAYERS, ROOTS, build_v41_checkpoint
 from v4_checkpoint import write_safetensors
@@ -197,6 +197,9 @@ def test_fused_tensors_and_what_is_copied(tiny):
         assert o[f"{X}.{experts}.w1.weight"].shape == (I, H) and f"{X}.{experts + 1}.w1.weight" not in o
         assert o[f"{X}.gemm1_clamp_limit"].shape == (experts + 1,) and o[f"{root}.ffn.gate.weight"].dtype == "F32"
         assert not any(n.startswith(f"{root}.ffn.shared_experts.") for n in o)
+        for p in ("w1", "w3", "w2"):  # slot E (of this layer's own E): the shared expert's values, 32x32 -> 128x128
+            shared = tile32_source(s, f"{root}.ffn.shared_experts.{p}")
+            assert torch.equal(fp8_dequantized(o, f"{X}.{experts}.{p}.weight"), shared), (root, p)
     kept = [n for n in s if n.startswith(("vision.", "aligner.", "image_")) or ".hc_" in n or n.endswith("attn_sink")]
     kept += [n for n in s if n.endswith(("gate.bias", "gate.bias_vl", "engram.q_weight", "indexer.wk.weight"))]
     kept += [n for n in s if ".engram.embed." in n]
@@ -247,6 +250,13 @@ def test_v3_reader_refuses_the_v4_block(tiny, monkeypatch):
 # ----------------------------------------------------------------------------- the fused MoE against the V4.1 math
 
 
+def tile32_source(s: dict, module: str) -> torch.Tensor:
+    """A source FP8 32x32-tile weight as float32: its codes times its tile scales."""
+    w, sc = s[module + ".weight"], s[module + ".scale"]
+    codes = torch.frombuffer(bytearray(raw(w)), dtype=torch.float8_e4m3fn).reshape(w.shape)
+    return tile32_value(codes, torch.frombuffer(bytearray(raw(sc)), dtype=torch.uint8).reshape(sc.shape)).float()
+
+
 def v41_moe_reference(s: dict, root: str, x: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V4.1's MoE (modular_deepseek_v41.py, SOURCE.txt) on the release tensors of block ``root``, in float32:
     scores sqrt(softplus(x W^T)); the top-k chosen on scores + gate.bias (text tokens) or gate.bias_vl (``image``
@@ -269,12 +279,7 @@ def v41_moe_reference(s: dict, root: str, x: torch.Tensor, image: torch.Tensor) 
         act = torch.nn.functional.silu(torch.clamp(h @ w1.T, max=LIMIT)) * torch.clamp(h @ w3.T, -LIMIT, LIMIT)
         return (act if weight is None else act * weight[:, None]) @ w2.T
 
-    def tile32(module: str) -> torch.Tensor:
-        w, sc = s[module + ".weight"], s[module + ".scale"]
-        codes = torch.frombuffer(bytearray(raw(w)), dtype=torch.float8_e4m3fn).reshape(w.shape)
-        return tile32_value(codes, torch.frombuffer(bytearray(raw(sc)), dtype=torch.uint8).reshape(sc.shape)).float()
-
-    y = mlp(x, *(tile32(f"{P}.shared_experts.{p}") for p in ("w1", "w3", "w2")))
+    y = mlp(x, *(tile32_source(s, f"{P}.shared_experts.{p}") for p in ("w1", "w3", "w2")))
     for e in range(experts):
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
         if len(rows):
