@@ -421,7 +421,8 @@ class _Checkpoint(ModelFolder):
 
     def _mixed_experts(self, layer: int, names, device) -> "MixedExpertWeights":
         """A LAYOUT v3 layer: routed slots in the block's ``routed_format`` (read as stored), shared slots FP8."""
-        E, NE = self.block.for_layer(layer).num_routed_experts, self.block.for_layer(layer).num_expert_slots
+        own = self.block.for_layer(layer)  # (v4: a layer_geometry layer has its own E)
+        E, NE = own.num_routed_experts, own.num_expert_slots
         w13, w2, s13, s2 = self._per_expert_slots(names, range(E, NE), device)
         if s13 is None:
             raise LayoutError(f"{self.path}: layer {layer}'s shared slots have no FP8 block scales (routed_format set)")
