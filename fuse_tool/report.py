@@ -65,9 +65,15 @@ def describe_plan(plan: ConversionPlan, measurements: Measurements | None = None
     lines = [
         f"model          {a.model_type} ({a.family})",
         f"experts        E={b.num_routed_experts} routed + S={b.num_fused_shared_experts} shared slot(s) -> {b.num_expert_slots} per MoE layer "
-        f"(I={b.expert_intermediate_size}, shared W={b.source_shared_intermediate_size})",
+        f"(I={b.expert_intermediate_size}, shared W={b.source_shared_intermediate_size})"
+        + "".join(
+            f"; layers {_ranges(list(g.layers))}: E={g.num_routed_experts} + S={b.num_fused_shared_experts}, "
+            f"top-{g.top_k}"
+            for g in b.layer_geometry
+        ),
         f"routing        {r.scoring}, top-{r.top_k}{groups}, {'renormalized' if r.renormalize else 'not renormalized'}, "
         f"rsf {r.routed_scaling_factor:g}, {'with' if r.has_bias else 'no'} selection bias"
+        + (f" (other modalities: {', '.join(r.modality_biases)})" if r.modality_biases else "")
         + (f"; hash-routed layers {_ranges(hashed)} (token table, no bias)" if hashed else ""),
         f"activation     {_activation(plan)}",
         f"MoE layers     {len(decoder)} decoder ({_ranges(decoder)}) + {len(mtp)} MTP ({_ranges(mtp)})",

@@ -1,4 +1,4 @@
-"""The fused-shared checkpoint layout, versions 1, 2 and 3 (``docs/layout.md``).
+"""The fused-shared checkpoint layout, versions 1 to 4 (``docs/layout.md``).
 
 This module is the single definition of the contract between the converter
 (``fuse_tool``) and the runtime: tensor names, the ``fused_shared_experts``
@@ -9,18 +9,20 @@ Versions: a block that uses no version-2 feature (see :meth:`RoutingSpec.v2_feat
 and :meth:`FusedSharedExperts.v2_features`) is written as version 1, byte for byte what a
 version-1 writer wrote; one that uses any is written as version 2; one whose routed slots are kept
 four-bit (``routed_format``, :data:`ROUTED_FORMATS`) as version 3, which readers of versions 1 and 2
-refuse by its number. All three are read.
+refuse by its number; one with MoE layers of their own geometry (``layer_geometry``, :class:`LayerGeometry`) or
+per-modality selection biases (``routing.modality_biases``) as version 4, which readers of versions 1 to 3 refuse by
+its number (see the ``v4_features`` methods). All four are read.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-LAYOUT_VERSION = 3  # the newest version this module reads and writes
-LAYOUT_VERSIONS = (1, 2, 3)
+LAYOUT_VERSION = 4  # the newest version this module reads and writes
+LAYOUT_VERSIONS = (1, 2, 3, 4)
 CONFIG_KEY = "fused_shared_experts"
 WEIGHT_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
@@ -43,12 +45,14 @@ ROUTED_FORMATS = {
 }
 MXFP4_GROUP = 32  # inputs per E8M0 scale of an MXFP4 weight
 V3_KEYS = ("routed_format", "routed_group_size")
+V4_KEYS = ("layer_geometry",)
 
 # What version 1 could express; anything beyond needs version 2.
 _V1_SCORING_FUNCS = ("sigmoid", "softmax")
 _V1_ACTIVATIONS = ("swiglu", "swiglu_oai")
 _ROUTING_V1_KEYS = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "has_bias")
 _ROUTING_V2_KEYS = ("group_score", "renormalize_form", "renormalize_eps", "hash_layers")
+_ROUTING_V4_KEYS = ("modality_biases",)
 _ROUTING_V2_ORDER = (
     "scoring",
     "top_k",
@@ -90,6 +94,19 @@ STORAGES = ("proj", "w13", "stacked", "stacked_split")
 
 from .errors import LayoutError  # noqa: E402  (re-exported: the layout's own error)
 from .fields import check_bool, check_choice, check_float, check_int, check_layer_list  # noqa: E402
+
+
+def _check_tensor_names(where: str, v: Any) -> tuple[str, ...]:
+    """Distinct tensor names relative to a module (``gate.bias_vl``): non-empty, no leading or trailing dot."""
+    if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Iterable):
+        raise LayoutError(f"{where} must be a list of tensor names, got {v!r}")
+    out = tuple(v)
+    for i, n in enumerate(out):
+        if not isinstance(n, str) or not n or n.startswith(".") or n.endswith("."):
+            raise LayoutError(f"{where}[{i}] must be a tensor name inside the MoE block ('gate.bias_vl'), got {n!r}")
+    if len(set(out)) != len(out):
+        raise LayoutError(f"{where} lists a tensor more than once: {list(out)}")
+    return out
 
 
 def scale_name(weight_name: str) -> str:
@@ -164,6 +181,10 @@ class RoutingSpec:
     - ``renormalize_eps`` (v2; 1e-20): eps above, finite and >= 0.
     - ``hash_layers`` (v2; empty): layers whose K ids come from ``gate.tid2eid[token_id]``
       (DeepSeek-V4); bias-free.
+    - ``modality_biases`` (v4; empty): tensor names inside the MoE block, beside the selection bias, of the biases
+      of tokens of other modalities: row ``m`` (1, 2, ...) of the ``[M, E]`` bias stack a token of modality ``m``
+      chooses with; row 0, modality 0 (text), is the layer's own bias. DeepSeek-V4.1: ``("gate.bias_vl",)``, tokens
+      inside an image span. Needs ``has_bias``.
 
     A constructed spec always has ``group_score`` set (None resolves to the implied rule).
     Raises :class:`LayoutError` naming the field and value for anything out of range.
@@ -180,6 +201,7 @@ class RoutingSpec:
     renormalize_form: str = "add"
     renormalize_eps: float = DEFAULT_RENORMALIZE_EPS
     hash_layers: tuple[int, ...] = ()
+    modality_biases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -200,6 +222,12 @@ class RoutingSpec:
         check_choice("routing.renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
         put(self, "renormalize_eps", check_float("routing.renormalize_eps", self.renormalize_eps, nonneg=True))
         put(self, "hash_layers", check_layer_list("routing.hash_layers", self.hash_layers))
+        put(self, "modality_biases", _check_tensor_names("routing.modality_biases", self.modality_biases))
+        if self.modality_biases and not self.has_bias:
+            raise LayoutError(
+                f"routing.modality_biases {list(self.modality_biases)} without a selection bias (has_bias false): "
+                "row 0 of the bias stack is the layer's own bias"
+            )
 
     def v2_features(self) -> list[str]:
         """What in this spec version 1 cannot express (empty: it can be written as version 1)."""
@@ -216,12 +244,20 @@ class RoutingSpec:
             out.append(f"routing.hash_layers {list(self.hash_layers)}")
         return out
 
+    def v4_features(self) -> list[str]:
+        """What in this spec versions 1 to 3 cannot express (empty: the lowest of those that holds it)."""
+        return [f"routing.modality_biases {list(self.modality_biases)}"] if self.modality_biases else []
+
     def to_dict(self, version: int | None = None) -> dict[str, Any]:
         """The ``routing`` JSON object. ``version`` None: the lowest that can hold this spec.
 
-        Version 1 gives exactly the seven keys a version-1 writer wrote; version 2 spells every field.
+        Version 1 gives exactly the seven keys a version-1 writer wrote; versions 2 and 3 spell every field but
+        ``modality_biases``, which version 4 adds.
         """
-        version = (2 if self.v2_features() else 1) if version is None else version
+        if version is None:
+            version = 4 if self.v4_features() else 2 if self.v2_features() else 1
+        if version < 4 and self.v4_features():
+            raise LayoutError(f"routing needs LAYOUT version 4 for {', '.join(self.v4_features())}")
         d = {
             "scoring": self.scoring,
             "top_k": self.top_k,
@@ -237,6 +273,8 @@ class RoutingSpec:
             return d
         d = {k: getattr(self, k) for k in _ROUTING_V2_ORDER}
         d["hash_layers"] = list(self.hash_layers)
+        if version >= 4:
+            d["modality_biases"] = list(self.modality_biases)
         return d
 
     @classmethod
@@ -245,12 +283,17 @@ class RoutingSpec:
         version-1 block, unknown keys and missing required keys are errors)."""
         if not isinstance(d, Mapping):
             raise LayoutError(f"routing must be a JSON object, got {d!r}")
-        allowed = _ROUTING_V1_KEYS + (_ROUTING_V2_KEYS if version >= 2 else ())
+        allowed = (
+            _ROUTING_V1_KEYS + (_ROUTING_V2_KEYS if version >= 2 else ()) + (_ROUTING_V4_KEYS if version >= 4 else ())
+        )
         unknown = [k for k in d if k not in allowed]
         if unknown:
-            v2 = [k for k in unknown if k in _ROUTING_V2_KEYS]
-            if v2:
-                raise LayoutError(f"routing.{v2[0]} is a LAYOUT version 2 field, but the block says version {version}")
+            for keys, since in ((_ROUTING_V2_KEYS, 2), (_ROUTING_V4_KEYS, 4)):
+                late = [k for k in unknown if k in keys]
+                if late:
+                    raise LayoutError(
+                        f"routing.{late[0]} is a LAYOUT version {since} field, but the block says version {version}"
+                    )
             raise LayoutError(f"routing has unknown field {unknown[0]!r} (known: {', '.join(allowed)})")
         for key in ("scoring", "top_k"):
             if key not in d:
@@ -267,7 +310,58 @@ class RoutingSpec:
             renormalize_form=d.get("renormalize_form", "add"),
             renormalize_eps=d.get("renormalize_eps", DEFAULT_RENORMALIZE_EPS),
             hash_layers=d.get("hash_layers", ()),
+            modality_biases=d.get("modality_biases", ()),
         )
+
+
+def _check_expert_choice(E: int, routing: "RoutingSpec", where: str) -> None:
+    """top-k of E routed experts within the kept groups (``where``: whose E and K, for the message)."""
+    r = routing
+    if r.top_k > E:
+        raise LayoutError(f"{where}top_k={r.top_k} exceeds num_routed_experts={E}")
+    if r.n_group > 1 and E % r.n_group:
+        raise LayoutError(f"{where}n_group={r.n_group} does not divide {E} routed experts")
+    if r.top_k > r.topk_group * (E // r.n_group):
+        raise LayoutError(
+            f"{where}top_k={r.top_k} exceeds the {r.topk_group * (E // r.n_group)} experts of the "
+            f"topk_group={r.topk_group} kept groups of {E // r.n_group}"
+        )
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """(v4) MoE layers with a routed-expert count and top-k of their own, as one ``layer_geometry`` JSON entry
+    ``{"layers": [...], "num_routed_experts": E, "top_k": K}`` (DeepSeek-V4.1's MTP blocks: 128 experts, top-3, beside
+    the decoder layers' 384, top-6). Everything else (S, I, W, the rest of the routing) is the block's; the shared
+    slots of these layers are ``E .. E+S-1`` with their own E."""
+
+    layers: tuple[int, ...]
+    num_routed_experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "layers", check_layer_list("layer_geometry.layers", self.layers))
+        if not self.layers:
+            raise LayoutError("layer_geometry.layers is empty: an entry names the layers it is for")
+        put(self, "num_routed_experts", check_int("layer_geometry.num_routed_experts", self.num_routed_experts, lo=1))
+        put(self, "top_k", check_int("layer_geometry.top_k", self.top_k, lo=1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "num_routed_experts": self.num_routed_experts, "top_k": self.top_k}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "LayerGeometry":
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a layer_geometry entry must be a JSON object, got {d!r}")
+        keys = ("layers", "num_routed_experts", "top_k")
+        unknown = [k for k in d if k not in keys]
+        if unknown:
+            raise LayoutError(f"layer_geometry entry has unknown field {unknown[0]!r} (known: {', '.join(keys)})")
+        missing = [k for k in keys if k not in d]
+        if missing:
+            raise LayoutError(f"layer_geometry entry is missing {missing[0]!r}")
+        return cls(d["layers"], d["num_routed_experts"], d["top_k"])
 
 
 @dataclass(frozen=True)
@@ -275,11 +369,13 @@ class FusedSharedExperts:
     """The ``fused_shared_experts`` block of a converted config.json (LAYOUT section 6).
 
     ``version`` None (the default) resolves to the lowest version that holds the block
-    (1 unless a v2 feature is used, see :meth:`v2_features`); an explicit 1 with a v2 feature,
-    or a version other than 1 and 2, is a :class:`LayoutError`. Every field is checked, and
+    (1 unless a v2 feature is used, see :meth:`v2_features`; 3 with a ``routed_format``; 4 with a
+    :meth:`v4_features` feature); an explicit version below what a feature needs, or one not in
+    :data:`LAYOUT_VERSIONS`, is a :class:`LayoutError`. Every field is checked, and
     across fields: ``top_k <= E``, ``n_group`` divides E, the kept groups hold at least
-    ``top_k`` experts, ``hash_layers`` are MoE layers. (``dataclasses.replace`` copies the resolved
-    ``version``: pass ``version=None`` with a change that may need version 2.)
+    ``top_k`` experts (per ``layer_geometry`` entry too), ``hash_layers`` and ``layer_geometry`` layers are MoE
+    layers. (``dataclasses.replace`` copies the resolved ``version``: pass ``version=None`` with a change that may
+    need a newer one.) A layer's own E and K: :meth:`for_layer`.
     """
 
     num_routed_experts: int
@@ -294,6 +390,7 @@ class FusedSharedExperts:
     version: int | None = None
     routed_format: str | None = None  # (v3) the routed slots' four-bit format (:data:`ROUTED_FORMATS`), else None
     routed_group_size: int | None = None  # (v3) inputs per scale of the routed slots (32 for MXFP4)
+    layer_geometry: tuple[LayerGeometry, ...] = ()  # (v4) layers with their own E and top-k (:meth:`for_layer`)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -344,22 +441,15 @@ class FusedSharedExperts:
                 f"ceil({self.source_shared_intermediate_size}/{self.expert_intermediate_size}) = {expected}"
             )
         r = self.routing
-        if r.top_k > E:
-            raise LayoutError(f"routing.top_k={r.top_k} exceeds num_routed_experts={E}")
-        if r.n_group > 1 and E % r.n_group:
-            raise LayoutError(f"n_group={r.n_group} does not divide {E} routed experts")
-        if r.top_k > r.topk_group * (E // r.n_group):
-            raise LayoutError(
-                f"routing.top_k={r.top_k} exceeds the {r.topk_group * (E // r.n_group)} experts of the "
-                f"topk_group={r.topk_group} kept groups of {E // r.n_group}"
-            )
+        _check_expert_choice(E, r, "routing.")
         stray = [L for L in r.hash_layers if L not in layers]
         if stray:
             raise LayoutError(f"routing.hash_layers {stray} are not in moe_layers")
         self._check_routed_format()
-        needs = self.v2_features()
+        self._check_layer_geometry()
+        needs, needs_v4 = self.v2_features(), self.v4_features()
         if self.version is None:
-            put(self, "version", 3 if self.routed_format else 2 if needs else 1)
+            put(self, "version", 4 if needs_v4 else 3 if self.routed_format else 2 if needs else 1)
         elif self.version == 1 and needs:
             raise LayoutError(f"{CONFIG_KEY} says version 1 but uses LAYOUT version 2 features: {', '.join(needs)}")
         elif self.version < 3 and self.routed_format:
@@ -367,6 +457,44 @@ class FusedSharedExperts:
                 f"{CONFIG_KEY} says version {self.version} but keeps its routed slots {self.routed_format} "
                 "(routed_format is a LAYOUT version 3 field)"
             )
+        elif self.version < 4 and needs_v4:
+            raise LayoutError(
+                f"{CONFIG_KEY} says version {self.version} but uses LAYOUT version 4 features: {', '.join(needs_v4)}"
+            )
+
+    def _check_layer_geometry(self) -> None:
+        """(v4) Each entry's layers are MoE layers, each layer in one entry at most, its top-k within its experts."""
+        geometry = self.layer_geometry
+        if isinstance(geometry, (str, bytes, Mapping)) or not isinstance(geometry, Iterable):
+            raise LayoutError(f"layer_geometry must be a list of entries, got {geometry!r}")
+        geometry = tuple(geometry)
+        if not all(isinstance(g, LayerGeometry) for g in geometry):
+            raise LayoutError("layer_geometry entries must be LayerGeometry (FusedSharedExperts.from_dict parses JSON)")
+        object.__setattr__(self, "layer_geometry", geometry)
+        seen: set[int] = set()
+        for i, g in enumerate(geometry):
+            stray = [L for L in g.layers if L not in self.moe_layers]
+            if stray:
+                raise LayoutError(f"layer_geometry[{i}].layers {stray} are not in moe_layers")
+            twice = sorted(seen.intersection(g.layers))
+            if twice:
+                raise LayoutError(f"layer_geometry lists layers {twice} in more than one entry")
+            seen.update(g.layers)
+            _check_expert_choice(g.num_routed_experts, replace(self.routing, top_k=g.top_k), f"layer_geometry[{i}].")
+
+    def for_layer(self, layer: int) -> "FusedSharedExperts":
+        """The block as MoE layer ``layer`` sees it: its own ``num_routed_experts`` and ``routing.top_k`` where a
+        ``layer_geometry`` entry lists it (every other field, ``version`` included, the block's), with no
+        ``layer_geometry`` left. Everything sized per layer (router rows, bias length, E+S slots, K+S ids) reads it."""
+        for g in self.layer_geometry:
+            if layer in g.layers:
+                return replace(
+                    self,
+                    num_routed_experts=g.num_routed_experts,
+                    routing=replace(self.routing, top_k=g.top_k),
+                    layer_geometry=(),
+                )
+        return replace(self, layer_geometry=()) if self.layer_geometry else self
 
     def _check_routed_format(self) -> None:
         """(v3) ``routed_format`` is one of :data:`ROUTED_FORMATS` beside FP8 128x128 shared slots, with its group size
@@ -407,6 +535,13 @@ class FusedSharedExperts:
             out.append(f"activation {self.activation!r}")
         return out
 
+    def v4_features(self) -> list[str]:
+        """What in this block versions 1 to 3 cannot express (``routed_format`` is version 3's own)."""
+        out = self.routing.v4_features()
+        if self.layer_geometry:
+            out.append(f"layer_geometry {[g.to_dict() for g in self.layer_geometry]}")
+        return out
+
     @property
     def num_expert_slots(self) -> int:
         """E + S: the expert count every runtime buffer is sized by."""
@@ -426,13 +561,15 @@ class FusedSharedExperts:
         }
         if self.routed_format:  # (v3) before ``source``, which stays last
             d.update(routed_format=self.routed_format, routed_group_size=self.routed_group_size)
+        if self.layer_geometry:  # (v4)
+            d["layer_geometry"] = [g.to_dict() for g in self.layer_geometry]
         d["source"] = dict(self.source)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FusedSharedExperts":
-        """Parse a block of version 1 (also when ``version`` is absent), 2 or 3 (version-3 keys in an older block are
-        errors: such a block would be misread by the readers its number admits)."""
+        """Parse a block of version 1 (also when ``version`` is absent), 2, 3 or 4 (version-3 or -4 keys in an older
+        block are errors: such a block would be misread by the readers its number admits)."""
         if not isinstance(d, Mapping):
             raise LayoutError(f"{CONFIG_KEY} must be a JSON object, got {d!r}")
         version = d.get("version", 1)
@@ -440,10 +577,13 @@ class FusedSharedExperts:
             raise LayoutError(
                 f"{CONFIG_KEY} version {version!r} is not supported (this reader knows {', '.join(map(str, LAYOUT_VERSIONS))})"
             )
-        if version < 3:
-            late = [k for k in V3_KEYS if k in d]
+        for keys, since in ((V3_KEYS, 3), (V4_KEYS, 4)):
+            late = [k for k in keys if k in d] if version < since else []
             if late:
-                raise LayoutError(f"{late[0]} is a LAYOUT version 3 field, but the block says version {version}")
+                raise LayoutError(f"{late[0]} is a LAYOUT version {since} field, but the block says version {version}")
+        geometry = d.get("layer_geometry", [])
+        if not isinstance(geometry, list):
+            raise LayoutError(f"layer_geometry must be a list of entries, got {geometry!r}")
         try:
             return cls(
                 version=version,
@@ -458,6 +598,7 @@ class FusedSharedExperts:
                 source=d.get("source", {}),
                 routed_format=d.get("routed_format"),
                 routed_group_size=d.get("routed_group_size"),
+                layer_geometry=tuple(LayerGeometry.from_dict(g) for g in geometry),
             )
         except KeyError as e:
             raise LayoutError(f"{CONFIG_KEY} block is missing {e.args[0]!r}") from None

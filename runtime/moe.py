@@ -360,7 +360,7 @@ class _Checkpoint(ModelFolder):
 
     def experts(self, layer: int, device) -> "ExpertWeights | MixedExpertWeights":
         names = self.names(layer)
-        NE = self.block.num_expert_slots
+        NE = self.block.for_layer(layer).num_expert_slots  # (v4: a layer_geometry layer has its own E)
         has = self.__contains__
         scale_name = names.scale
         if names.storage in ("stacked", "stacked_split"):
@@ -422,7 +422,8 @@ class _Checkpoint(ModelFolder):
 
     def _mixed_experts(self, layer: int, names, device) -> "MixedExpertWeights":
         """A LAYOUT v3 layer: routed slots in the block's ``routed_format`` (read as stored), shared slots FP8."""
-        E, NE = self.block.num_routed_experts, self.block.num_expert_slots
+        own = self.block.for_layer(layer)  # (v4: a layer_geometry layer has its own E)
+        E, NE = own.num_routed_experts, own.num_expert_slots
         w13, w2, s13, s2 = self._per_expert_slots(names, range(E, NE), device)
         if s13 is None:
             raise LayoutError(f"{self.path}: layer {layer}'s shared slots have no FP8 block scales (routed_format set)")
@@ -442,10 +443,17 @@ class _Checkpoint(ModelFolder):
         return MixedExpertWeights(routed, shared, alpha, beta, limit, self.block.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's names."""
-        router, bias_names = router_tensor_names(self.config, self.names(layer).block_prefix)
+        """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's
+        names; (v4) with ``routing.modality_biases``, the biases stacked ``[M, E]``: row 0 the layer's own (text), row m
+        the m-th modality bias (DeepSeek-V4.1: ``[gate.bias, gate.bias_vl]``)."""
+        prefix = self.names(layer).block_prefix
+        router, bias_names = router_tensor_names(self.config, prefix)
         w = self.get(router, device).to(torch.float32)
         bias = next((self.get(b, device).to(torch.float32) for b in bias_names if b in self), None)
+        others = self.block.routing.modality_biases
+        if bias is not None and others and layer not in self.block.routing.hash_layers:
+            rows = [self.get(f"{prefix}.{b}", device).to(torch.float32) for b in others]
+            bias = torch.stack([bias.reshape(-1), *rows])
         return w, bias
 
     def hash_table(self, layer: int, device) -> torch.Tensor:

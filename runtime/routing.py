@@ -128,11 +128,12 @@ class RoutingConfig:
         Args:
             block: a :class:`FusedSharedExperts`, its JSON dict, or a config.json dict holding it.
             layer: the MoE layer this config is for. Required when the block has ``hash_layers``
-                (a hash layer and a score-routed layer route differently); sets ``hash_routed``.
+                (a hash layer and a score-routed layer route differently; sets ``hash_routed``) or
+                ``layer_geometry`` (the layer's own E and K, :meth:`FusedSharedExperts.for_layer`).
 
         Raises:
             LayoutError: a bad block, ``layer`` not in ``moe_layers``, or ``layer`` missing for a
-                block with hash layers.
+                block with hash layers or layer geometry.
         """
         if not isinstance(block, FusedSharedExperts):
             try:
@@ -147,10 +148,16 @@ class RoutingConfig:
                 raise LayoutError(
                     f"layers {list(r.hash_layers)} are hash-routed: RoutingConfig.from_config needs layer="
                 )
+            if block.layer_geometry:
+                own = sorted(L for g in block.layer_geometry for L in g.layers)
+                raise LayoutError(f"layers {own} have their own E and top-k: RoutingConfig.from_config needs layer=")
         elif layer not in block.moe_layers:
             raise LayoutError(
                 f"layer {layer} is not a MoE layer of this checkpoint (moe_layers {list(block.moe_layers)})"
             )
+        else:
+            block = block.for_layer(layer)
+            r = block.routing
         same = (
             "top_k",
             "scoring",

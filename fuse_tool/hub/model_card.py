@@ -192,7 +192,13 @@ def render_model_card(
         f"is cut into {S} extra routed-expert slot{'s' if S != 1 else ''} of width {block.expert_intermediate_size} "
         f"(expert ids {E}..{n - 1}, after the {E} routed experts). Every token selects its top {r.top_k} routed experts "
         f"plus all {S} shared slot{'s' if S != 1 else ''} with weight exactly 1.0, so a single grouped MoE kernel over "
-        f"{n} experts computes the whole layer. The router keeps its {E} rows. Expert weights are stored as {fmt}.",
+        f"{n} experts computes the whole layer. The router keeps its {E} rows. Expert weights are stored as {fmt}."
+        + "".join(
+            f" Layers {list(g.layers)} have their own {g.num_routed_experts} routed experts and route top-{g.top_k} "
+            f"(shared slot ids {g.num_routed_experts}..{g.num_routed_experts + S - 1}; `layer_geometry`, LAYOUT "
+            "version 4)."
+            for g in block.layer_geometry
+        ),
         "",
         "## Conversion",
         "",
@@ -214,6 +220,12 @@ def render_model_card(
         + (
             f"; layers {list(r.hash_layers)} hash-routed (`gate.tid2eid[token_id]`: the runtime needs the token ids)"
             if r.hash_layers
+            else ""
+        )
+        + (
+            f"; tokens of other modalities choose with {', '.join(f'`{b}`' for b in r.modality_biases)} (the runtime "
+            "needs each token's modality)"
+            if r.modality_biases
             else ""
         )
         + " |",

@@ -16,11 +16,13 @@ The executor (``fuse_tool.write.execute``) then streams the plan; ``inspect`` an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from runtime.errors import ModelError
 from runtime.families import check_hidden_size, describe_model, family_for
 from runtime.formats import REGISTRY
 from runtime.formats.fp8_block import scale_fmt_of
-from runtime.layout import MXFP4_GROUP, WEIGHT_BLOCK, FusedSharedExperts, num_shared_slots
+from runtime.layout import MXFP4_GROUP, WEIGHT_BLOCK, FusedSharedExperts, LayerGeometry, num_shared_slots
 
 from .. import __version__
 from ..errors import ConversionError
@@ -130,6 +132,32 @@ def _check_hidden_size(src: SourceCheckpoint, arch, layer_plans: list[LayerPlan]
             raise type(e)(e.detail, file=src.root / CONFIG_NAME, field=e.field) from None
 
 
+def _modality_biases(inputs: PlanInputs, layer_plans: list[LayerPlan]) -> tuple[str, ...]:
+    """The other modalities' selection biases (DeepSeek-V4.1 ``gate.bias_vl``): on every score-routed layer, or none."""
+    scored = [lp for lp in layer_plans if not lp.is_hash]
+    found = {lp.modality_biases for lp in scored}
+    if len(found) > 1:
+        most = max(found, key=len)
+        short = next(lp for lp in scored if lp.modality_biases != most)
+        missing = next(b for b in most if b not in short.modality_biases)
+        raise inputs.error(
+            f"MoE layer {short.layer} has no {missing}, which other MoE layers have (a per-modality selection bias "
+            "is every score-routed layer's or none's)",
+            f"{short.block_prefix}.{missing}",
+        )
+    return found.pop() if found else ()
+
+
+def _layer_geometry(layer_plans: list[LayerPlan], E: int, K: int, arch) -> tuple[LayerGeometry, ...]:
+    """(LAYOUT v4) One entry per (E, top-k) other than the block's, listing its layers (the MTP blocks of V4.1)."""
+    own: dict[tuple[int, int], list[int]] = {}
+    for lp in layer_plans:
+        geometry = arch.expert_geometry(lp.layer)
+        if geometry != (E, K):
+            own.setdefault(geometry, []).append(lp.layer)
+    return tuple(LayerGeometry(tuple(layers), e, k) for (e, k), layers in own.items())
+
+
 def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> ConversionPlan:
     """Plan a conversion from the checkpoint's config and headers; raises a FuseSharedError on bad input."""
     options = options or ConvertOptions()
@@ -143,24 +171,27 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
             f"{arch.family}: the config describes no shared expert (shared width 0): nothing to fuse",
             file=src.root / CONFIG_NAME,
         )
-    geometry = Geometry(E, I, W, S)
 
     moe_layers, mtp_fused = _moe_layers(inputs, parts)
     all_moe = moe_layers + mtp_fused
     layer_plans, bias_seen = [], []
     for layer in all_moe:
-        lp, has_bias = plan_moe_layer(inputs, parts, geometry, layer, is_mtp=layer in mtp_fused)
+        layer_e, layer_k = arch.expert_geometry(layer)  # (the MTP blocks' own where the family gives them one)
+        lp, has_bias = plan_moe_layer(inputs, parts, Geometry(layer_e, I, W, S, layer_k), layer, layer in mtp_fused)
         layer_plans.append(lp)
         if not lp.is_hash:  # hash-routed layers are bias-free; has_bias describes the score-routed ones
             bias_seen.append(has_bias)
-    check_nothing_else_in_moe_blocks(inputs, parts, layer_plans, E)
+    check_nothing_else_in_moe_blocks(inputs, parts, layer_plans)
     if any(bias_seen) and not all(bias_seen):
         missing = [lp.layer for lp, b in zip((lp for lp in layer_plans if not lp.is_hash), bias_seen) if not b]
         raise inputs.error(f"some MoE layers have an e_score_correction_bias and layers {missing} do not")
+    modality_biases = _modality_biases(inputs, layer_plans)
     _check_hidden_size(src, arch, layer_plans)
     hash_layers = tuple(lp.layer for lp in layer_plans if lp.is_hash)
     family = family_for(src.config)
     routing = family.planned_routing(arch, bool(bias_seen and all(bias_seen)), hash_layers)
+    if modality_biases:
+        routing = replace(routing, modality_biases=modality_biases)
     config_hash = family.config_hash_layers(src.config)
     if config_hash != hash_layers:
         parts.notes.append(
@@ -195,6 +226,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         source={"model_type": arch.model_type, "quantization": source_quantization, "converter_version": __version__},
         routed_format=routed_format,
         routed_group_size={"mxfp4": MXFP4_GROUP, "int4": inputs.group_size}.get(routed_format),
+        layer_geometry=_layer_geometry(layer_plans, E, arch.routing.top_k, arch),
     )
     modules = sorted(parts.not_converted)
     return ConversionPlan(

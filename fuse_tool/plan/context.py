@@ -12,7 +12,7 @@ from runtime.safetensors_io import TensorInfo
 
 from ..errors import ConversionError
 from .options import ConvertOptions
-from .tasks import Group
+from .tasks import CopyTask, Group, OutputTensor, Target
 
 
 @dataclass(frozen=True)
@@ -50,3 +50,14 @@ class PlanParts:
     # Four-bit routed experts' output bytes both ways ({"fp8": as FP8 blocks, "keep": as released}): the other choice
     # of --routed-experts, for inspect and --dry-run
     routed_bytes: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "keep": 0})
+
+    def copy(self, info: TensorInfo) -> None:
+        """Place source tensor ``info`` in the output unchanged, under its own name, in its own group."""
+        self.consumed.add(info.name)
+        self.groups.append(
+            Group(
+                [OutputTensor(info.name, info.dtype, info.shape)],
+                [CopyTask(info, Target(info.name))],
+                (str(info.file), info.offset),
+            )
+        )

@@ -56,12 +56,13 @@ def _first_expert_tensors(P: str, X: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Geometry:
-    """E routed experts of width I, a shared MLP of width W cut into S slots, hidden size H."""
+    """E routed experts of width I, a shared MLP of width W cut into S slots, top-K routing (one MoE layer's)."""
 
     E: int
     I: int  # noqa: E741
     W: int
     S: int
+    K: int
 
 
 def layers_with_experts(inputs: PlanInputs) -> dict[int, str]:
@@ -351,23 +352,14 @@ def plan_moe_layer(
             (str(gate_info.file), gate_info.offset),
         )
     )
-    has_bias = False
-    for bias_name in (f"{P}.{b}" for b in names.bias):
-        if bias_name in inputs.tensors:
-            b = inputs.tensors[bias_name]
-            if b.shape not in selection_bias_shapes(g.E):
-                raise inputs.error(f"has shape {list(b.shape)}, expected [{g.E}] (or [1, {g.E}])", bias_name)
-            if b.dtype not in FLOAT_DTYPES:
-                raise inputs.error(f"has dtype {b.dtype}, expected a float selection bias (F32/F16/BF16)", bias_name)
-            parts.consumed.add(bias_name)
-            parts.groups.append(
-                Group(
-                    [OutputTensor(bias_name, b.dtype, b.shape)],
-                    [CopyTask(b, Target(bias_name))],
-                    (str(b.file), b.offset),
-                )
-            )
-            has_bias = True
+    has_bias = any([_plan_bias(inputs, parts, f"{P}.{b}", g) for b in names.bias])
+    modality_biases = tuple(b for b in names.modality_biases if _plan_bias(inputs, parts, f"{P}.{b}", g))
+    if modality_biases and not has_bias:
+        raise inputs.error(
+            f"is the selection bias of another token modality, but layer {layer} has no {P}.{names.bias[0]} (the "
+            "text tokens' bias it stands beside)",
+            f"{P}.{modality_biases[0]}",
+        )
     is_hash = _plan_hash_table(inputs, parts, P, layer, g, has_bias)
     values = slot_params(
         *inputs.arch.slot_activation(layer), g.E, g.S
@@ -377,7 +369,21 @@ def plan_moe_layer(
             Group([OutputTensor(pname, "F32", (g.E + g.S,))], [ConstantTask(values[key], Target(pname))], order)
         )
 
-    return LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash, keep_routed), has_bias
+    plan = LayerPlan(layer, P, storage, fmt, is_mtp, tuple(shared_modes), is_hash, keep_routed, g.E, modality_biases)
+    return plan, has_bias
+
+
+def _plan_bias(inputs: PlanInputs, parts: PlanParts, bias_name: str, g: Geometry) -> bool:
+    """A selection bias ``[E]`` (or ``[1, E]``) copied unchanged; False where the layer has none by this name."""
+    b = inputs.tensors.get(bias_name)
+    if b is None:
+        return False
+    if b.shape not in selection_bias_shapes(g.E):
+        raise inputs.error(f"has shape {list(b.shape)}, expected [{g.E}] (or [1, {g.E}])", bias_name)
+    if b.dtype not in FLOAT_DTYPES:
+        raise inputs.error(f"has dtype {b.dtype}, expected a float selection bias (F32/F16/BF16)", bias_name)
+    parts.copy(b)
+    return True
 
 
 def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g: Geometry, has_bias: bool) -> bool:
@@ -386,7 +392,7 @@ def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g
     info = inputs.tensors.get(f"{P}.{table}") if table else None
     if info is None:
         return False
-    K = inputs.arch.routing.top_k
+    K = g.K
     if len(info.shape) != 2 or info.shape[1] != K or info.dtype not in ("I64", "I32"):
         raise inputs.error(
             f"has shape {list(info.shape)} and dtype {info.dtype}, expected an I64 [vocab, {K}] table of expert ids",
@@ -396,20 +402,11 @@ def _plan_hash_table(inputs: PlanInputs, parts: PlanParts, P: str, layer: int, g
         raise inputs.error(
             f"layer {layer} has a hash-routing table and a selection bias; hash-routed layers are bias-free", info.name
         )
-    parts.consumed.add(info.name)
-    parts.groups.append(
-        Group(
-            [OutputTensor(info.name, info.dtype, info.shape)],
-            [CopyTask(info, Target(info.name))],
-            (str(info.file), info.offset),
-        )
-    )
+    parts.copy(info)
     return True
 
 
-def check_nothing_else_in_moe_blocks(
-    inputs: PlanInputs, parts: PlanParts, layers: list[LayerPlan], num_routed_experts: int
-) -> None:
+def check_nothing_else_in_moe_blocks(inputs: PlanInputs, parts: PlanParts, layers: list[LayerPlan]) -> None:
     """Every tensor under a planned MoE block must have been placed: anything else is not something the layout knows.
 
     One pass over the names (a block prefix has a fixed number of dots per storage), not one per layer.
@@ -418,7 +415,7 @@ def check_nothing_else_in_moe_blocks(
     blocks = {}  # what each block owns (its module, or only its experts where the block is the decoder layer) -> layer
     for lp in layers:
         for owned in names.block_owns(lp.block_prefix, layer_root(inputs, lp.layer)):
-            blocks[owned[:-1]] = lp.layer
+            blocks[owned[:-1]] = lp
     depths = {p.count(".") + 1 for p in blocks}
     for name in inputs.tensors:
         if name in parts.consumed:
@@ -428,12 +425,13 @@ def check_nothing_else_in_moe_blocks(
             block = ".".join(pieces[:depth])
             if block in blocks and len(pieces) > depth:
                 m = re.match(r"(\d+)\." if block.endswith(".experts") else r"experts\.(\d+)\.", name[len(block) + 1 :])
-                if m and int(m.group(1)) >= num_routed_experts:
+                E = blocks[block].num_routed_experts
+                if m and int(m.group(1)) >= E:
                     raise inputs.error(
-                        f"config.json says {num_routed_experts} routed experts, but the checkpoint has expert {m.group(1)}",
-                        name,
+                        f"config.json says {E} routed experts, but the checkpoint has expert {m.group(1)}", name
                     )
                 raise inputs.error(
-                    f"unexpected tensor in MoE layer {blocks[block]} (not an expert, shared expert, router or bias)",
+                    f"unexpected tensor in MoE layer {blocks[block].layer} (not an expert, shared expert, router or "
+                    "bias)",
                     name,
                 )

@@ -11,7 +11,7 @@ from runtime.safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 from .context import PlanInputs, PlanParts
 from .moe_layer import LAYER_RE
 from .source_weights import CT_INPUT_SCALE, CT_SCALE_SUFFIX, projection_task, source_weight
-from .tasks import CopyTask, Cut, Group, OutputTensor, SourceWeight, Target
+from .tasks import Cut, Group, OutputTensor, SourceWeight, Target
 
 _NORM_RE = re.compile(r"(^|_|\.)(norm|layernorm|layer_norm|ln)(\b|_|\d|$)")
 
@@ -65,9 +65,23 @@ def _is_scale_name(name: str, tensors) -> bool:
     return False
 
 
+def _plan_tables(inputs: PlanInputs, parts: PlanParts) -> None:
+    """The family's lookup tables (``MoENames.tables``, DeepSeek-V4.1's Engram ``engram.embed``): every tensor of the
+    module (its weight and its scale, whatever their format) copied byte for byte, before any format can claim them."""
+    tables = inputs.arch.names.tables
+    if not tables:
+        return
+    for name, info in inputs.tensors.items():
+        m = LAYER_RE.match(name)
+        rest = m.group("rest") if m else name
+        if name not in parts.consumed and any(rest.startswith(t + ".") for t in tables):
+            parts.copy(info)
+
+
 def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
     """Place every source tensor no MoE layer consumed; a scale left without its weight is an error."""
     arch = inputs.arch
+    _plan_tables(inputs, parts)
     decoder_layers = set(range(arch.num_hidden_layers)) | set(arch.mtp_layers)
     e8m0 = (
         arch.names.scale_storage == "e8m0"
@@ -98,8 +112,7 @@ def plan_other_tensors(inputs: PlanInputs, parts: PlanParts) -> None:
                 )
             _plan_linear(inputs, parts, name, sw, order)
             continue
-        parts.consumed.add(name)
-        parts.groups.append(Group([OutputTensor(name, info.dtype, info.shape)], [CopyTask(info, Target(name))], order))
+        parts.copy(info)
         if is_linear_weight(info, rest):
             parts.not_converted.add(name[: -len(".weight")])
     for name in inputs.tensors:

@@ -218,6 +218,8 @@ class LayerPlan:
     shared_modes: tuple[str, ...]
     is_hash: bool = False  # expert ids from the layer's token table (DeepSeek-V4 gate.tid2eid)
     routed_kept: bool = False  # the routed experts copied as released (--routed-experts keep)
+    num_routed_experts: int = 0  # E of this layer (the MTP blocks' own where the family gives them one)
+    modality_biases: tuple[str, ...] = ()  # the other modalities' selection biases found in the block (LAYOUT v4)
 
 
 @dataclass

@@ -219,7 +219,11 @@ def _check_layer_shapes(
             f"has dtype {router.dtype}, expected F32 (the router is written in float32)", router.file, router.name
         )
     H = router.shape[1]
-    for b in bias_names:
+    modality = [f"{names.block_prefix}.{m}" for m in block.routing.modality_biases]
+    if layer not in block.routing.hash_layers:
+        for b in modality:  # (v4) beside the layer's own bias, rows 1.. of its bias stack
+            _want(tensors, b, (E,), ("F32", "BF16", "F16"), "routing.modality_biases: one bias per routed expert")
+    for b in bias_names + tuple(modality):
         if b in tensors and tensors[b].shape not in selection_bias_shapes(E):
             raise _fail(
                 f"has shape {list(tensors[b].shape)}, expected [{E}] (one selection bias per routed expert; [1, {E}] "
@@ -443,7 +447,7 @@ def check_output(
                 f"{root}: MoE layer {layer} (listed in {CONFIG_KEY}.moe_layers) has no converted expert tensors "
                 f"(no ...layers.{layer}...experts.gemm1_alpha)"
             )
-        _check_layer_shapes(layer, layers[layer], block, tensors, config)
+        _check_layer_shapes(layer, layers[layer], block.for_layer(layer), tensors, config)
     extra = sorted(set(layers) - listed)
     if extra:
         raise _fail(
@@ -523,6 +527,13 @@ def _check_block_against_config(root: Path, config: dict, block: FusedSharedExpe
     for name, got, want in counts:
         if got != want:
             raise _fail(f"{path}: {CONFIG_KEY}.{name} is {got}, but the model's own fields say {want}")
+    for g in block.layer_geometry:  # (v4) the MTP blocks' own E and top-k
+        want = {arch.expert_geometry(layer) for layer in g.layers}
+        if want != {(g.num_routed_experts, g.top_k)}:
+            raise _fail(
+                f"{path}: {CONFIG_KEY}.layer_geometry gives layers {list(g.layers)} E={g.num_routed_experts}, "
+                f"top-{g.top_k}, but the model's own fields say (E, top-k) {sorted(want)}"
+            )
     want = family_for(config).planned_routing(arch, block.routing.has_bias, block.routing.hash_layers)
     for name in _ROUTING_FROM_CONFIG:
         got, expected = getattr(block.routing, name), getattr(want, name)

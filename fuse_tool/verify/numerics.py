@@ -287,10 +287,10 @@ def _routed_tensors_same(conv, orig) -> tuple[int, int]:
     from runtime.layout import converted_moe_layers
     from runtime.safetensors_io import read_bytes
 
-    E = conv.block.num_routed_experts
     src = orig.reader.tensors
     same = total = 0
-    for tn in converted_moe_layers(conv.reader.tensors, conv.reader.config).values():
+    for layer, tn in converted_moe_layers(conv.reader.tensors, conv.reader.config).items():
+        E = conv.block.for_layer(layer).num_routed_experts
         prefix = tn.experts_prefix + "."
         for name, info in conv.reader.tensors.items():
             slot = name[len(prefix) :].split(".", 1)[0] if name.startswith(prefix) else ""

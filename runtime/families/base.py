@@ -59,6 +59,12 @@ class MoENames:
     # MTP blocks stored under their own prefix (DeepSeek-V4 ``mtp.N.``), numbered num_hidden_layers + N, found from the names.
     mtp_prefix: str | None = None
     hash_table: str | None = None  # a hash-routed layer's token table inside the block (DeepSeek-V4 ``gate.tid2eid``)
+    # Selection biases of other token modalities inside the block, beside ``bias`` (DeepSeek-V4.1 ``gate.bias_vl``,
+    # tokens inside an image span): copied, and named in the layout's routing.modality_biases (LAYOUT v4).
+    modality_biases: tuple[str, ...] = ()
+    # Layer-relative modules that are lookup tables, not linears (DeepSeek-V4.1's Engram n-gram tables
+    # ``engram.embed``): weight and scale copied byte for byte, never claimed by a weight format.
+    tables: tuple[str, ...] = ()
     scale_storage: str = (
         "f32"  # block scales: "f32" (<weight>_scale_inv) or "e8m0" (<module>.scale, F8_E8M0), layout.SCALE_STORAGES
     )
@@ -166,10 +172,19 @@ class MoEArchitecture:
     )
     # Per-layer (routed, shared) parameters where a layer differs from the two above (Step-3.7's per-layer limits).
     layer_activation_params: Mapping[int, tuple[ActivationParams, ActivationParams]] = field(default_factory=dict)
+    # (E, top-k) of every MTP block where they differ from the decoder layers' (DeepSeek-V4.1: 128, top-3 against
+    # 384, top-6); None: the MTP blocks are the decoder's geometry.
+    mtp_geometry: tuple[int, int] | None = None
 
     @property
     def layer_prefix(self) -> str:
         return self.names.layer_prefix
+
+    def expert_geometry(self, layer: int) -> tuple[int, int]:
+        """(E, top-k) of MoE layer ``layer``: the MTP blocks' own (``mtp_geometry``) from ``num_hidden_layers`` on."""
+        if self.mtp_geometry is not None and layer >= self.num_hidden_layers:
+            return self.mtp_geometry
+        return self.num_routed_experts, self.routing.top_k
 
     def slot_activation(self, layer: int) -> tuple[ActivationParams, ActivationParams]:
         """The (routed, shared) SwiGLU parameters of MoE layer ``layer`` (MTP layers included): what the planner writes

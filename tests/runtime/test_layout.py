@@ -1,4 +1,4 @@
-"""The config block of LAYOUT versions 1 and 2: what is written for which features, round trips,
+"""The config block of LAYOUT versions 1 to 4: what is written for which features, round trips,
 and the field checks (each message names the field and the value)."""
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def test_routing_field_checks(routing, match):
 @pytest.mark.parametrize(
     "field,value,match",
     [
-        ("version", 4, "version 4 is not supported"),
+        ("version", 5, "version 5 is not supported"),
         ("version", "1", "version '1' is not supported"),
         ("num_routed_experts", 0, "num_routed_experts must be >= 1, got 0"),
         ("num_routed_experts", 256.5, "num_routed_experts must be an integer, got 256.5"),
@@ -454,3 +454,72 @@ def test_bias_stored_as_one_row_routes_as_e():
     assert torch.equal(flat[0], row[0]) and torch.equal(flat[1], row[1])
     with pytest.raises(ValueError, match=r"\[1, 7\]"):
         route(logits, bias[None, None], cfg, backend="torch")
+
+
+# ----------------------------------------------------------------------------- version 4: layer geometry, modality biases
+
+
+def v41_routing(**kw) -> RoutingSpec:
+    fields = dict(scoring="sqrtsoftplus", top_k=6, renormalize_eps=1e-20, routed_scaling_factor=1.5)
+    return RoutingSpec(**{**fields, **kw})
+
+
+def test_v4_features_write_version_4_and_round_trip():
+    from runtime.layout import LayerGeometry
+
+    geometry = (LayerGeometry((61,), 128, 3),)
+    for kw in (
+        dict(layer_geometry=geometry),
+        dict(routing=v41_routing(modality_biases=("gate.bias_vl",))),
+        dict(layer_geometry=geometry, routing=v41_routing(modality_biases=("gate.bias_vl",))),
+    ):
+        b = block(kw.pop("routing", v41_routing()), **kw)
+        assert b.version == 4 and b.v4_features()
+        d = json.loads(json.dumps(b.to_dict()))
+        assert FusedSharedExperts.from_dict(d) == b
+        assert ("layer_geometry" in d) == bool(b.layer_geometry) and "modality_biases" in d["routing"]
+    plain = block(v41_routing())
+    assert plain.version == 2 and "modality_biases" not in plain.to_dict()["routing"]  # v2 stays v2
+
+
+def test_for_layer_gives_a_layers_own_geometry():
+    from runtime.layout import LayerGeometry
+
+    b = block(v41_routing(modality_biases=("gate.bias_vl",)), layer_geometry=(LayerGeometry((4, 61), 128, 3),))
+    mtp, decoder = b.for_layer(61), b.for_layer(3)
+    assert (mtp.num_routed_experts, mtp.routing.top_k, mtp.num_expert_slots) == (128, 3, 129)
+    assert (decoder.num_routed_experts, decoder.routing.top_k, decoder.num_expert_slots) == (256, 6, 257)
+    assert mtp.routing.modality_biases == ("gate.bias_vl",) and not mtp.layer_geometry and mtp.version == 4
+    cfg = RoutingConfig.from_config(b.to_dict(), layer=4)
+    assert (cfg.num_experts, cfg.top_k, cfg.num_expert_slots) == (128, 3, 129)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(layer_geometry=[{"layers": [5], "num_routed_experts": 8, "top_k": 2}]), r"layers \[5\] are not in"),
+        (dict(layer_geometry=[{"layers": [61], "num_routed_experts": 2, "top_k": 3}]), "top_k=3 exceeds num_routed"),
+        (
+            dict(
+                layer_geometry=[
+                    {"layers": [4, 61], "num_routed_experts": 8, "top_k": 2},
+                    {"layers": [61], "num_routed_experts": 16, "top_k": 2},
+                ]
+            ),
+            r"layers \[61\] in more than one entry",
+        ),
+        (dict(layer_geometry=[{"layers": [61], "num_routed_experts": 8}]), "missing 'top_k'"),
+        (dict(layer_geometry=[{"layers": [], "num_routed_experts": 8, "top_k": 2}]), "layers is empty"),
+        (dict(routing_extra={"modality_biases": ["gate.bias_vl"], "has_bias": False}), "without a selection bias"),
+        (dict(routing_extra={"modality_biases": [""]}), r"modality_biases\[0\] must be a tensor name"),
+        (dict(version=3, layer_geometry=[]), "layer_geometry is a LAYOUT version 4 field"),
+        (dict(version=2, routing_extra={"modality_biases": ["gate.bias_vl"]}), "modality_biases is a LAYOUT version 4"),
+    ],
+)
+def test_v4_field_checks(kw, message):
+    d = block(v41_routing()).to_dict()
+    d["version"] = 4
+    d["routing"].update(kw.pop("routing_extra", {}))
+    d.update(kw)
+    with pytest.raises(LayoutError, match=message):
+        FusedSharedExperts.from_dict(d)
