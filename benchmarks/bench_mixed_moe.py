@@ -3,7 +3,7 @@ conversion of the same weights run by the same entry point (``fused_moe`` on FP8
 kernel), with a device-to-device copy anchor measured in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_mixed_moe.py [--out results.json] [--models DeepSeek-V4-Flash,Kimi-K2.6]
-        [--tokens 1,8,64,4096] [--tile-config '{"block_m": 32}']
+        [--tokens 1,8,64,4096] [--tile-config '{"block_m": 32}'] [--profile]
 
 Shapes: DeepSeek-V4-Flash (H 4096, I 2048, 256 routed + 1 shared, top-6, sqrtsoftplus, SwiGLU limit 10, MXFP4 routed
 experts) and Kimi-K2.6 (H 7168, I 2048, 384 + 1, top-8, sigmoid, INT4 routed experts in groups of 32). The FP8 side is
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth, graph_time_us, random_fp8_experts, versions  # noqa: E402
+from profile_moe import launches  # noqa: E402
 
 from rt_helpers import random_four_bit_experts  # noqa: E402
 from runtime import ExpertWeights, RoutingConfig, fused_moe, route  # noqa: E402
@@ -91,6 +92,7 @@ def main():
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--tile-config", default=None, help="JSON override of the mixed kernel's tiles")
+    ap.add_argument("--profile", action="store_true", help="also record each launch's device time (torch.profiler)")
     args = ap.parse_args()
     override = json.loads(args.tile_config) if args.tile_config else None
     info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -161,6 +163,11 @@ def main():
                 pct_copy_mixed=100 * b_mixed / (t_mixed * 1e-6) / bw,
                 pct_copy_fp8=100 * b_fp8 / (t_fp8 * 1e-6) / bw,
             )
+            if args.profile:
+                r["launches_mixed"] = launches(lambda: run_mixed(sets=sets[:1]), 5)
+                r["launches_fp8"] = launches(lambda: run_fp8(sets=sets[:1]), 5)
+                for side in ("mixed", "fp8"):
+                    print(f"  {side:5} " + ", ".join(f"{n[:28]} {t:.1f}" for n, t in r["launches_" + side]), flush=True)
             rows.append(r)
             print(
                 f"{name:18} T={T:5d} mixed {t_mixed:9.1f} us ({r['pct_copy_mixed']:5.1f}% copy) | fp8 {t_fp8:9.1f} us "

@@ -1,35 +1,37 @@
 """Triton fused MoE over mixed slots (LAYOUT v3): four-bit routed slots ``0 .. E-1`` (MXFP4 or INT4, as released) and
 FP8 128x128 shared slots ``E .. E+S-1``, in one pass per GEMM.
 
-Launches, each over every slot (the alignment, the activation quantization and the slot sum are
-:mod:`runtime.moe_triton`'s own):
+Launches, each over every slot (the alignment, the quantizations and the slot sum are :mod:`runtime.moe_triton`'s
+own):
 
 1. alignment of the (token, slot) pairs by slot (none for one token: each pair is its own M block);
 2. 1x128 FP8 quantization of x;
-3. ``_mixed_gemm_kernel`` GEMM1: gate and up tiles of one slot side by side, SwiGLU in the epilogue, h written as FP8
-   with its 1x128 scales;
-4. ``_mixed_gemm_kernel`` GEMM2: h times the slot's down projection times the routing weight, float32;
-5. the sum over each token's slots.
+3. ``_mixed_gemm_kernel`` GEMM1 over gate | up (2I rows), float32, its K split over ``gemm1_split_k`` programs;
+4. the sum of those splits, each slot's SwiGLU and the 1x128 FP8 quantization of h, in one launch;
+5. ``_mixed_gemm_kernel`` GEMM2: h times the slot's down projection times the routing weight, float32;
+6. the sum over each token's slots (and GEMM2's K splits).
 
 Each program of a GEMM serves one M block, which belongs to one slot, and branches once on that slot: a shared slot runs
 the FP8 loop (``acc += dot(a, w) * a_scale * block_scale`` per 128 inputs, as :mod:`runtime.moe_triton` does); a routed
-slot loads its packed four-bit tile and expands it in registers into e4m3, so every slot runs on FP8 tensor cores and
-no dequantized copy of any expert exists in memory:
+slot reads its packed four-bit tile, and no dequantized copy of any expert exists in memory:
 
-- MXFP4: per weight row and 128 inputs, the four E8M0 group scales fold into one: codes become ``e2m1 * 2^(g - gmax)``
-  in e4m3 and ``2^gmax`` multiplies the row's partial sum, like a block scale. Exact wherever the row's four groups
-  span at most ``2^8`` (LAYOUT section 4's rule, here per row of 128 inputs instead of per 128x128 block, so it holds
-  more often); elsewhere the smallest values round on the e4m3 grid (by at most ``2^-10`` of the row's scale, as the
-  FP8 conversion rounds them). One MMA and one scaling per 128 inputs: the FP8 kernel's cost, on half the bytes.
+- MXFP4: ``tl.dot_scaled(a, None, "e4m3", w, group_scales, "e2m1")`` per 128 inputs, times the activations' scale.
+  The e2m1 codes and their E8M0 group scales go to Triton as they are stored, so every product is exact, whatever the
+  span of the group scales. A first form expanded the codes into e4m3 in registers itself (the four group scales of a
+  row folded into one per 128 inputs); on the H200 with Triton 3.6 it ran 2.3x slower than ``dot_scaled`` at one token
+  (469 against 205 us at DeepSeek-V4-Flash's shape) and level at 4096.
 - INT4: the codes ``q`` (-8..7) are e4m3 exactly; a BF16 group scale is not a power of two, so it cannot fold into the
   codes exactly. Each group of ``group`` inputs (32 for Kimi-K2.x) is its own MMA of K = ``group`` whose float32 sum is
-  scaled by ``a_scale * group_scale``: every product exact, four scalings per 128 inputs where FP8 needs one. BF16
-  MMA (the other exact choice, ``q`` times a BF16 scale is not BF16 in general) would need the same per-group scaling
-  at half the tensor-core rate, so FP8 is chosen.
+  scaled by ``a_scale * group_scale``: every product exact, four scalings per 128 inputs where FP8 needs one.
+
+Speed (H200, Triton 3.6, docs/benchmarks.md): the two GEMMs run 3.6x (one token) to 9.5x (4096 tokens) slower than
+the FP8 kernel's on FP8 conversions of the same weights, and this forward is 3.3x to 7.5x slower as a whole: reading
+half the bytes does not pay for expanding four-bit tiles inside Triton's pipeline. Keeping the experts four-bit saves
+memory, not time, for now.
 
 The activations are the FP8 path's (1x128 groups), so a routed slot's result is the reference's
-(:func:`runtime.moe_reference.fused_moe_reference` on the exact four-bit values) up to float32 summation order, and
-exactly that wherever MXFP4's rule holds. Shapes: H and I multiples of 32.
+(:func:`runtime.moe_reference.fused_moe_reference` on the exact four-bit values) up to float32 summation order.
+Shapes: H and I multiples of 32.
 """
 
 from __future__ import annotations
