@@ -42,8 +42,9 @@ def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
 class ExpertParallelMoE(torch.nn.Module):
     """One rank's share of a converted MoE layer: E/world routed slots plus the S shared slots.
 
-    ``forward(x [..., H], token_ids=None) -> [..., H]`` (x's dtype), collective over ``group``: every rank of the
-    group must call it with the same ``x`` (and ``token_ids`` for hash-routed layers).
+    ``forward(x [..., H], token_ids=None, modality=None) -> [..., H]`` (x's dtype), collective over ``group``: every rank
+    of the group must call it with the same ``x`` (and ``token_ids`` for hash-routed layers, ``modality`` for a stacked
+    per-modality bias, as :meth:`FusedSharedMoE.forward`).
     """
 
     def __init__(self, moe: FusedSharedMoE, group: Any = None, shared_replica: bool = True):
@@ -94,11 +95,15 @@ class ExpertParallelMoE(torch.nn.Module):
         return self
 
     def forward(
-        self, x: torch.Tensor, num_valid_tokens: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        num_valid_tokens: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        modality: torch.Tensor | None = None,
     ) -> torch.Tensor:
         import torch.distributed as dist
 
-        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids)
+        h, ids, w = route_rows(self, x, num_valid_tokens, token_ids, modality)
         ids = ids.long()
         E = self.cfg.num_experts
         mine = (ids >= self.start) & (ids < self.stop)

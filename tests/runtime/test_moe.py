@@ -521,3 +521,29 @@ def test_layer_with_a_bias_per_modality():
         text(x, modality=image)
     with pytest.raises(ValueError, match=r"bias must be \[16\] or \[M, 16\]"):
         FusedSharedMoE(experts, router, torch.zeros(2, E + 1), cfg)
+
+
+def test_expert_parallel_share_routes_by_modality(tmp_path):
+    """One rank's share of a V4.1-style layer (a [2, E] bias) routes its image tokens by the second row, as the whole
+    layer does: a one-process gloo group, so the routing is the only thing that can differ."""
+    import torch.distributed as dist
+
+    from runtime import FusedSharedMoE, RoutingConfig
+    from runtime.expert_parallel import ExpertParallelMoE
+
+    E, K, S, H, I = 8, 2, 1, 64, 32  # noqa: E741
+    g = torch.Generator().manual_seed(43)
+    experts = random_experts(E + S, H, I, fp8=False, dtype=torch.float32, gen=g)
+    bias = torch.randn(E, generator=g) * 3
+    stack = torch.stack([bias, -bias])  # the image rows choose other experts than the text rows
+    cfg = RoutingConfig(E, K, S, "sqrtsoftplus", routed_scaling_factor=1.5)
+    moe = FusedSharedMoE(experts, torch.randn(E, H, generator=g) / 8, stack, cfg, backend="torch")
+    x = torch.randn(5, H, generator=g)
+    image = torch.tensor([False, True, True, False, True])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        share = ExpertParallelMoE(moe)
+        torch.testing.assert_close(share(x, modality=image), moe(x, modality=image))
+        assert not torch.allclose(share(x, modality=image), share(x)), "image tokens choose by gate.bias_vl's row"
+    finally:
+        dist.destroy_process_group()
