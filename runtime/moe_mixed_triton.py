@@ -41,10 +41,19 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting, next_pow2
-from .moe_triton import _align, _alloc, _Launches, _quantize_rows, _round_e4m3, _sum_kernel
+from .moe_triton import _align, _alloc, _Launches, _quantize_rows, _round_e4m3, _sum_kernel, _weight_tiles
 
 FORMAT_CODES = {"mxfp4": 0, "int4": 1}
-MIXED_TILE_KEYS = ("block_m", "block_n", "gemm1_split_k", "gemm2_split_k", "swap_ab", "num_warps", "num_stages")
+MIXED_TILE_KEYS = (
+    "block_m",
+    "block_n",
+    "gemm1_split_k",
+    "gemm2_split_k",
+    "swap_ab",
+    "num_warps",
+    "num_stages",
+    "weight_tma",
+)
 
 
 @triton.jit
@@ -66,10 +75,9 @@ def _to_e4m3(v, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile(w_ptrs, mask, BN: tl.constexpr, KSTEP: tl.constexpr, INTERP: tl.constexpr):
-    """``[BN, KSTEP]`` INT4 codes ``q`` (exact in e4m3) from ``w_ptrs`` ``[BN, KSTEP / 8]`` int32 words (input
-    ``8k + i`` in bits ``4i .. 4i+3``, stored ``q + 8``); masked rows read 0 (their scale is 0)."""
-    words = tl.load(w_ptrs, mask=mask, other=0)
+def _int4_tile(words, BN: tl.constexpr, KSTEP: tl.constexpr, INTERP: tl.constexpr):
+    """``[BN, KSTEP]`` INT4 codes ``q`` (exact in e4m3) from ``words`` ``[BN, KSTEP / 8]`` int32 (input ``8k + i`` in
+    bits ``4i .. 4i+3``, stored ``q + 8``); rows read as 0 have scale 0."""
     shifts = tl.arange(0, 8) * 4
     q = (words[:, :, None] >> shifts[None, None, :]) & 15
     q = tl.reshape(q, (BN, KSTEP)) - 8
@@ -117,6 +125,7 @@ def _mixed_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    R_TMA: tl.constexpr,
     NAIVE: tl.constexpr,
     HAS_NVALID: tl.constexpr,
     INTERP: tl.constexpr,
@@ -125,7 +134,9 @@ def _mixed_gemm_kernel(
     routing weight with MUL_W). ``a`` FP8 ``[rows, K]`` with 1x128 scales; routed weights ``r`` (``FMT`` 0: MXFP4 bytes,
     1: INT4 words, per row) with scales ``r_scale`` (E8M0 bytes per 32 / float per ``GROUP`` inputs); shared weights
     ``s`` FP8 ``[S, N, K]`` with 128x128 scales ``s_scale``, whose rows from ``up_row`` on (GEMM1's up half) take
-    their scales from row ``up_scale_row``. NAIVE (one token): M block ``m`` is pair ``m``, its slot
+    their scales from row ``up_scale_row``. R_TMA: ``r_ptr`` is a tensor descriptor over the routed weights seen as
+    ``[E * N, row bytes or words]`` (Hopper's copy engine loads their tiles, which Triton's pipeline then overlaps
+    with the MMAs; a plain load of a tile that is expanded in registers is not pipelined). NAIVE (one token): M block ``m`` is pair ``m``, its slot
     ``sorted_ptr[m]``."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -155,7 +166,9 @@ def _mixed_gemm_kernel(
     else:
         acc = tl.zeros([BM, BN], tl.float32)
     if e < num_routed:
-        r_row = r_ptr + e * stride_re + offs_n[:, None].to(tl.int64) * stride_rn
+        if not R_TMA:
+            r_row = r_ptr + e * stride_re + offs_n[:, None].to(tl.int64) * stride_rn
+        tma_row = (e * N + pid_n * BN).to(tl.int32)  # rows past this slot's N only reach masked output columns
         rs_row = r_scale_ptr + e * stride_rse + offs_n[:, None].to(tl.int64) * stride_rsn
         if FMT == 0:
             nk = tl.cdiv(K, 128)
@@ -169,12 +182,14 @@ def _mixed_gemm_kernel(
                 wk = kb * 64 + j
                 w_ok = (2 * wk < K)[None, :]
                 sc = tl.load(rs_row + (kb * 4 + tl.arange(0, 4))[None, :], mask=n_mask[:, None], other=127)
-                if SWAP:
+                if R_TMA:
+                    w = r_ptr.load([tma_row, kb * 64])
+                else:
                     w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & w_ok, other=0)
+                if SWAP:
                     t = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "e4m3")
                     acc += t * a_s[None, :]
                 else:
-                    w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & w_ok, other=0)
                     t = tl.dot_scaled(a, None, "e4m3", tl.trans(w), sc, "e2m1")
                     acc += t * a_s[:, None]
         else:
@@ -186,7 +201,11 @@ def _mixed_gemm_kernel(
                 a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
                 a_s = tl.load(a_scale_ptr + a_row * stride_asm + (ks * KSTEP) // 128, mask=m_mask, other=0.0)
                 wk = ks * (KSTEP // 8) + tl.arange(0, KSTEP // 8)
-                b = _int4_tile(r_row + wk[None, :], n_mask[:, None] & (8 * wk < K)[None, :], BN, KSTEP, INTERP)
+                if R_TMA:
+                    words = r_ptr.load([tma_row, ks * (KSTEP // 8)])
+                else:
+                    words = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & (8 * wk < K)[None, :], other=0)
+                b = _int4_tile(words, BN, KSTEP, INTERP)
                 b_s = tl.load(rs_row + (ks * KSTEP) // GROUP, mask=n_mask[:, None], other=0.0).to(tl.float32)
                 acc = _dot_scaled(acc, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
     else:
@@ -228,6 +247,7 @@ def mixed_tile_config(num_tokens: int, slots_per_token: int, num_slots: int, ove
         "swap_ab": bm <= 32,
         "num_warps": 4 if bm <= 64 else 8,
         "num_stages": 3,
+        "weight_tma": False,
     }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
@@ -285,6 +305,9 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     def gemm(a, a_s, weights, N, K, split, up_row, up_scale_row, A_DIV, MUL_W):
         # the kernel steps along K with unit stride: each tensor's last dimension contiguous (a no-op as loaded)
         r, rs, w, ws = (t.contiguous() for t in weights)
+        r_strides = r.stride(0), r.stride(1)
+        if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of MXFP4 bytes or INT4 words
+            r = _weight_tiles(r, BN, 64 if routed.format == "mxfp4" else common["KSTEP"] // 8)
         c = _alloc((split, numel, N), torch.float32, x)
         launch(
             _mixed_gemm_kernel,
@@ -309,8 +332,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             up_scale_row,
             a.stride(0),
             a_s.stride(0),
-            r.stride(0),
-            r.stride(1),
+            *r_strides,
             rs.stride(0),
             rs.stride(1),
             w.stride(0),
@@ -320,6 +342,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             c.stride(1),
             c.stride(0),
             SPLIT_K=split,
+            R_TMA=cfg["weight_tma"],
             A_DIV=A_DIV,
             MUL_W=MUL_W,
             **common,

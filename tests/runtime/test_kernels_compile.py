@@ -29,11 +29,13 @@ _POINTERS = dict(
     total_ptr="*i32",
     topk_w_ptr="*fp32",
 )
-# (FMT 0 MXFP4 / 1 INT4, MUL_W: GEMM2, SWAP, NAIVE: one token, which always swaps)
-VARIANTS = [c for c in itertools.product((0, 1), (False, True), (False, True), (False, True)) if c[2] or not c[3]]
+# (FMT 0 MXFP4 / 1 INT4, MUL_W: GEMM2, SWAP, NAIVE: one token, which always swaps, R_TMA: routed tiles by descriptor)
+VARIANTS = [
+    c for c in itertools.product((0, 1), (False, True), (False, True), (False, True), (False, True)) if c[2] or not c[3]
+]
 
 
-def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool) -> str:
+def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -> str:
     """TTGIR of one variant compiled for sm_90a (raises what Triton raises)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -52,13 +54,17 @@ def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool) -> str:
         BM=16 if naive else 64,
         BN=64,
         SPLIT_K=2,
+        R_TMA=tma,
         NAIVE=naive,
         HAS_NVALID=naive,
         INTERP=False,
     )
     pointers = dict(_POINTERS, r_ptr="*i32" if fmt else "*u8", r_scale_ptr="*bf16" if fmt else "*u8")
-    signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in params}
     aligned = [p for p in params if p in pointers or p.startswith("stride") or p in ("N", "K", "c_split_stride")]
+    if tma:  # [BN, 128 inputs] tiles: INT4 words or MXFP4 bytes
+        pointers["r_ptr"] = "tensordesc<i32[64, 4]>" if fmt else "tensordesc<u8[64, 64]>"
+        aligned.remove("r_ptr")
+    signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in params}
     source = ASTSource(
         _mixed_gemm_kernel,
         signature,

@@ -130,6 +130,11 @@ CASES = [
     # K split over programs (partial sums added by the SwiGLU and slot-sum launches), narrow weight tiles
     ("mxfp4", 4, 1, 1, 3, 4, None, dict(gemm1_split_k=3, gemm2_split_k=2, block_n=32), 384, 96),
     ("int4", 4, 2, 7, 4, 0, 5, dict(gemm1_split_k=2, gemm2_split_k=3, block_n=128, swap_ab=False), 192, 160),
+    # routed tiles through a tensor descriptor (Hopper's copy engine; emulated here): partial K blocks, rows past N
+    ("mxfp4", 4, 1, 5, 3, 4, None, dict(weight_tma=True, block_n=64), 192, 96),
+    ("mxfp4", 4, 1, 1, 3, 4, None, dict(weight_tma=True, swap_ab=False, gemm1_split_k=2), 256, 160),
+    ("int4", 4, 2, 7, 4, 0, 5, dict(weight_tma=True), 160, 96),
+    ("int4", 4, 1, 1, 3, 0, None, dict(weight_tma=True, block_n=128), 192, 160),
 ]
 
 
