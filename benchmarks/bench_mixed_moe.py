@@ -4,6 +4,7 @@ kernel), with a device-to-device copy anchor measured in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_mixed_moe.py [--out results.json] [--models DeepSeek-V4-Flash,Kimi-K2.6]
         [--tokens 1,8,64,4096] [--tile-config '{"block_m": 32}'] [--profile]
+        [--variants '[{"weight_tma": true}, {"block_n": 128}]']
 
 Shapes: DeepSeek-V4-Flash (H 4096, I 2048, 256 routed + 1 shared, top-6, sqrtsoftplus, SwiGLU limit 10, MXFP4 routed
 experts) and Kimi-K2.6 (H 7168, I 2048, 384 + 1, top-8, sigmoid, INT4 routed experts in groups of 32). The FP8 side is
@@ -93,6 +94,11 @@ def main():
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--tile-config", default=None, help="JSON override of the mixed kernel's tiles")
     ap.add_argument("--profile", action="store_true", help="also record each launch's device time (torch.profiler)")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="JSON list of tile overrides, each checked and timed beside the default in the same process (a sweep)",
+    )
     args = ap.parse_args()
     override = json.loads(args.tile_config) if args.tile_config else None
     info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -141,8 +147,8 @@ def main():
             )
             r["ok"] = bool(r["rel_mixed"] < TOL and r["rel_fp8"] < TOL and not torch.isnan(y_mixed).any())
 
-            def run_mixed(x=x, ew=mixed, sets=sets, out=out):
-                return [fused_moe(x, ew, i, w, tile_config=override, out=out) for i, w in sets]
+            def run_mixed(x=x, ew=mixed, sets=sets, out=out, tiles=override):
+                return [fused_moe(x, ew, i, w, tile_config=tiles, out=out) for i, w in sets]
 
             def run_fp8(x=x, ew=fp8, sets=sets, out=out, S=S):
                 return [fused_moe(x, ew, i, w, out=out, shared_slots=S) for i, w in sets]
@@ -164,10 +170,20 @@ def main():
                 pct_copy_fp8=100 * b_fp8 / (t_fp8 * 1e-6) / bw,
             )
             if args.profile:
-                r["launches_mixed"] = launches(lambda: run_mixed(sets=sets[:1]), 5)
-                r["launches_fp8"] = launches(lambda: run_fp8(sets=sets[:1]), 5)
+                r["launches_mixed"] = launches(lambda s=sets: run_mixed(sets=s[:1]), 5)
+                r["launches_fp8"] = launches(lambda s=sets: run_fp8(sets=s[:1]), 5)
                 for side in ("mixed", "fp8"):
                     print(f"  {side:5} " + ", ".join(f"{n[:28]} {t:.1f}" for n, t in r["launches_" + side]), flush=True)
+            for variant in json.loads(args.variants) if args.variants else []:
+                y = fused_moe(x, mixed, ids0, w0, tile_config=variant)
+                t = graph_time_us(lambda v=variant: run_mixed(tiles=v), ROT, args.trials)
+                v = dict(tiles=variant, us=t, speedup=t_fp8 / t, rel=rel(y, ref), ok=bool(rel(y, ref) < TOL))
+                r.setdefault("variants", []).append(v)
+                print(
+                    f"  variant {json.dumps(variant):60} {t:9.1f} us  fp8/mixed {v['speedup']:.3f}  "
+                    f"rel {v['rel']:.2e} {'ok' if v['ok'] else 'CHECK FAILED'}",
+                    flush=True,
+                )
             rows.append(r)
             print(
                 f"{name:18} T={T:5d} mixed {t_mixed:9.1f} us ({r['pct_copy_mixed']:5.1f}% copy) | fp8 {t_fp8:9.1f} us "
