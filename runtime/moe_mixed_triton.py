@@ -53,6 +53,7 @@ MIXED_TILE_KEYS = (
     "num_warps",
     "num_stages",
     "weight_tma",
+    "int4_mma",
 )
 
 
@@ -126,6 +127,7 @@ def _mixed_gemm_kernel(
     BN: tl.constexpr,
     SPLIT_K: tl.constexpr,
     R_TMA: tl.constexpr,
+    I4_F16: tl.constexpr,
     NAIVE: tl.constexpr,
     HAS_NVALID: tl.constexpr,
     INTERP: tl.constexpr,
@@ -192,6 +194,39 @@ def _mixed_gemm_kernel(
                 else:
                     t = tl.dot_scaled(a, None, "e4m3", tl.trans(w), sc, "e2m1")
                     acc += t * a_s[:, None]
+        elif I4_F16:
+            # INT4 in FP16, one MMA per 128 inputs: q (3 significant bits) times a BF16 group scale (8) is exact in
+            # FP16 (11), once each row's four scales are moved by one power of two 2^k into FP16's range (k puts the
+            # largest product below 2^15; products stay normal while a row's four scales span less than 2^25), and
+            # e4m3 activations are exact in FP16. 2^-k then scales the row's float32 sum, like a block scale.
+            nk = tl.cdiv(K, 128)
+            per = tl.cdiv(nk, SPLIT_K)
+            G: tl.constexpr = 128 // GROUP
+            for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
+                offs_k = kb * 128 + tl.arange(0, 128)
+                k_ok = (offs_k < K)[None, :]
+                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
+                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
+                wk = kb * 16 + tl.arange(0, 16)
+                if R_TMA:
+                    words = r_ptr.load([tma_row, kb * 16])
+                else:
+                    words = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & (8 * wk < K)[None, :], other=0)
+                gk = kb * G + tl.arange(0, G)
+                sc = tl.load(rs_row + gk[None, :], mask=n_mask[:, None] & (gk * GROUP < K)[None, :], other=0.0)
+                sc = sc.to(tl.float32)
+                exp = ((tl.max(tl.abs(sc), axis=1).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+                k = tl.minimum(tl.maximum(11 - exp, -126), 126)
+                up = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k
+                down = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
+                q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
+                q = tl.reshape(q - 8, (BN, G, GROUP)).to(tl.float32) * (sc * up[:, None])[:, :, None]
+                b = tl.reshape(q, (BN, 128)).to(tl.float16)
+                a16 = a.to(tl.float16)
+                if SWAP:
+                    acc += tl.dot(b, tl.trans(a16)) * down[:, None] * a_s[None, :]
+                else:
+                    acc += tl.dot(a16, tl.trans(b)) * a_s[:, None] * down[None, :]
         else:
             nk = tl.cdiv(K, KSTEP)
             per = tl.cdiv(nk, SPLIT_K)
@@ -248,11 +283,14 @@ def mixed_tile_config(num_tokens: int, slots_per_token: int, num_slots: int, ove
         "num_warps": 4 if bm <= 64 else 8,
         "num_stages": 3,
         "weight_tma": False,
+        "int4_mma": "fp8",  # INT4 routed slots: "fp8", one MMA per scale group; "fp16", one per 128 inputs
     }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
             raise ValueError(f"unknown mixed tile config key {k!r} (known: {', '.join(MIXED_TILE_KEYS)})")
         cfg[k] = v
+    if cfg["int4_mma"] not in ("fp8", "fp16"):
+        raise ValueError(f"mixed tile config int4_mma must be 'fp8' or 'fp16', got {cfg['int4_mma']!r}")
     for k in ("block_n", "gemm1_split_k", "gemm2_split_k"):
         if not isinstance(cfg[k], int) or cfg[k] < 1 or (k == "block_n" and cfg[k] not in (16, 32, 64, 128, 256)):
             raise ValueError(f"mixed tile config {k} must be a positive int (block_n a power of two, 16..256)")
@@ -302,12 +340,15 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         num_stages=cfg["num_stages"],
     )
 
+    # FP16 INT4 needs whole scale groups in a 128-input block
+    i4_f16 = routed.format == "int4" and cfg["int4_mma"] == "fp16" and 128 % routed.group == 0
+
     def gemm(a, a_s, weights, N, K, split, up_row, up_scale_row, A_DIV, MUL_W):
         # the kernel steps along K with unit stride: each tensor's last dimension contiguous (a no-op as loaded)
         r, rs, w, ws = (t.contiguous() for t in weights)
         r_strides = r.stride(0), r.stride(1)
         if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of MXFP4 bytes or INT4 words
-            r = _weight_tiles(r, BN, 64 if routed.format == "mxfp4" else common["KSTEP"] // 8)
+            r = _weight_tiles(r, BN, 64 if routed.format == "mxfp4" else 16 if i4_f16 else common["KSTEP"] // 8)
         c = _alloc((split, numel, N), torch.float32, x)
         launch(
             _mixed_gemm_kernel,
@@ -343,6 +384,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             c.stride(0),
             SPLIT_K=split,
             R_TMA=cfg["weight_tma"],
+            I4_F16=i4_f16,
             A_DIV=A_DIV,
             MUL_W=MUL_W,
             **common,

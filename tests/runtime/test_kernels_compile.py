@@ -29,14 +29,18 @@ _POINTERS = dict(
     total_ptr="*i32",
     topk_w_ptr="*fp32",
 )
-# (FMT 0 MXFP4 / 1 INT4, MUL_W: GEMM2, SWAP, NAIVE: one token, which always swaps, R_TMA: routed tiles by descriptor)
+# (FMT 0 MXFP4 / 1 INT4 / 2 INT4 through FP16 MMAs, MUL_W: GEMM2, SWAP, NAIVE: one token, which always swaps, R_TMA:
+# routed tiles by descriptor)
 VARIANTS = [
-    c for c in itertools.product((0, 1), (False, True), (False, True), (False, True), (False, True)) if c[2] or not c[3]
+    c
+    for c in itertools.product((0, 1, 2), (False, True), (False, True), (False, True), (False, True))
+    if c[2] or not c[3]
 ]
 
 
 def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -> str:
     """TTGIR of one variant compiled for sm_90a (raises what Triton raises)."""
+    fmt, i4_f16 = min(fmt, 1), fmt == 2
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,6 +59,7 @@ def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -
         BN=64,
         SPLIT_K=2,
         R_TMA=tma,
+        I4_F16=i4_f16,
         NAIVE=naive,
         HAS_NVALID=naive,
         INTERP=False,
@@ -62,7 +67,7 @@ def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -
     pointers = dict(_POINTERS, r_ptr="*i32" if fmt else "*u8", r_scale_ptr="*bf16" if fmt else "*u8")
     aligned = [p for p in params if p in pointers or p.startswith("stride") or p in ("N", "K", "c_split_stride")]
     if tma:  # [BN, 128 inputs] tiles: INT4 words or MXFP4 bytes
-        pointers["r_ptr"] = "tensordesc<i32[64, 4]>" if fmt else "tensordesc<u8[64, 64]>"
+        pointers["r_ptr"] = f"tensordesc<i32[64, {16 if i4_f16 else 4}]>" if fmt else "tensordesc<u8[64, 64]>"
         aligned.remove("r_ptr")
     signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in params}
     source = ASTSource(

@@ -135,6 +135,10 @@ CASES = [
     ("mxfp4", 4, 1, 1, 3, 4, None, dict(weight_tma=True, swap_ab=False, gemm1_split_k=2), 256, 160),
     ("int4", 4, 2, 7, 4, 0, 5, dict(weight_tma=True), 160, 96),
     ("int4", 4, 1, 1, 3, 0, None, dict(weight_tma=True, block_n=128), 192, 160),
+    # INT4 through FP16 MMAs, one per 128 inputs (exact: each row's scales moved into FP16's range by a power of two)
+    ("int4", 4, 1, 5, 3, 0, None, dict(int4_mma="fp16"), 192, 160),
+    ("int4", 4, 2, 1, 4, 0, None, dict(int4_mma="fp16", weight_tma=True, gemm1_split_k=2)),
+    ("int4", 5, 1, 9, 3, 0, 6, dict(int4_mma="fp16", swap_ab=False, weight_tma=True), 160, 96),
 ]
 
 
