@@ -143,7 +143,7 @@ def main():
                 rel_mixed=rel(y_mixed, ref),
                 rel_fp8=rel(y_fp8, ref_fp8),
                 rel_fp8_conversion=rel(ref_fp8, ref),  # what the FP8 conversion itself changes
-                tiles=mixed_tile_config(T, K + S, E + S, override),
+                tiles=mixed_tile_config(T, K + S, E + S, override, fmt),
             )
             r["ok"] = bool(r["rel_mixed"] < TOL and r["rel_fp8"] < TOL and not torch.isnan(y_mixed).any())
 

@@ -20,14 +20,18 @@ slot reads its packed four-bit tile, and no dequantized copy of any expert exist
   span of the group scales. A first form expanded the codes into e4m3 in registers itself (the four group scales of a
   row folded into one per 128 inputs); on the H200 with Triton 3.6 it ran 2.3x slower than ``dot_scaled`` at one token
   (469 against 205 us at DeepSeek-V4-Flash's shape) and level at 4096.
-- INT4: the codes ``q`` (-8..7) are e4m3 exactly; a BF16 group scale is not a power of two, so it cannot fold into the
-  codes exactly. Each group of ``group`` inputs (32 for Kimi-K2.x) is its own MMA of K = ``group`` whose float32 sum is
-  scaled by ``a_scale * group_scale``: every product exact, four scalings per 128 inputs where FP8 needs one.
+- INT4, ``int4_mma="fp16"`` (the default): ``q`` (-8..7, three significant bits) times its BF16 group scale (eight) is
+  exact in FP16 (eleven) once the row's scales in the 128-input block are moved into FP16's range by one power of two,
+  and e4m3 activations are exact in FP16: one FP16 MMA per 128 inputs, its float32 sum scaled by ``a_scale * 2^-k``.
+  ``"fp8"``: the codes are e4m3 exactly, each scale group of ``group`` inputs (32 for Kimi-K2.x) its own FP8 MMA of K =
+  ``group`` whose float32 sum is scaled by ``a_scale * group_scale``, four scalings per 128 inputs.
 
-Speed (H200, Triton 3.6, docs/benchmarks.md): the two GEMMs run 3.6x (one token) to 9.5x (4096 tokens) slower than
-the FP8 kernel's on FP8 conversions of the same weights, and this forward is 3.3x to 7.5x slower as a whole: reading
-half the bytes does not pay for expanding four-bit tiles inside Triton's pipeline. Keeping the experts four-bit saves
-memory, not time, for now.
+Speed (H200, Triton 3.6, docs/benchmarks.md, "Mixed slots"): 1.8x (DeepSeek-V4-Flash, one token) to 4.6x (4096
+tokens) slower than the FP8 kernel on FP8 conversions of the same weights, Kimi-K2.6 2.3x to 3.5x. Routed tiles come
+through a TMA descriptor on Hopper (``weight_tma``: a plain load of a tile expanded in registers stays outside
+Triton's pipeline, and that halved the time); INT4 defaults to FP16 MMAs of 128 inputs (``int4_mma``, exact, see
+the kernel). Reading half the bytes does not yet pay for expanding four-bit tiles on the MMAs' warps: keeping the
+experts four-bit saves memory, not time, for now.
 
 The activations are the FP8 path's (1x128 groups), so a routed slot's result is the reference's
 (:func:`runtime.moe_reference.fused_moe_reference` on the exact four-bit values) up to float32 summation order.
@@ -41,7 +45,16 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreting, next_pow2
-from .moe_triton import _align, _alloc, _Launches, _quantize_rows, _round_e4m3, _sum_kernel, _weight_tiles
+from .moe_triton import (
+    _align,
+    _alloc,
+    _is_hopper_or_later,
+    _Launches,
+    _quantize_rows,
+    _round_e4m3,
+    _sum_kernel,
+    _weight_tiles,
+)
 
 FORMAT_CODES = {"mxfp4": 0, "int4": 1}
 MIXED_TILE_KEYS = (
@@ -266,11 +279,15 @@ def _mixed_gemm_kernel(
     tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-def mixed_tile_config(num_tokens: int, slots_per_token: int, num_slots: int, overrides=None) -> dict:
-    """Tiles for one call: ``block_m`` from the mean pairs per slot (one token: 16), the weight tile in the MMA's M
-    dimension (``swap_ab``) while ``block_m`` is small, K split over several programs (``gemm1_split_k``,
-    ``gemm2_split_k``) while there are few M blocks. Chosen on the H200 by ``benchmarks/bench_mixed_moe.py``
-    (docs/benchmarks.md); ``overrides`` replace keys of :data:`MIXED_TILE_KEYS`."""
+def mixed_tile_config(
+    num_tokens: int, slots_per_token: int, num_slots: int, overrides=None, routed_format: str = "mxfp4"
+) -> dict:
+    """Tiles for one call: ``block_m`` from the mean pairs per slot (one token: 16), K split over several programs
+    (``gemm1_split_k``, ``gemm2_split_k``) while there are few M blocks, routed tiles by the copy engine
+    (``weight_tma``, Hopper), INT4 as FP16 MMAs of 128 inputs (``int4_mma``), and the weight tile in the MMA's M
+    dimension (``swap_ab``) for INT4 while ``block_m`` is small (MXFP4 runs faster unswapped). Chosen on the H200 by
+    ``benchmarks/bench_mixed_moe.py --variants`` (docs/benchmarks.md, "Mixed slots"); ``overrides`` replace keys of
+    :data:`MIXED_TILE_KEYS`."""
     mean = num_tokens * slots_per_token / num_slots
     bm = 16 if num_tokens == 1 else min(128, max(16, next_pow2(int(mean))))
     few = num_tokens * slots_per_token <= 64
@@ -279,11 +296,11 @@ def mixed_tile_config(num_tokens: int, slots_per_token: int, num_slots: int, ove
         "block_n": 64 if bm <= 32 else 128,
         "gemm1_split_k": 2 if few else 1,
         "gemm2_split_k": 1,
-        "swap_ab": bm <= 32,
+        "swap_ab": bm <= 32 and routed_format != "mxfp4",
         "num_warps": 4 if bm <= 64 else 8,
         "num_stages": 3,
-        "weight_tma": False,
-        "int4_mma": "fp8",  # INT4 routed slots: "fp8", one MMA per scale group; "fp16", one per 128 inputs
+        "weight_tma": True,  # turned off before Hopper by the caller
+        "int4_mma": "fp16",  # INT4 routed slots: "fp16", one MMA per 128 inputs; "fp8", one per scale group
     }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
@@ -313,7 +330,10 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         raise ValueError("out must be a contiguous [T, H] tensor of x's dtype")
     if T == 0:
         return out
-    cfg = mixed_tile_config(T, KS, NE, tile_config)
+    cfg = mixed_tile_config(T, KS, NE, tile_config, routed.format)
+    index = x.device.index if x.device.index is not None else 0
+    if x.device.type == "cuda" and not interpreting() and not _is_hopper_or_later(index):
+        cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
     BM, BN = cfg["block_m"], cfg["block_n"]
     launch = _Launches()
     interp = interpreting()

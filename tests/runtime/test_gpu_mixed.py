@@ -60,12 +60,14 @@ def test_mixed_real_shapes(name, T):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_mixed_padding_rows_under_a_fixed_shape(name):
     """num_valid_tokens (CUDA graphs at a fixed T): rows past it are zeros, rows before it as without padding."""
-    H, I, E, S, K, _, _ = SHAPES[name]
+    H, I, E, S, K, fmt, _ = SHAPES[name]
     ew = mixed_experts(name, seed=3)
     ids, w = routed_ids(16, E, S, K, seed=3)
     x = torch.randn(16, H, device="cuda").to(torch.bfloat16)
     nv = torch.tensor([9], dtype=torch.int32, device="cuda")
-    tiles = mixed_tile_config(16, K + S, E + S)  # the same tiles for both calls: a K split changes summation order
+    tiles = mixed_tile_config(
+        16, K + S, E + S, None, fmt
+    )  # the same tiles for both calls: a K split changes summation order
     out = fused_moe(x, ew, ids, w, nv, backend="triton", tile_config=tiles)
     assert torch.all(out[9:] == 0)
     assert rel(out[:9], fused_moe(x[:9], ew, ids[:9], w[:9], backend="triton", tile_config=tiles)) < 1e-6

@@ -139,6 +139,11 @@ CASES = [
     ("int4", 4, 1, 5, 3, 0, None, dict(int4_mma="fp16"), 192, 160),
     ("int4", 4, 2, 1, 4, 0, None, dict(int4_mma="fp16", weight_tma=True, gemm1_split_k=2)),
     ("int4", 5, 1, 9, 3, 0, 6, dict(int4_mma="fp16", swap_ab=False, weight_tma=True), 160, 96),
+    # the other paths the defaults no longer take: INT4 as FP8 MMAs per scale group, plain loads of routed tiles
+    ("int4", 4, 1, 5, 3, 0, None, dict(int4_mma="fp8", weight_tma=False), 192, 160),
+    ("int4", 4, 2, 1, 4, 0, None, dict(int4_mma="fp8", weight_tma=True)),
+    ("mxfp4", 4, 1, 6, 3, 4, None, dict(weight_tma=False, swap_ab=True), 192, 96),
+    ("int4", 4, 1, 7, 3, 0, 4, dict(weight_tma=False), 160, 96),
 ]
 
 
