@@ -130,8 +130,11 @@ def test_real_inventory_dry_run(real_plan, tmp_path):
         "96,085 tensors",
         f"96,214 tensors in {len(plan.shards)} shards",
         "dry run: nothing written",
+        # the dense FP8 is in 32x32 tiles (weight_block_size [32, 32]): "fp8-block" alone means 128x128 blocks
+        "quantization: fp8 32x32 blocks ue8m0, routed experts MXFP4 (found in the tensors)",
     ):
         assert line in r.output, line
+    assert "fp8-block" not in r.output.split("quantization:")[1].splitlines()[0]
     assert not (tmp_path / "out").exists()
 
 

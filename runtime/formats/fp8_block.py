@@ -83,11 +83,15 @@ class FP8Block(WeightFormat):
         return ct_block_scale(tensors, name, info) is not None
 
     def declared(self, qc, config):
-        return (
-            "fp8-block" + (" ue8m0" if scale_fmt_of(config) == "ue8m0" else "")
-            if qc.get("quant_method") == "fp8"
-            else None
-        )
+        if qc.get("quant_method") != "fp8":
+            return None
+        # the words name blocks other than 128x128 (DeepSeek-V4.1's 32x32 tiles, read by fp8-tile32): "fp8-block" alone
+        # means 128x128 in every plan and summary
+        size = qc.get("weight_block_size")
+        words = "fp8-block"
+        if isinstance(size, (list, tuple)) and len(size) == 2 and list(size) != [128, 128]:
+            words = f"fp8 {size[0]}x{size[1]} blocks"
+        return words + (" ue8m0" if scale_fmt_of(config) == "ue8m0" else "")
 
     def stored(self, tensors, name, expect=None, group=None):
         info = tensors[name]
