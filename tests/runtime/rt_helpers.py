@@ -251,7 +251,7 @@ def random_four_bit_experts(E, H, I, fmt, gen=None, span=4, group=32, device="cp
     ``fmt`` "mxfp4" (random e2m1 bytes, E8M0 group scales spread over ``span`` powers of two below
     2^-7 / sqrt(H / 256): LAYOUT section 4's rule holds while ``span <= 8``), "int4" (random words, BF16 group scales
     of ``group`` inputs) or "nvfp4" (random e2m1 bytes, e4m3 scales per 16 inputs from 8 to 64 times up to 2^-span,
-    subnormal ones included from span 3, and a float32 global scale per expert and projection)."""
+    subnormal ones from span 10, and a float32 global scale per expert and projection)."""
     from runtime.moe import FourBitExperts
 
     kw = dict(generator=gen, device=device)
