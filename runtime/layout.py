@@ -840,7 +840,10 @@ def moe_layer_tensors(
                 f"{prefix}.gate_proj.weight, {' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})"
             )
         first = ExpertTensorNames(prefix, storage, stacked_form=form or "experts").first_weight()
-        scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
+        e8m0, f32 = block_scale_tensor(first, "e8m0")[0] in names, scale_name(first) in names
+        if not (e8m0 or f32):  # (v3) expert 0 kept four-bit under scale names of its own (NVFP4, INT4): the rest tell
+            e8m0 = any(n.startswith(prefix + ".") and n.endswith(".scale") for n in names)
+        scales = "e8m0" if e8m0 and not f32 else "f32"
         if layer in found and found[layer].experts_prefix != prefix:
             # An MTP stack under another prefix may reuse an index; the main stack wins.
             if "mtp" in prefix:
