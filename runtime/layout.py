@@ -358,7 +358,11 @@ class LayerGeometry:
         put(self, "num_routed_experts", check_int("layer_geometry.num_routed_experts", self.num_routed_experts, lo=1))
         put(self, "top_k", check_int("layer_geometry.top_k", self.top_k, lo=1))
         if self.routed_format is not None or self.routed_group_size is not None:
-            put(self, "routed_group_size", check_routed_format(self.routed_format, self.routed_group_size, "layer_geometry."))
+            put(
+                self,
+                "routed_group_size",
+                check_routed_format(self.routed_format, self.routed_group_size, "layer_geometry."),
+            )
 
     def to_dict(self) -> dict[str, Any]:
         d = {"layers": list(self.layers), "num_routed_experts": self.num_routed_experts, "top_k": self.top_k}

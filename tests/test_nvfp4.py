@@ -235,16 +235,16 @@ def test_real_nvfp4_inventory_kept_plans_at_most_1_02x_the_source(real_nvfp4, tm
     block = keep.block
     assert (block.routed_format, block.routed_group_size) == ("nvfp4", 16)
     mtp = [g.to_dict() for g in block.layer_geometry]
-    assert mtp == [{"layers": [43], "num_routed_experts": 256, "top_k": 6, "routed_format": "mxfp4", "routed_group_size": 32}]
+    assert mtp == [
+        {"layers": [43], "num_routed_experts": 256, "top_k": 6, "routed_format": "mxfp4", "routed_group_size": 32}
+    ]
     out_tensors = {t.name: t for sh in keep.shards for t in sh.tensors}
     for suffix, dtype, shape in (("weight", "U8", (4096, 1024)), ("weight_scale", "F8_E4M3", (4096, 128))):
         t = out_tensors[f"layers.5.ffn.experts.7.w2.{suffix}"]
         assert (t.dtype, t.shape) == (dtype, shape)
     assert out_tensors["layers.5.ffn.experts.7.w2.weight_scale_2"].dtype == "F32"
     assert not any(n.endswith("input_scale") for n in out_tensors)
-    r = CliRunner().invoke(
-        main, ["convert", str(path), str(tmp_path / "out"), "--dry-run", "--routed-experts", "keep"]
-    )
+    r = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out"), "--dry-run", "--routed-experts", "keep"])
     assert r.exit_code == 0, r.output
     line = next(x for x in r.output.splitlines() if x.startswith("routed experts"))
     assert f"{human_size(sizes['keep'])} kept as released" in line and f"{human_size(sizes['fp8'])} as FP8" in line

@@ -258,7 +258,9 @@ def test_from_fused_pretrained_runs_the_kept_model(which, request):
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = kept(input_ids=ids, use_cache=False).logits, fp8(input_ids=ids, use_cache=False).logits
-    assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < (1e-2 if which == "v4" else FP8_EXPERTS.logits_rel)
+    assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < (
+        1e-2 if which == "v4" else FP8_EXPERTS.logits_rel
+    )
 
 
 @pytest.mark.parametrize("which", ["v4", "kimi", "nvfp4"])

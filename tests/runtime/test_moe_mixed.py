@@ -216,7 +216,9 @@ if triton_available():
     @triton.jit
     def _expand_nvfp4(w_ptr, s_ptr, o_ptr, BN: tl.constexpr):
         r = tl.arange(0, BN)[:, None]
-        b = _nvfp4_tile(tl.load(w_ptr + r * 64 + tl.arange(0, 64)[None, :]), tl.load(s_ptr + r * 8 + tl.arange(0, 8)), BN)
+        b = _nvfp4_tile(
+            tl.load(w_ptr + r * 64 + tl.arange(0, 64)[None, :]), tl.load(s_ptr + r * 8 + tl.arange(0, 8)), BN
+        )
         tl.store(o_ptr + r * 128 + tl.arange(0, 128)[None, :], b.to(tl.float32))
 
 
