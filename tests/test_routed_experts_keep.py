@@ -123,6 +123,12 @@ def test_v4_nvfp4_experts_kept_byte_for_byte(nvfp4):
     ]
     assert [block.for_layer(L).slot_format(0) for L in (0, mtp)] == ["nvfp4", "mxfp4"]
     assert block.for_layer(mtp).slot_format(V4_E) == "fp8"
+    from fuse_tool.hub.model_card import render_model_card
+    from fuse_tool.verify.integrity import check_output
+
+    card = render_model_card(check_output(keep_dir), repo_id="alice/V4-Flash-NVFP4-kept")
+    assert f"the release's NVFP4, MXFP4 in layers [{mtp}] for the {V4_E} routed experts" in card
+    assert "LAYOUT version 4) and FP8" in card
 
 
 def test_dry_run_and_inspect_show_both_sizes(v4, tmp_path):
@@ -319,4 +325,5 @@ def test_model_card_says_the_routed_experts_are_kept(kimi):
 
     card = render_model_card(check_output(kimi[1]), repo_id="alice/Kimi-K2.6-kept")
     assert "the release's INT4 for the 6 routed experts (byte for byte" in card
+    assert "LAYOUT version 3) and FP8" in card
     assert '"routed_format": "int4"' in card and "| routed_experts | keep |" in card
