@@ -1,5 +1,5 @@
-"""Triton fused MoE over mixed slots (LAYOUT v3): four-bit routed slots ``0 .. E-1`` (MXFP4 or INT4, as released) and
-FP8 128x128 shared slots ``E .. E+S-1``, in one pass per GEMM.
+"""Triton fused MoE over mixed slots (LAYOUT v3): four-bit routed slots ``0 .. E-1`` (MXFP4, INT4 or NVFP4, as
+released) and FP8 128x128 shared slots ``E .. E+S-1``, in one pass per GEMM.
 
 Launches, each over every slot (the alignment, the quantizations and the slot sum are :mod:`runtime.moe_triton`'s
 own):
@@ -23,6 +23,9 @@ slot reads its packed four-bit tile, and no dequantized copy of any expert exist
 - INT4: the codes ``q`` (-8..7) are e4m3 exactly; a BF16 group scale is not a power of two, so it cannot fold into the
   codes exactly. Each group of ``group`` inputs (32 for Kimi-K2.x) is its own MMA of K = ``group`` whose float32 sum is
   scaled by ``a_scale * group_scale``: every product exact, four scalings per 128 inputs where FP8 needs one.
+- NVFP4: each code times its e4m3 scale (one per 16 inputs) is exact in FP16, as are the e4m3 activations, so a
+  ``[BN, 128]`` tile is expanded to FP16 in registers and runs one FP16 MMA per 128 inputs, whose float32 sum is
+  scaled by ``a_scale`` and the row's global scale (gate, up and down each have their own). Not yet measured on a GPU.
 
 Speed (H200, Triton 3.6, docs/benchmarks.md): the two GEMMs run 3.6x (one token) to 9.5x (4096 tokens) slower than
 the FP8 kernel's on FP8 conversions of the same weights, and this forward is 3.3x to 7.5x slower as a whole: reading
