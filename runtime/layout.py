@@ -395,8 +395,8 @@ def check_routed_format(fmt: Any, group: Any, where: str = "") -> int:
     group = check_int(f"{where}routed_group_size", group, lo=1)
     if fmt in FIXED_GROUPS and group != FIXED_GROUPS[fmt]:
         raise LayoutError(
-            f"{where}routed_group_size {group} with routed_format {fmt!r}: {fmt.upper()} has {FIXED_GROUPS[fmt]} inputs "
-            "per scale"
+            f"{where}routed_group_size {group} with routed_format {fmt!r}: {fmt.upper()} has {FIXED_GROUPS[fmt]} "
+            "inputs per scale"
         )
     if fmt not in FIXED_GROUPS and (group % 32 or (128 % group and group % 128)):
         raise LayoutError(

@@ -1,6 +1,7 @@
 """``convert --routed-experts keep`` (issue 23): four-bit routed experts (DeepSeek-V4's MXFP4, Kimi-K2.6's INT4,
-NVIDIA's NVFP4 DeepSeek-V4-Flash) stay as released, byte for byte, beside FP8 shared slots made exactly as the FP8 conversion makes them; refused clearly where
-nothing four-bit is there to keep; inspect and --dry-run show both output sizes."""
+NVIDIA's NVFP4 DeepSeek-V4-Flash) stay as released, byte for byte, beside FP8 shared slots made exactly as the FP8
+conversion makes them; refused clearly where nothing four-bit is there to keep; inspect and --dry-run show both output
+sizes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Mixed slots (LAYOUT v3, issue 23): four-bit routed slots (MXFP4, INT4, NVFP4) beside FP8 shared slots. The PyTorch reference
-against independent float64 math on the exact four-bit values, and the Triton kernel (interpreter on CPU) against the
-reference at small shapes."""
+"""Mixed slots (LAYOUT v3, issue 23): four-bit routed slots (MXFP4, INT4, NVFP4) beside FP8 shared slots. The PyTorch
+reference against independent float64 math on the exact four-bit values, and the Triton kernel (interpreter on CPU)
+against the reference at small shapes."""
 
 import dataclasses
 
