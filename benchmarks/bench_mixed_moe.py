@@ -2,14 +2,17 @@
 conversion of the same weights run by the same entry point (``fused_moe`` on FP8 ``ExpertWeights``, the tuned FP8
 kernel), with a device-to-device copy anchor measured in the same run.
 
-    PYTHONPATH=. python3 benchmarks/bench_mixed_moe.py [--out results.json] [--models DeepSeek-V4-Flash,Kimi-K2.6]
+    PYTHONPATH=. python3 benchmarks/bench_mixed_moe.py [--out results.json]
+        [--models DeepSeek-V4-Flash,Kimi-K2.6,NVFP4-V4-Flash]
         [--tokens 1,8,64,4096] [--tile-config '{"block_m": 32}'] [--profile]
         [--variants '[{"weight_tma": true}, {"block_n": 128}]']
 
 Shapes: DeepSeek-V4-Flash (H 4096, I 2048, 256 routed + 1 shared, top-6, sqrtsoftplus, SwiGLU limit 10, MXFP4 routed
-experts) and Kimi-K2.6 (H 7168, I 2048, 384 + 1, top-8, sigmoid, INT4 routed experts in groups of 32). The FP8 side is
-the converter's own conversion of the same four-bit weights (MXFP4: ``runtime.mxfp4.mxfp4_to_fp8_blocks``, exact
-under LAYOUT section 4's rule; INT4: exact dequantization, then ``runtime.fp8.quantize_block_fp8``). Each time is the
+experts), Kimi-K2.6 (H 7168, I 2048, 384 + 1, top-8, sigmoid, INT4 routed experts in groups of 32) and NVFP4-V4-Flash
+(V4-Flash's shape with NVIDIA's NVFP4 routed experts: e4m3 scales per 16 inputs, a global scale per projection). The
+FP8 side is the converter's own conversion of the same four-bit weights (MXFP4: ``runtime.mxfp4.mxfp4_to_fp8_blocks``,
+exact under LAYOUT section 4's rule; INT4: exact dequantization, then ``runtime.fp8.quantize_block_fp8``; NVFP4: exact
+dequantization, then ``runtime.formats.base.requantize_to_fp8`` with V4's power-of-two block scales). Each time is the
 median per call of a CUDA graph replaying ROT calls on different routings (so L2 does not hold the experts). Both
 sides are checked against the PyTorch reference before they are timed. ``bytes_mixed`` counts what one call must read:
 the selected routed experts' four-bit codes and scales, the shared slots' FP8 and scales, x and y; ``pct_copy`` puts
@@ -32,6 +35,7 @@ from profile_moe import launches  # noqa: E402
 
 from rt_helpers import random_four_bit_experts  # noqa: E402
 from runtime import ExpertWeights, RoutingConfig, fused_moe, route  # noqa: E402
+from runtime.formats.base import requantize_to_fp8  # noqa: E402
 from runtime.fp8 import quantize_block_fp8  # noqa: E402
 from runtime.moe import MixedExpertWeights  # noqa: E402
 from runtime.moe_mixed_triton import mixed_tile_config  # noqa: E402
@@ -43,6 +47,7 @@ TOKENS = [1, 8, 64, 4096]
 SHAPES = {
     "DeepSeek-V4-Flash": (4096, 2048, 256, 1, 6, "sqrtsoftplus", 1.5, "mxfp4", 10.0),
     "Kimi-K2.6": (7168, 2048, 384, 1, 8, "sigmoid", 2.827, "int4", float("inf")),
+    "NVFP4-V4-Flash": (4096, 2048, 256, 1, 6, "sqrtsoftplus", 1.5, "nvfp4", 10.0),
 }
 TOL = 3e-2  # against the reference: FP8 re-quantization of h turns float32 order into code flips (test_gpu.py)
 
@@ -66,10 +71,14 @@ def fp8_conversion(routed, shared: ExpertWeights) -> ExpertWeights:
             gu = [(q, e8m0_to_float(s)) for q, s, _, _ in parts]
             q2, sc2, _, _ = mxfp4_to_fp8_blocks(routed.down[e], routed.down_scale[e])
             dn = (q2, e8m0_to_float(sc2))
-        else:
+        else:  # each projection on its own, as the converter converts each weight
             f13, f2 = routed.dequantized(e)
-            gu = [quantize_block_fp8(f13[:I]), quantize_block_fp8(f13[I:])]
-            dn = quantize_block_fp8(f2)
+            if routed.format == "nvfp4":  # DeepSeek-V4's output: power-of-two block scales
+                gu = [requantize_to_fp8(f, "ue8m0")[:2] for f in (f13[:I], f13[I:])]
+                dn = requantize_to_fp8(f2, "ue8m0")[:2]
+            else:
+                gu = [quantize_block_fp8(f13[:I]), quantize_block_fp8(f13[I:])]
+                dn = quantize_block_fp8(f2)
         w13.append(torch.cat([gu[0][0], gu[1][0]]))
         s13.append(torch.cat([gu[0][1], gu[1][1]]))
         w2.append(dn[0])
@@ -122,7 +131,8 @@ def main():
         fp8 = fp8_conversion(routed, mixed.shared)
         fp8.gemm1_clamp_limit = limits
         cfg = RoutingConfig(E, K, S, scoring, 1, 1, True, rsf)
-        per_routed = sum(nbytes(t[0]) for t in (routed.gate_up, routed.gate_up_scale, routed.down, routed.down_scale))
+        four_bit = (routed.gate_up, routed.gate_up_scale, routed.down, routed.down_scale, routed.global_scale)
+        per_routed = sum(nbytes(t[0]) for t in four_bit if t is not None)
         per_fp8 = sum(nbytes(t[0]) for t in (fp8.gate_up, fp8.gate_up_scale, fp8.down, fp8.down_scale))
         for T in map(int, args.tokens.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(1000 + T)

@@ -42,8 +42,15 @@ ROUTED_FORMATS = {
         (".weight_scale", ("BF16", "F16", "F32")),
         (".weight_shape", ("I32", "I64")),
     ),
+    "nvfp4": (  # NVIDIA ModelOpt: e2m1 codes two per byte; an e4m3 scale per 16 inputs; one F32 global scale
+        (".weight", ("U8",)),
+        (".weight_scale", ("F8_E4M3",)),
+        (".weight_scale_2", ("F32",)),
+    ),
 }
 MXFP4_GROUP = 32  # inputs per E8M0 scale of an MXFP4 weight
+NVFP4_GROUP = 16  # inputs per e4m3 scale of an NVFP4 weight
+FIXED_GROUPS = {"mxfp4": MXFP4_GROUP, "nvfp4": NVFP4_GROUP}  # the routed formats whose group size is the format's
 V3_KEYS = ("routed_format", "routed_group_size")
 V4_KEYS = ("layer_geometry",)
 
@@ -333,11 +340,15 @@ class LayerGeometry:
     """(v4) MoE layers with a routed-expert count and top-k of their own, as one ``layer_geometry`` JSON entry
     ``{"layers": [...], "num_routed_experts": E, "top_k": K}`` (DeepSeek-V4.1's MTP blocks: 128 experts, top-3, beside
     the decoder layers' 384, top-6). Everything else (S, I, W, the rest of the routing) is the block's; the shared
-    slots of these layers are ``E .. E+S-1`` with their own E."""
+    slots of these layers are ``E .. E+S-1`` with their own E. Where a v3 block keeps its routed slots, an entry may
+    also give its layers' own ``routed_format`` and ``routed_group_size`` (NVIDIA's NVFP4 DeepSeek-V4-Flash keeps its
+    MTP block's routed experts MXFP4)."""
 
     layers: tuple[int, ...]
     num_routed_experts: int
     top_k: int
+    routed_format: str | None = None  # None: the block's
+    routed_group_size: int | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -346,22 +357,52 @@ class LayerGeometry:
             raise LayoutError("layer_geometry.layers is empty: an entry names the layers it is for")
         put(self, "num_routed_experts", check_int("layer_geometry.num_routed_experts", self.num_routed_experts, lo=1))
         put(self, "top_k", check_int("layer_geometry.top_k", self.top_k, lo=1))
+        if self.routed_format is not None or self.routed_group_size is not None:
+            put(
+                self,
+                "routed_group_size",
+                check_routed_format(self.routed_format, self.routed_group_size, "layer_geometry."),
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "num_routed_experts": self.num_routed_experts, "top_k": self.top_k}
+        d = {"layers": list(self.layers), "num_routed_experts": self.num_routed_experts, "top_k": self.top_k}
+        if self.routed_format:
+            d.update(routed_format=self.routed_format, routed_group_size=self.routed_group_size)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "LayerGeometry":
         if not isinstance(d, Mapping):
             raise LayoutError(f"a layer_geometry entry must be a JSON object, got {d!r}")
-        keys = ("layers", "num_routed_experts", "top_k")
-        unknown = [k for k in d if k not in keys]
+        keys, optional = ("layers", "num_routed_experts", "top_k"), ("routed_format", "routed_group_size")
+        unknown = [k for k in d if k not in keys + optional]
         if unknown:
-            raise LayoutError(f"layer_geometry entry has unknown field {unknown[0]!r} (known: {', '.join(keys)})")
+            raise LayoutError(
+                f"layer_geometry entry has unknown field {unknown[0]!r} (known: {', '.join(keys + optional)})"
+            )
         missing = [k for k in keys if k not in d]
         if missing:
             raise LayoutError(f"layer_geometry entry is missing {missing[0]!r}")
-        return cls(d["layers"], d["num_routed_experts"], d["top_k"])
+        return cls(d["layers"], d["num_routed_experts"], d["top_k"], d.get("routed_format"), d.get("routed_group_size"))
+
+
+def check_routed_format(fmt: Any, group: Any, where: str = "") -> int:
+    """(v3) A ``routed_format`` of :data:`ROUTED_FORMATS` with its ``routed_group_size`` (MXFP4: 32; NVFP4: 16; INT4:
+    a positive multiple of 32 that divides, or is a multiple of, 128: what the kernels tile by); returns the group."""
+    if fmt is None:
+        raise LayoutError(f"{where}routed_group_size {group!r} without a routed_format")
+    check_choice(f"{where}routed_format", fmt, tuple(ROUTED_FORMATS))
+    group = check_int(f"{where}routed_group_size", group, lo=1)
+    if fmt in FIXED_GROUPS and group != FIXED_GROUPS[fmt]:
+        raise LayoutError(
+            f"{where}routed_group_size {group} with routed_format {fmt!r}: {fmt.upper()} has {FIXED_GROUPS[fmt]} "
+            "inputs per scale"
+        )
+    if fmt not in FIXED_GROUPS and (group % 32 or (128 % group and group % 128)):
+        raise LayoutError(
+            f"{where}routed_group_size {group}: expected a multiple of 32 that divides 128 or is a multiple of it"
+        )
+    return group
 
 
 @dataclass(frozen=True)
@@ -389,7 +430,7 @@ class FusedSharedExperts:
     source: Mapping[str, Any] = field(default_factory=dict)
     version: int | None = None
     routed_format: str | None = None  # (v3) the routed slots' four-bit format (:data:`ROUTED_FORMATS`), else None
-    routed_group_size: int | None = None  # (v3) inputs per scale of the routed slots (32 for MXFP4)
+    routed_group_size: int | None = None  # (v3) inputs per scale of the routed slots (MXFP4 32, NVFP4 16)
     layer_geometry: tuple[LayerGeometry, ...] = ()  # (v4) layers with their own E and top-k (:meth:`for_layer`)
 
     def __post_init__(self) -> None:
@@ -480,12 +521,18 @@ class FusedSharedExperts:
             if twice:
                 raise LayoutError(f"layer_geometry lists layers {twice} in more than one entry")
             seen.update(g.layers)
+            if g.routed_format and not self.routed_format:
+                raise LayoutError(
+                    f"layer_geometry[{i}].routed_format {g.routed_format!r} in a block that keeps no routed slots "
+                    "(no routed_format)"
+                )
             _check_expert_choice(g.num_routed_experts, replace(self.routing, top_k=g.top_k), f"layer_geometry[{i}].")
 
     def for_layer(self, layer: int) -> "FusedSharedExperts":
         """The block as MoE layer ``layer`` sees it: its own ``num_routed_experts`` and ``routing.top_k`` where a
-        ``layer_geometry`` entry lists it (every other field, ``version`` included, the block's), with no
-        ``layer_geometry`` left. Everything sized per layer (router rows, bias length, E+S slots, K+S ids) reads it."""
+        ``layer_geometry`` entry lists it, and its own ``routed_format`` where the entry gives one (every other field,
+        ``version`` included, the block's), with no ``layer_geometry`` left. Everything sized per layer (router rows,
+        bias length, E+S slots, K+S ids) and every reader of a layer's routed slots reads it."""
         for g in self.layer_geometry:
             if layer in g.layers:
                 return replace(
@@ -493,28 +540,17 @@ class FusedSharedExperts:
                     num_routed_experts=g.num_routed_experts,
                     routing=replace(self.routing, top_k=g.top_k),
                     layer_geometry=(),
+                    routed_format=g.routed_format or self.routed_format,
+                    routed_group_size=g.routed_group_size if g.routed_format else self.routed_group_size,
                 )
         return replace(self, layer_geometry=()) if self.layer_geometry else self
 
     def _check_routed_format(self) -> None:
-        """(v3) ``routed_format`` is one of :data:`ROUTED_FORMATS` beside FP8 128x128 shared slots, with its group size
-        (MXFP4: 32; INT4: a positive multiple of 32 that divides, or is a multiple of, 128: what the kernels tile
-        by)."""
+        """(v3) ``routed_format`` and its group size (:func:`check_routed_format`) beside FP8 128x128 shared slots."""
         fmt, group = self.routed_format, self.routed_group_size
-        if fmt is None:
-            if group is not None:
-                raise LayoutError(f"routed_group_size {group!r} without a routed_format")
+        if fmt is None and group is None:
             return
-        check_choice("routed_format", fmt, tuple(ROUTED_FORMATS))
-        group = check_int("routed_group_size", group, lo=1)
-        if fmt == "mxfp4" and group != MXFP4_GROUP:
-            raise LayoutError(
-                f"routed_group_size {group} with routed_format 'mxfp4': MXFP4 has {MXFP4_GROUP} inputs per scale"
-            )
-        if group % 32 or (128 % group and group % 128):
-            raise LayoutError(
-                f"routed_group_size {group}: expected a multiple of 32 that divides 128 or is a multiple of it"
-            )
+        object.__setattr__(self, "routed_group_size", check_routed_format(fmt, group))
         if self.weight_block_size != (WEIGHT_BLOCK, WEIGHT_BLOCK):
             raise LayoutError(
                 f"weight_block_size {self.weight_block_size!r} with routed_format {fmt!r}: the shared slots beside "
@@ -808,7 +844,10 @@ def moe_layer_tensors(
                 f"{prefix}.gate_proj.weight, {' and '.join(stacked_names(block, f)[0] for f in STACKED_FORMS)})"
             )
         first = ExpertTensorNames(prefix, storage, stacked_form=form or "experts").first_weight()
-        scales = "e8m0" if block_scale_tensor(first, "e8m0")[0] in names and scale_name(first) not in names else "f32"
+        e8m0, f32 = block_scale_tensor(first, "e8m0")[0] in names, scale_name(first) in names
+        if not (e8m0 or f32):  # (v3) expert 0 kept four-bit under scale names of its own (NVFP4, INT4): the rest tell
+            e8m0 = any(n.startswith(prefix + ".") and n.endswith(".scale") for n in names)
+        scales = "e8m0" if e8m0 and not f32 else "f32"
         if layer in found and found[layer].experts_prefix != prefix:
             # An MTP stack under another prefix may reuse an index; the main stack wins.
             if "mtp" in prefix:

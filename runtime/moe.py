@@ -26,6 +26,7 @@ from .checkpoint import ModelFolder
 from .families import router_tensor_names
 from .formats import FormatError, stored_weight
 from .formats.fp8_block import read_block_scales
+from .formats.nvfp4 import GLOBAL_SUFFIX, dequantize_nvfp4
 from .fp8 import FP8_DTYPE
 from .int4 import dequantize_int4
 from .mxfp4 import dequantize_mxfp4
@@ -168,7 +169,12 @@ class ExpertWeights:
         return _Checkpoint(path).experts(layer, device)
 
 
-FOUR_BIT_SCALE_DTYPES = {"mxfp4": (torch.uint8,), "int4": (torch.bfloat16, torch.float16, torch.float32)}
+FOUR_BIT_SCALE_DTYPES = {
+    "mxfp4": (torch.uint8,),
+    "int4": (torch.bfloat16, torch.float16, torch.float32),
+    "nvfp4": (torch.float8_e4m3fn,),
+}
+FOUR_BIT_GROUPS = {"mxfp4": 32, "nvfp4": 16}  # the formats whose group size is the format's own
 
 
 @dataclass
@@ -182,6 +188,9 @@ class FourBitExperts:
     - ``format`` ``"int4"`` (pack-quantized): ``gate_up`` int32 ``[E, 2I, H/8]`` (input ``8k + i`` in bits ``4i..4i+3``
       of word ``k``, stored ``q + 8``), ``gate_up_scale`` bf16/fp16/fp32 ``[E, 2I, H/group]``; ``down`` int32
       ``[E, H, I/8]``, ``down_scale`` ``[E, H, I/group]``. Value ``q * scale``.
+    - ``format`` ``"nvfp4"``: codes as MXFP4's; ``gate_up_scale`` float8_e4m3fn ``[E, 2I, H/16]``, ``down_scale``
+      ``[E, H, I/16]``; ``global_scale`` float32 ``[E, 3]``, each expert's gate, up and down global scales (the
+      release's ``weight_scale_2``); ``group`` 16. Value ``e2m1 * scale * global_scale``.
     """
 
     format: str
@@ -190,16 +199,18 @@ class FourBitExperts:
     down: torch.Tensor
     down_scale: torch.Tensor
     group: int
+    global_scale: torch.Tensor | None = None  # (nvfp4) float32 [E, 3]: gate, up, down
 
     def __post_init__(self) -> None:
-        per_word = {"mxfp4": 2, "int4": 8}.get(self.format)
+        per_word = {"mxfp4": 2, "int4": 8, "nvfp4": 2}.get(self.format)
         if per_word is None:
-            raise ValueError(f"four-bit format must be 'mxfp4' or 'int4', got {self.format!r}")
-        code_dtype = torch.uint8 if self.format == "mxfp4" else torch.int32
+            raise ValueError(f"four-bit format must be 'mxfp4', 'int4' or 'nvfp4', got {self.format!r}")
+        code_dtype = torch.int32 if self.format == "int4" else torch.uint8
         if self.format == "mxfp4" and self.gate_up.dtype == torch.int8:  # the release's I8 bytes, read as uint8
             self.gate_up, self.down = self.gate_up.view(torch.uint8), self.down.view(torch.uint8)
-        if self.format == "mxfp4" and self.group != 32:
-            raise ValueError(f"MXFP4 has 32 inputs per scale, got group {self.group}")
+        fixed = FOUR_BIT_GROUPS.get(self.format)
+        if fixed is not None and self.group != fixed:
+            raise ValueError(f"{self.format.upper()} has {fixed} inputs per scale, got group {self.group}")
         for name in ("gate_up", "down"):
             t, s = getattr(self, name), getattr(self, name + "_scale")
             if t.dtype != code_dtype or t.dim() != 3:
@@ -218,6 +229,11 @@ class FourBitExperts:
         for name, shape in want.items():
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"{self.format} {name} is {tuple(getattr(self, name).shape)}, expected {shape}")
+        g = self.global_scale
+        if (self.format == "nvfp4") != (g is not None):
+            raise ValueError(f"global_scale is for nvfp4 experts only, and they need one ({self.format} here)")
+        if g is not None and (g.dtype != torch.float32 or tuple(g.shape) != (E, 3)):
+            raise ValueError(f"nvfp4 global_scale must be float32 [{E}, 3], got {g.dtype} {tuple(g.shape)}")
 
     @property
     def num_experts(self) -> int:
@@ -238,6 +254,10 @@ class FourBitExperts:
                 self.down[e], self.down_scale[e]
             )
         H, I = self.hidden_size, self.intermediate_size  # noqa: E741
+        if self.format == "nvfp4":  # gate and up rows each with their own global scale
+            gu, gus, g = self.gate_up[e], self.gate_up_scale[e], self.global_scale[e]
+            gate, up = (dequantize_nvfp4(gu[r], gus[r], g[i]) for i, r in enumerate((slice(0, I), slice(I, None))))
+            return torch.cat([gate, up]), dequantize_nvfp4(self.down[e], self.down_scale[e], g[2])
         return (
             dequantize_int4(self.gate_up[e], self.gate_up_scale[e], H, self.group),
             dequantize_int4(self.down[e], self.down_scale[e], I, self.group),
@@ -251,6 +271,7 @@ class FourBitExperts:
             gate_up_scale=f(self.gate_up_scale),
             down=f(self.down),
             down_scale=f(self.down_scale),
+            global_scale=None if self.global_scale is None else f(self.global_scale),
         )
 
 
@@ -401,46 +422,52 @@ class _Checkpoint(ModelFolder):
             s2 = torch.stack([self.scale(names.scale(d), device) for _, _, d in per])
         return w13, w2, s13, s2
 
-    def _four_bit(self, name: str, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed weight ``name`` (``X.weight``, logically ``shape``) as stored in the block's ``routed_format``,
-        checked by its ``runtime.formats`` module: (codes: uint8 MXFP4 bytes or int32 INT4 words, scales: E8M0 bytes or
-        float)."""
-        block = self.block
+    def _four_bit(self, own, name: str, shape: tuple[int, int], device) -> tuple[torch.Tensor, ...]:
+        """Routed weight ``name`` (``X.weight``, logically ``shape``) as stored in its layer's ``routed_format`` (block
+        ``own``, :meth:`FusedSharedExperts.for_layer`), checked by its ``runtime.formats`` module: codes (uint8 MXFP4 /
+        NVFP4 bytes or int32 INT4 words), scales (E8M0 bytes, e4m3 or float) and, for NVFP4, the float32 global
+        scale."""
         try:
-            stored = stored_weight(self.tensors, name, group=block.routed_group_size, expect=shape)
+            stored = stored_weight(self.tensors, name, group=own.routed_group_size, expect=shape)
         except FormatError as e:
             raise LayoutError(f"{self.path}: {e.tensor}: {e.message}") from None
-        if stored.format.name != block.routed_format:
+        if stored.format.name != own.routed_format:
             raise LayoutError(
-                f"{self.path}: {name} is stored as {stored.format.name}, but the block's routed_format is "
-                f"{block.routed_format!r}"
+                f"{self.path}: {name} is stored as {stored.format.name}, but the layer's routed_format is "
+                f"{own.routed_format!r}"
             )
         # MXFP4 codes come as the release's I8/U8 bytes (FourBitExperts views them as uint8); E8M0 scales as raw bytes
+        codes = self.get(stored.data.name, device)
         if stored.scale.dtype == E8M0_DTYPE_CODE:
-            return self.get(stored.data.name, device), self.e8m0_bytes(stored.scale.name).to(device)
-        return self.get(stored.data.name, device), self.get(stored.scale.name, device)
+            return codes, self.e8m0_bytes(stored.scale.name).to(device)
+        if own.routed_format == "nvfp4":
+            g = self.get(name + GLOBAL_SUFFIX, device).to(torch.float32).reshape(1)
+            return codes, self.get(stored.scale.name, device), g
+        return codes, self.get(stored.scale.name, device)
 
     def _mixed_experts(self, layer: int, names, device) -> "MixedExpertWeights":
-        """A LAYOUT v3 layer: routed slots in the block's ``routed_format`` (read as stored), shared slots FP8."""
-        own = self.block.for_layer(layer)  # (v4: a layer_geometry layer has its own E)
+        """A LAYOUT v3 layer: routed slots in the layer's ``routed_format`` (read as stored), shared slots FP8."""
+        own = self.block.for_layer(layer)  # (v4: a layer_geometry layer has its own E and may have its own format)
         E, NE = own.num_routed_experts, own.num_expert_slots
         w13, w2, s13, s2 = self._per_expert_slots(names, range(E, NE), device)
         if s13 is None:
             raise LayoutError(f"{self.path}: layer {layer}'s shared slots have no FP8 block scales (routed_format set)")
-        H, I = w13.shape[2], self.block.expert_intermediate_size  # noqa: E741
+        H, I = w13.shape[2], own.expert_intermediate_size  # noqa: E741
         shapes = ((I, H), (I, H), (H, I))  # gate, up, down
-        per = [[self._four_bit(n, sh, device) for n, sh in zip(names.per_expert(e), shapes)] for e in range(E)]
+        per = [[self._four_bit(own, n, sh, device) for n, sh in zip(names.per_expert(e), shapes)] for e in range(E)]
+        nvfp4 = own.routed_format == "nvfp4"
         routed = FourBitExperts(
-            self.block.routed_format,
+            own.routed_format,
             torch.stack([torch.cat([g[0], u[0]]) for g, u, _ in per]),
             torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in per]),
             torch.stack([d[0] for _, _, d in per]),
             torch.stack([d[1] for _, _, d in per]),
-            self.block.routed_group_size,
+            own.routed_group_size,
+            torch.stack([torch.cat([p[2] for p in trio]) for trio in per]) if nvfp4 else None,
         )
         alpha, beta, limit = (self.get(n, device) for n in names.gemm1_params())
-        shared = ExpertWeights(w13, w2, s13, s2, activation=self.block.activation)
-        return MixedExpertWeights(routed, shared, alpha, beta, limit, self.block.activation)
+        shared = ExpertWeights(w13, w2, s13, s2, activation=own.activation)
+        return MixedExpertWeights(routed, shared, alpha, beta, limit, own.activation)
 
     def router(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's router weight ``[E, H]`` float32 and selection bias ``[E]`` float32 (or None), under its family's

@@ -1,5 +1,5 @@
-"""Triton fused MoE over mixed slots (LAYOUT v3): four-bit routed slots ``0 .. E-1`` (MXFP4 or INT4, as released) and
-FP8 128x128 shared slots ``E .. E+S-1``, in one pass per GEMM.
+"""Triton fused MoE over mixed slots (LAYOUT v3): four-bit routed slots ``0 .. E-1`` (MXFP4, INT4 or NVFP4, as
+released) and FP8 128x128 shared slots ``E .. E+S-1``, in one pass per GEMM.
 
 Launches, each over every slot (the alignment, the quantizations and the slot sum are :mod:`runtime.moe_triton`'s
 own):
@@ -25,6 +25,9 @@ slot reads its packed four-bit tile, and no dequantized copy of any expert exist
   and e4m3 activations are exact in FP16: one FP16 MMA per 128 inputs, its float32 sum scaled by ``a_scale * 2^-k``.
   ``"fp8"``: the codes are e4m3 exactly, each scale group of ``group`` inputs (32 for Kimi-K2.x) its own FP8 MMA of K =
   ``group`` whose float32 sum is scaled by ``a_scale * group_scale``, four scalings per 128 inputs.
+- NVFP4: each code times its e4m3 scale (one per 16 inputs) is exact in FP16, as are the e4m3 activations, so a
+  ``[BN, 128]`` tile is expanded to FP16 in registers and runs one FP16 MMA per 128 inputs, whose float32 sum is
+  scaled by ``a_scale`` and the row's global scale (gate, up and down each have their own).
 
 Speed (H200, Triton 3.6, docs/benchmarks.md, "Mixed slots"): 1.8x (DeepSeek-V4-Flash, one token) to 4.6x (4096
 tokens) slower than the FP8 kernel on FP8 conversions of the same weights, Kimi-K2.6 2.3x to 3.5x. Routed tiles come
@@ -56,7 +59,7 @@ from .moe_triton import (
     _weight_tiles,
 )
 
-FORMAT_CODES = {"mxfp4": 0, "int4": 1}
+FORMAT_CODES = {"mxfp4": 0, "int4": 1, "nvfp4": 2}
 MIXED_TILE_KEYS = (
     "block_m",
     "block_n",
@@ -99,11 +102,32 @@ def _int4_tile(words, BN: tl.constexpr, KSTEP: tl.constexpr, INTERP: tl.constexp
 
 
 @triton.jit
+def _nvfp4_tile(w, sc, BN: tl.constexpr):
+    """``[BN, 128]`` float16 values ``e2m1(code) * scale``, exact, from ``w`` ``[BN, 64]`` uint8 (two codes per byte,
+    the first input in the low nibble) and ``sc`` ``[BN, 8]`` e4m3 bytes (uint8, one per 16 inputs). Both are decoded
+    from their bits in float32 (no table, no gather): e2m1 magnitude ``m`` is ``0.5 * m`` below 2, else
+    ``2^((m >> 1) - 1) * (1 + (m & 1) / 2)``; e4m3 is ``2^(e-7) * (1 + f/8)``, subnormal ``f * 2^-9``."""
+    c = (w[:, :, None].to(tl.int32) >> (tl.arange(0, 2) * 4)[None, None, :]) & 15
+    m = c & 7
+    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 126 << 23, 0))
+    v = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    s = sc.to(tl.int32)
+    se, sf = (s >> 3) & 15, s & 7
+    sv = tl.where(se > 0, ((se + 120) << 23) | (sf << 20), 0).to(tl.float32, bitcast=True) + tl.where(
+        se > 0, 0.0, sf.to(tl.float32) * 0.001953125
+    )
+    sv = tl.where((s & 128) != 0, -sv, sv)
+    v = tl.reshape(v, (BN, 8, 16)) * sv[:, :, None]
+    return tl.reshape(v, (BN, 128)).to(tl.float16)
+
+
+@triton.jit
 def _mixed_gemm_kernel(
     a_ptr,
     a_scale_ptr,
     r_ptr,
     r_scale_ptr,
+    r_global_ptr,
     s_ptr,
     s_scale_ptr,
     c_ptr,
@@ -118,6 +142,7 @@ def _mixed_gemm_kernel(
     num_slots,
     up_row,
     up_scale_row,
+    global_col,
     stride_am,
     stride_asm,
     stride_re,
@@ -147,7 +172,9 @@ def _mixed_gemm_kernel(
 ):
     """One (M block, N tile, K split) of a grouped GEMM over mixed slots, float32 ``c[split, pair, n]`` (times the
     routing weight with MUL_W). ``a`` FP8 ``[rows, K]`` with 1x128 scales; routed weights ``r`` (``FMT`` 0: MXFP4 bytes,
-    1: INT4 words, per row) with scales ``r_scale`` (E8M0 bytes per 32 / float per ``GROUP`` inputs); shared weights
+    1: INT4 words, 2: NVFP4 bytes, per row) with scales ``r_scale`` (E8M0 bytes per 32 / float per ``GROUP`` / e4m3
+    per 16 inputs) and, for NVFP4, global scales ``r_global`` float32 ``[E, 3]`` (gate, up, down: GEMM1 reads column
+    ``global_col`` for rows below ``up_row`` and the next one from there, GEMM2 column ``global_col``); shared weights
     ``s`` FP8 ``[S, N, K]`` with 128x128 scales ``s_scale``, whose rows from ``up_row`` on (GEMM1's up half) take
     their scales from row ``up_scale_row``. R_TMA: ``r_ptr`` is a tensor descriptor over the routed weights seen as
     ``[E * N, row bytes or words]`` (Hopper's copy engine loads their tiles, which Triton's pipeline then overlaps
@@ -207,6 +234,35 @@ def _mixed_gemm_kernel(
                 else:
                     t = tl.dot_scaled(a, None, "e4m3", tl.trans(w), sc, "e2m1")
                     acc += t * a_s[:, None]
+        elif FMT == 2:
+            # NVFP4 in FP16, one MMA per 128 inputs: an e2m1 code (2 significant bits) times its e4m3 scale (4) is
+            # exact in FP16 (11 bits; magnitudes from 2^-10 to 2688, all normal), and e4m3 activations are exact in
+            # FP16. BF16 would be exact too, but the interpreter's BF16 tl.dot is wrong (Triton 3.9), so a BF16 kernel
+            # could not be tested against the reference on a CPU; FP16 MMAs run at BF16's rate. The codes and the eight
+            # scales of a row's 128 inputs load as compact tiles and are broadcast in registers; the float32 sum is
+            # scaled by the activations' scale and the row's global scale.
+            nk = tl.cdiv(K, 128)
+            per = tl.cdiv(nk, SPLIT_K)
+            j = tl.arange(0, 64)
+            gk = tl.arange(0, 8)
+            g = tl.load(r_global_ptr + e * 3 + global_col + (offs_n >= up_row).to(tl.int64), mask=n_mask, other=0.0)
+            for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
+                offs_k = kb * 128 + tl.arange(0, 128)
+                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
+                wk = kb * 64 + j
+                if R_TMA:
+                    w = r_ptr.load([tma_row, kb * 64])
+                else:
+                    w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & (2 * wk < K)[None, :], other=0)
+                sk = kb * 8 + gk
+                sc = tl.load(rs_row + sk[None, :], mask=n_mask[:, None] & (sk * 16 < K)[None, :], other=0)
+                b = _nvfp4_tile(w, sc, BN)
+                a16 = a.to(tl.float16)
+                if SWAP:
+                    acc += tl.dot(b, tl.trans(a16)) * g[:, None] * a_s[None, :]
+                else:
+                    acc += tl.dot(a16, tl.trans(b)) * a_s[:, None] * g[None, :]
         elif I4_F16:
             # INT4 in FP16, one MMA per 128 inputs: q (3 significant bits) times a BF16 group scale (8) is exact in
             # FP16 (11), once each row's four scales are moved by one power of two 2^k into FP16's range (k puts the
@@ -363,12 +419,17 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     # FP16 INT4 needs whole scale groups in a 128-input block
     i4_f16 = routed.format == "int4" and cfg["int4_mma"] == "fp16" and 128 % routed.group == 0
 
-    def gemm(a, a_s, weights, N, K, split, up_row, up_scale_row, A_DIV, MUL_W):
+    # NVFP4: the gate, up and down global scales per expert (any float32 tensor stands in for other formats)
+    r_global = routed.global_scale.contiguous() if routed.global_scale is not None else torch.ones(1, device=x.device)
+
+    def gemm(a, a_s, weights, N, K, split, up_row, up_scale_row, global_col, A_DIV, MUL_W):
         # the kernel steps along K with unit stride: each tensor's last dimension contiguous (a no-op as loaded)
         r, rs, w, ws = (t.contiguous() for t in weights)
+        if rs.dtype == torch.float8_e4m3fn:  # NVFP4's scales, decoded from their bits in the kernel
+            rs = rs.view(torch.uint8)
         r_strides = r.stride(0), r.stride(1)
-        if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of MXFP4 bytes or INT4 words
-            r = _weight_tiles(r, BN, 64 if routed.format == "mxfp4" else 16 if i4_f16 else common["KSTEP"] // 8)
+        if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of four-bit bytes or INT4 words
+            r = _weight_tiles(r, BN, 16 if i4_f16 else common["KSTEP"] // 8 if routed.format == "int4" else 64)
         c = _alloc((split, numel, N), torch.float32, x)
         launch(
             _mixed_gemm_kernel,
@@ -377,6 +438,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             a_s,
             r,
             rs,
+            r_global,
             w,
             ws,
             c,
@@ -391,6 +453,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             NE,
             up_row,
             up_scale_row,
+            global_col,
             a.stride(0),
             a_s.stride(0),
             *r_strides,
@@ -424,6 +487,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         split1,
         I,
         triton.cdiv(I, 128),
+        0,
         KS,
         False,
     )
@@ -441,7 +505,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         post_clamp=experts.post_clamp,
     )
     split2 = cfg["gemm2_split_k"]
-    c = gemm(h, h_s, (routed.down, routed.down_scale, shared.down, shared.down_scale), H, I, split2, H, 0, 1, True)
+    c = gemm(h, h_s, (routed.down, routed.down_scale, shared.down, shared.down_scale), H, I, split2, H, 0, 2, 1, True)
     BH = min(1024 if T > 64 else 256, next_pow2(H))
     launch(
         _sum_kernel,

@@ -20,6 +20,8 @@ from click.testing import CliRunner
 from fuse_tool.cli import main
 from fuse_tool.convert import convert_checkpoint, plan_conversion
 from fuse_tool.errors import ConversionError
+from fuse_tool.plan import ConvertOptions
+from fuse_tool.progress import human_size
 from fuse_tool.report import describe_plan
 from fuse_tool.hub.model_card import render_model_card
 from fuse_tool.verify.integrity import check_output
@@ -183,11 +185,12 @@ def test_bad_headers_refused_in_one_line(tmp_path, tensor, dtype, shape, words):
 NVFP4_REAL = "nvidia-deepseek-v4-flash-nvfp4"
 
 
-@pytest.mark.skipif(not (FIXTURES / NVFP4_REAL).is_dir(), reason="fixture not found")
-def test_real_nvfp4_inventory_plan_and_dry_run(tmp_path):
-    """The derived inventory of nvidia/DeepSeek-V4-Flash-NVFP4 (no config.json is stored: V4-Flash's, with the
-    quantization_config fields SOURCE.txt pins): every decoder expert planned as an NVFP4 conversion, the MTP block's
-    MXFP4 experts as MXFP4, and --dry-run writes nothing."""
+@pytest.fixture(scope="module")
+def real_nvfp4(tmp_path_factory):
+    """The derived inventory of nvidia/DeepSeek-V4-Flash-NVFP4 as a skeleton (no config.json is stored: V4-Flash's,
+    with the quantization_config fields SOURCE.txt pins)."""
+    if not (FIXTURES / NVFP4_REAL).is_dir():
+        pytest.skip("fixture not found")
     config = fixture_config("deepseek-v4-flash")
     config.pop("quantization_config", None)
     config["quantization_config"] = {
@@ -196,7 +199,13 @@ def test_real_nvfp4_inventory_plan_and_dry_run(tmp_path):
     }
     config["expert_dtype"] = "fp4"
     inventory = read_inventory(NVFP4_REAL)
-    path = build_skeleton(NVFP4_REAL, tmp_path / "skel", config=config)
+    return build_skeleton(NVFP4_REAL, tmp_path_factory.mktemp("nvfp4real") / "skel", config=config), inventory
+
+
+def test_real_nvfp4_inventory_plan_and_dry_run(real_nvfp4, tmp_path):
+    """Every decoder expert planned as an NVFP4 conversion, the MTP block's MXFP4 experts as MXFP4, and --dry-run
+    writes nothing."""
+    path, inventory = real_nvfp4
     plan = plan_conversion(path)
     assert len(plan.source.tensors) == len(inventory) == 135_235
     assert {lp.source_format for lp in plan.layers if not lp.is_mtp} == {"nvfp4"}
@@ -211,3 +220,32 @@ def test_real_nvfp4_inventory_plan_and_dry_run(tmp_path):
     r = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out"), "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "nothing written" in r.output and "NVFP4" in r.output and not (tmp_path / "out").exists()
+
+
+def test_real_nvfp4_inventory_kept_plans_at_most_1_02x_the_source(real_nvfp4, tmp_path):
+    """--routed-experts keep (issue 23): the decoder layers' NVFP4 experts and the MTP block's MXFP4 ones copied as
+    released (the unused input_scale left out), an output no larger than 1.02x the source; --dry-run shows both
+    sizes and writes nothing."""
+    path, _ = real_nvfp4
+    keep = plan_conversion(path, ConvertOptions(routed_experts="keep"))
+    assert keep.total_size <= 1.02 * keep.source.total_bytes, (keep.total_size, keep.source.total_bytes)
+    sizes = keep.output_sizes()
+    assert sizes["keep"] == keep.total_size and sizes["fp8"] > 1.7 * keep.total_size
+    assert all(lp.routed_kept for lp in keep.layers) and keep.converted_weights() == {}
+    block = keep.block
+    assert (block.routed_format, block.routed_group_size) == ("nvfp4", 16)
+    mtp = [g.to_dict() for g in block.layer_geometry]
+    assert mtp == [
+        {"layers": [43], "num_routed_experts": 256, "top_k": 6, "routed_format": "mxfp4", "routed_group_size": 32}
+    ]
+    out_tensors = {t.name: t for sh in keep.shards for t in sh.tensors}
+    for suffix, dtype, shape in (("weight", "U8", (4096, 1024)), ("weight_scale", "F8_E4M3", (4096, 128))):
+        t = out_tensors[f"layers.5.ffn.experts.7.w2.{suffix}"]
+        assert (t.dtype, t.shape) == (dtype, shape)
+    assert out_tensors["layers.5.ffn.experts.7.w2.weight_scale_2"].dtype == "F32"
+    assert not any(n.endswith("input_scale") for n in out_tensors)
+    r = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out"), "--dry-run", "--routed-experts", "keep"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("routed experts"))
+    assert f"{human_size(sizes['keep'])} kept as released" in line and f"{human_size(sizes['fp8'])} as FP8" in line
+    assert "nothing written" in r.output and not (tmp_path / "out").exists()

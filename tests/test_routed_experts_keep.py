@@ -1,6 +1,7 @@
-"""``convert --routed-experts keep`` (issue 23): four-bit routed experts (DeepSeek-V4's MXFP4, Kimi-K2.6's INT4) stay as
-released, byte for byte, beside FP8 shared slots made exactly as the FP8 conversion makes them; refused clearly where
-nothing four-bit is there to keep; inspect and --dry-run show both output sizes."""
+"""``convert --routed-experts keep`` (issue 23): four-bit routed experts (DeepSeek-V4's MXFP4, Kimi-K2.6's INT4,
+NVIDIA's NVFP4 DeepSeek-V4-Flash) stay as released, byte for byte, beside FP8 shared slots made exactly as the FP8
+conversion makes them; refused clearly where nothing four-bit is there to keep; inspect and --dry-run show both output
+sizes."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kimi_k25_checkpoint import build_float, build_int4
 from runtime import layout
 from runtime.layout import FusedSharedExperts, LayoutError, converted_moe_layers, read_config_block
 from runtime.safetensors_io import read_bytes, read_header
+from test_nvfp4 import build_nvfp4_checkpoint
 from v4_checkpoint import E as V4_E
 from v4_checkpoint import build_v4_checkpoint
 
@@ -54,6 +56,17 @@ def kimi(tmp_path_factory):
     kept = convert_checkpoint(root / "src", root / "keep", KEEP, progress=False)
     fp8 = convert_checkpoint(root / "src", root / "fp8", progress=False)
     return root / "src", root / "keep", kept, root / "fp8", fp8
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory):
+    """A tiny NVFP4 V4 release (decoder experts NVFP4, the MTP block's MXFP4, as NVIDIA's), its keep and FP8
+    conversions, and its routed experts' exact NVFP4 values."""
+    root = tmp_path_factory.mktemp("nvfp4keep")
+    src, exact = build_nvfp4_checkpoint(root)
+    kept = convert_checkpoint(src, root / "keep", KEEP, progress=False)
+    fp8 = convert_checkpoint(src, root / "fp8", progress=False)
+    return src, root / "keep", kept, root / "fp8", fp8, exact
 
 
 def _check_kept(src_dir, keep_dir, fp8_dir, routed_suffixes, E):
@@ -91,6 +104,32 @@ def test_kimi_int4_experts_kept_byte_for_byte(kimi):
     _check_kept(src, keep_dir, fp8_dir, (".weight_packed", ".weight_scale", ".weight_shape"), 6)
     assert kept.plan.output_sizes() == {"keep": kept.plan.total_size, "fp8": fp8.plan.total_size}
     assert kept.plan.converted_weights() == {}, "nothing routed is requantized"
+
+
+def test_v4_nvfp4_experts_kept_byte_for_byte(nvfp4):
+    """NVFP4 codes, e4m3 scales and global scales copied as released (the MTP block's MXFP4 too); the static
+    input_scale, which nothing reads, is left out, as the FP8 conversion leaves it out."""
+    src, keep_dir, kept, fp8_dir, fp8, _ = nvfp4
+    _check_kept(src, keep_dir, fp8_dir, (".weight", ".weight_scale", ".weight_scale_2", ".scale"), V4_E)
+    assert any(n.endswith(".input_scale") for n in headers(src)) and not any(
+        n.endswith(".input_scale") for n in headers(keep_dir)
+    )
+    assert kept.plan.output_sizes() == {"keep": kept.plan.total_size, "fp8": fp8.plan.total_size}
+    assert kept.plan.converted_weights() == {}, "nothing routed is requantized"
+    block = read_config_block(_config(keep_dir))
+    assert (block.version, block.routed_format, block.routed_group_size) == (4, "nvfp4", 16)
+    mtp = max(block.moe_layers)
+    assert [g.to_dict() for g in block.layer_geometry] == [
+        {"layers": [mtp], "num_routed_experts": V4_E, "top_k": 2, "routed_format": "mxfp4", "routed_group_size": 32}
+    ]
+    assert [block.for_layer(L).slot_format(0) for L in (0, mtp)] == ["nvfp4", "mxfp4"]
+    assert block.for_layer(mtp).slot_format(V4_E) == "fp8"
+    from fuse_tool.hub.model_card import render_model_card
+    from fuse_tool.verify.integrity import check_output
+
+    card = render_model_card(check_output(keep_dir), repo_id="alice/V4-Flash-NVFP4-kept")
+    assert f"the release's NVFP4, MXFP4 in layers [{mtp}] for the {V4_E} routed experts" in card
+    assert "LAYOUT version 4) and FP8" in card
 
 
 def test_dry_run_and_inspect_show_both_sizes(v4, tmp_path):
@@ -162,7 +201,8 @@ def test_version_3_fields_are_checked(v4):
     assert list(d)[-3:] == ["routed_format", "routed_group_size", "source"]
     for change, message in (
         ({"version": 2}, "routed_format is a LAYOUT version 3 field, but the block says version 2"),
-        ({"routed_format": "nvfp4"}, "routed_format"),
+        ({"routed_format": "fp4"}, "routed_format"),
+        ({"routed_format": "nvfp4"}, "NVFP4 has 16 inputs per scale"),
         ({"routed_group_size": 64}, "MXFP4 has 32 inputs per scale"),
         ({"weight_block_size": None}, r"four-bit routed slots are FP8 \[128, 128\] blocks"),
         ({"routed_format": "int4", "routed_group_size": 48}, "a multiple of 32"),
@@ -207,13 +247,17 @@ def test_from_checkpoint_loads_the_release_values(kimi_exact):
         assert float((moe(x) - ref).norm() / ref.norm()) < 2e-3
 
 
-def test_from_fused_pretrained_runs_the_kept_model(v4):
-    """The whole model from a v3 folder: every MoE block a FusedSharedMoE over mixed slots; its logits agree with the
-    FP8 conversion's within FP8 rounding (the tiny release's MXFP4 experts mostly convert exactly)."""
+@pytest.mark.parametrize("which", ["v4", "nvfp4"])
+def test_from_fused_pretrained_runs_the_kept_model(which, request):
+    """The whole model from a v3 (v4 with NVFP4's MXFP4 MTP block) folder: every MoE block a FusedSharedMoE over mixed
+    slots; its logits agree with the FP8 conversion's within FP8 rounding (the tiny release's MXFP4 experts mostly
+    convert exactly; NVFP4 ones round to FP8, which moves this tiny model's logits by about 0.1, within verify's FP8
+    bound)."""
+    from fuse_tool.verify.numerics import FP8_EXPERTS
     from runtime.integrations.transformers import from_fused_pretrained
     from runtime.moe import FusedSharedMoE, MixedExpertWeights
 
-    _, keep_dir, _, fp8_dir, _ = v4
+    _, keep_dir, _, fp8_dir, *_ = request.getfixturevalue(which)
     kept = from_fused_pretrained(keep_dir, dtype=torch.float32)
     fp8 = from_fused_pretrained(fp8_dir, dtype=torch.float32)
     blocks = [m.mlp for m in kept.model.layers if isinstance(m.mlp, FusedSharedMoE)]
@@ -221,10 +265,12 @@ def test_from_fused_pretrained_runs_the_kept_model(v4):
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = kept(input_ids=ids, use_cache=False).logits, fp8(input_ids=ids, use_cache=False).logits
-    assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < 1e-2
+    assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < (
+        1e-2 if which == "v4" else FP8_EXPERTS.logits_rel
+    )
 
 
-@pytest.mark.parametrize("which", ["v4", "kimi"])
+@pytest.mark.parametrize("which", ["v4", "kimi", "nvfp4"])
 def test_verify_checksums_and_against_show_the_routed_experts_exact(which, request):
     from fuse_tool.verify.numerics import format_result, verify_against
 
@@ -235,6 +281,30 @@ def test_verify_checksums_and_against_show_the_routed_experts_exact(which, reque
     same, total = res.routed_tensors_same
     assert res.passed and same == total > 0, format_result(res)
     assert f"{total:,} of {total:,} tensors byte for byte the source's (exact)" in format_result(res)
+
+
+def test_from_checkpoint_loads_the_nvfp4_release_values(nvfp4):
+    """A kept NVFP4 layer loads as FourBitExperts 'nvfp4' whose values are the release's exact NVFP4 values (each
+    projection with its own global scale); the MTP layer's as MXFP4; the Triton kernel (the interpreter here) and the
+    reference agree."""
+    from runtime import FusedSharedMoE
+
+    _, keep_dir, _, _, _, exact = nvfp4
+    moe = FusedSharedMoE.from_checkpoint(keep_dir, 1)
+    r = moe.experts.routed
+    assert r.format == "nvfp4" and r.group == 16 and r.global_scale.shape == (V4_E, 3)
+    for e in range(V4_E):
+        w13, w2 = r.dequantized(e)
+        want = [exact[f"layers.1.ffn.experts.{e}.{p}.weight"] for p in ("w1", "w3", "w2")]
+        assert torch.equal(w13, torch.cat(want[:2])) and torch.equal(w2, want[2])
+    mtp = max(read_config_block(_config(keep_dir)).moe_layers)
+    assert FusedSharedMoE.from_checkpoint(keep_dir, mtp).experts.routed.format == "mxfp4"
+    x = torch.randn(5, r.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.arange(5)
+    moe.backend = "torch"
+    ref = moe(x, token_ids=ids)
+    moe.backend = "triton"
+    assert float((moe(x, token_ids=ids) - ref).norm() / ref.norm()) < 2e-3
 
 
 def test_verify_refuses_a_routed_weight_in_the_wrong_format(v4, tmp_path):
@@ -256,4 +326,5 @@ def test_model_card_says_the_routed_experts_are_kept(kimi):
 
     card = render_model_card(check_output(kimi[1]), repo_id="alice/Kimi-K2.6-kept")
     assert "the release's INT4 for the 6 routed experts (byte for byte" in card
+    assert "LAYOUT version 3) and FP8" in card
     assert '"routed_format": "int4"' in card and "| routed_experts | keep |" in card

@@ -172,9 +172,13 @@ def render_model_card(
         else "FP8 e4m3 with 128x128 block scales (`*_scale_inv`, DeepSeek-V3 convention)"
     )
     if block.routed_format:  # LAYOUT v3: the routed slots as released, only the shared slots FP8
+        own = "".join(  # (v4) layers kept in a format of their own (NVFP4 V4-Flash's MXFP4 MTP block)
+            f", {g.routed_format.upper()} in layers {list(g.layers)}" for g in block.layer_geometry if g.routed_format
+        )
         fmt = (
-            f"the release's {block.routed_format.upper()} for the {E} routed experts (byte for byte, "
-            f"`fuse-shared convert --routed-experts keep`, LAYOUT version 3) and {fmt} for the shared slots"
+            f"the release's {block.routed_format.upper()}{own} for the {E} routed experts (byte for byte, "
+            f"`fuse-shared convert --routed-experts keep`, LAYOUT version {block.version}) and {fmt} for the shared "
+            "slots"
         )
 
     lines = [

@@ -22,7 +22,7 @@ from runtime.errors import ModelError
 from runtime.families import check_hidden_size, describe_model, family_for
 from runtime.formats import REGISTRY
 from runtime.formats.fp8_block import scale_fmt_of
-from runtime.layout import MXFP4_GROUP, WEIGHT_BLOCK, FusedSharedExperts, LayerGeometry, num_shared_slots
+from runtime.layout import FIXED_GROUPS, WEIGHT_BLOCK, FusedSharedExperts, LayerGeometry, num_shared_slots
 
 from .. import __version__
 from ..errors import ConversionError
@@ -148,14 +148,21 @@ def _modality_biases(inputs: PlanInputs, layer_plans: list[LayerPlan]) -> tuple[
     return found.pop() if found else ()
 
 
-def _layer_geometry(layer_plans: list[LayerPlan], E: int, K: int, arch) -> tuple[LayerGeometry, ...]:
-    """(LAYOUT v4) One entry per (E, top-k) other than the block's, listing its layers (the MTP blocks of V4.1)."""
-    own: dict[tuple[int, int], list[int]] = {}
+def _layer_geometry(
+    layer_plans: list[LayerPlan], E: int, K: int, arch, routed_format: str | None, group_sizes: dict[str, int]
+) -> tuple[LayerGeometry, ...]:
+    """(LAYOUT v4) One entry per (E, top-k, kept routed format) other than the block's, listing its layers (the MTP
+    blocks of V4.1; the MXFP4 MTP block of NVIDIA's NVFP4 V4-Flash, whose routed experts are kept as released)."""
+    own: dict[tuple[int, int, str | None], list[int]] = {}
     for lp in layer_plans:
-        geometry = arch.expert_geometry(lp.layer)
-        if geometry != (E, K):
-            own.setdefault(geometry, []).append(lp.layer)
-    return tuple(LayerGeometry(tuple(layers), e, k) for (e, k), layers in own.items())
+        e, k = arch.expert_geometry(lp.layer)
+        fmt = lp.source_format if routed_format and lp.source_format != routed_format else None
+        if (e, k) != (E, K) or fmt:
+            own.setdefault((e, k, fmt), []).append(lp.layer)
+    return tuple(
+        LayerGeometry(tuple(layers), e, k, fmt, group_sizes.get(fmt) if fmt else None)
+        for (e, k, fmt), layers in own.items()
+    )
 
 
 def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> ConversionPlan:
@@ -214,6 +221,7 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
     plan_other_tensors(inputs, parts)
 
     routed_format = layer_plans[0].source_format if options.routed_experts == "keep" else None
+    group_sizes = dict(FIXED_GROUPS, int4=inputs.group_size)
     block = FusedSharedExperts(
         num_routed_experts=E,
         num_fused_shared_experts=S,
@@ -225,8 +233,8 @@ def build_plan(src: SourceCheckpoint, options: ConvertOptions | None = None) -> 
         weight_block_size=(WEIGHT_BLOCK, WEIGHT_BLOCK) if inputs.out_fp8 else None,
         source={"model_type": arch.model_type, "quantization": source_quantization, "converter_version": __version__},
         routed_format=routed_format,
-        routed_group_size={"mxfp4": MXFP4_GROUP, "int4": inputs.group_size}.get(routed_format),
-        layer_geometry=_layer_geometry(layer_plans, E, arch.routing.top_k, arch),
+        routed_group_size=group_sizes.get(routed_format),
+        layer_geometry=_layer_geometry(layer_plans, E, arch.routing.top_k, arch, routed_format, group_sizes),
     )
     modules = sorted(parts.not_converted)
     return ConversionPlan(

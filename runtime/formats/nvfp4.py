@@ -6,11 +6,13 @@ static activation scale, read with the weight and not used).
 A value is ``e2m1 * weight_scale * weight_scale_2``: the first product is exact in float32 (a 2-bit times a 4-bit
 significand); the global scale rounds it once in float32. Converted whole to FP8 e4m3 with 128x128 block scales
 (``runtime.fp8``, the converter's one FP8 rounding); each piece measures its error against that float32 value
-(:class:`~runtime.formats.base.RequantizationError`), as INT4 does."""
+(:class:`~runtime.formats.base.RequantizationError`), as INT4 does. ``--routed-experts keep`` copies the routed experts'
+codes, scales and global scale as released (LAYOUT section 7)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -65,6 +67,7 @@ class NVFP4(WeightFormat):
     label = "NVFP4"
     description = "nvfp4 (e2m1 codes, e4m3 scales per 16 inputs, an F32 global scale)"
     whole_only = True
+    keeps_routed = True
     measurement = RequantizationError
     declared_as = "ModelOpt NVFP4"
 
@@ -139,6 +142,11 @@ class NVFP4(WeightFormat):
             for name in tensors
             if self.matches(tensors, name)
         }
+
+    def kept_tensors(self, stored, name, out_name):
+        """The codes, the e4m3 scales and the global scale; not the static ``input_scale``, which nothing reads (every
+        slot's activations are quantized per 1x128 group at run time)."""
+        return super().kept_tensors(replace(stored, companions=stored.companions[:1]), name, out_name)
 
     def check_values(self, stored, read):
         """The global scale is a positive finite number (a zero or NaN one would make every value the same)."""

@@ -249,8 +249,9 @@ MODELS = {
 def random_four_bit_experts(E, H, I, fmt, gen=None, span=4, group=32, device="cpu"):
     """Routed experts as a release stores them, unit-ish output scale, made on ``device`` (``gen`` a generator there):
     ``fmt`` "mxfp4" (random e2m1 bytes, E8M0 group scales spread over ``span`` powers of two below
-    2^-7 / sqrt(H / 256): LAYOUT section 4's rule holds while ``span <= 8``) or "int4" (random words, BF16 group scales
-    of ``group`` inputs)."""
+    2^-7 / sqrt(H / 256): LAYOUT section 4's rule holds while ``span <= 8``), "int4" (random words, BF16 group scales
+    of ``group`` inputs) or "nvfp4" (random e2m1 bytes, e4m3 scales per 16 inputs from 8 to 64 times up to 2^-span,
+    subnormal ones from span 10, and a float32 global scale per expert and projection)."""
     from runtime.moe import FourBitExperts
 
     kw = dict(generator=gen, device=device)
@@ -266,10 +267,19 @@ def random_four_bit_experts(E, H, I, fmt, gen=None, span=4, group=32, device="cp
         scales = ((torch.rand(E, rows, cols // group, **kw) + 0.5) / (4 * math.sqrt(cols))).to(torch.bfloat16)
         return words, scales
 
-    make = mx if fmt == "mxfp4" else i4
+    def nv(rows, cols):
+        codes = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, **kw)
+        spread = 2.0 ** -torch.randint(0, span + 1, (E, rows, cols // 16), **kw).float()
+        scales = ((torch.rand(E, rows, cols // 16, **kw) * 56 + 8) * spread).to(torch.float8_e4m3fn)
+        return codes, scales
+
+    make = {"mxfp4": mx, "int4": i4, "nvfp4": nv}[fmt]
     gu, gus = make(2 * I, H)
     dn, dns = make(H, I)
-    return FourBitExperts(fmt, gu, gus, dn, dns, 32 if fmt == "mxfp4" else group)
+    g = None
+    if fmt == "nvfp4":  # gate, up, down: 1 / (3 * 36 * sqrt(in)) times a factor in [0.5, 1.5) each
+        g = (torch.rand(E, 3, **kw) + 0.5) / (108 * torch.tensor([H, H, I], device=device).sqrt())
+    return FourBitExperts(fmt, gu, gus, dn, dns, {"mxfp4": 32, "nvfp4": 16}.get(fmt, group), g)
 
 
 def random_mixed_experts(E, S, H, I, fmt, gen=None, span=4, oai=False, device="cpu"):

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SHAPES = {
     "DeepSeek-V4-Flash": (4096, 2048, 256, 1, 6, "mxfp4", 10.0),
     "Kimi-K2.6": (7168, 2048, 384, 1, 8, "int4", float("inf")),
+    "NVFP4-V4-Flash": (4096, 2048, 256, 1, 6, "nvfp4", 10.0),  # nvidia/DeepSeek-V4-Flash-NVFP4
 }
 
 

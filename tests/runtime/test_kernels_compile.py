@@ -29,18 +29,19 @@ _POINTERS = dict(
     total_ptr="*i32",
     topk_w_ptr="*fp32",
 )
-# (FMT 0 MXFP4 / 1 INT4 / 2 INT4 through FP16 MMAs, MUL_W: GEMM2, SWAP, NAIVE: one token, which always swaps, R_TMA:
-# routed tiles by descriptor)
+# (0 MXFP4 / 1 INT4 / 2 INT4 through FP16 MMAs / 3 NVFP4, MUL_W: GEMM2, SWAP, NAIVE: one token, which always swaps,
+# R_TMA: routed tiles by descriptor)
 VARIANTS = [
     c
-    for c in itertools.product((0, 1, 2), (False, True), (False, True), (False, True), (False, True))
+    for c in itertools.product((0, 1, 2, 3), (False, True), (False, True), (False, True), (False, True))
     if c[2] or not c[3]
 ]
 
 
 def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -> str:
     """TTGIR of one variant compiled for sm_90a (raises what Triton raises)."""
-    fmt, i4_f16 = min(fmt, 1), fmt == 2
+    fmt, i4_f16 = {0: 0, 1: 1, 2: 1, 3: 2}[fmt], fmt == 2
+    int4 = fmt == 1
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,8 +51,8 @@ def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -
     params = list(inspect.signature(_mixed_gemm_kernel.fn).parameters)
     consts = dict(
         FMT=fmt,
-        GROUP=32,
-        KSTEP=32 if fmt else 128,
+        GROUP=16 if fmt == 2 else 32,
+        KSTEP=32 if int4 else 128,
         A_DIV=1 if mul_w else 7,
         MUL_W=mul_w,
         SWAP=swap,
@@ -64,10 +65,11 @@ def compile_variant(fmt: int, mul_w: bool, swap: bool, naive: bool, tma: bool) -
         HAS_NVALID=naive,
         INTERP=False,
     )
-    pointers = dict(_POINTERS, r_ptr="*i32" if fmt else "*u8", r_scale_ptr="*bf16" if fmt else "*u8")
+    pointers = dict(_POINTERS, r_ptr="*i32" if int4 else "*u8", r_scale_ptr="*bf16" if int4 else "*u8")
+    pointers["r_global_ptr"] = "*fp32"
     aligned = [p for p in params if p in pointers or p.startswith("stride") or p in ("N", "K", "c_split_stride")]
-    if tma:  # [BN, 128 inputs] tiles: INT4 words or MXFP4 bytes
-        pointers["r_ptr"] = f"tensordesc<i32[64, {16 if i4_f16 else 4}]>" if fmt else "tensordesc<u8[64, 64]>"
+    if tma:  # [BN, 128 inputs] tiles: INT4 words or MXFP4 / NVFP4 bytes
+        pointers["r_ptr"] = f"tensordesc<i32[64, {16 if i4_f16 else 4}]>" if int4 else "tensordesc<u8[64, 64]>"
         aligned.remove("r_ptr")
     signature = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in params}
     source = ASTSource(

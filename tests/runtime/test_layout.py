@@ -494,6 +494,43 @@ def test_for_layer_gives_a_layers_own_geometry():
     assert (cfg.num_experts, cfg.top_k, cfg.num_expert_slots) == (128, 3, 129)
 
 
+def test_a_layer_may_keep_its_routed_slots_in_a_format_of_its_own():
+    """NVIDIA's NVFP4 V4-Flash: decoder experts NVFP4 (16 inputs per e4m3 scale), the MTP block's MXFP4; the entry's
+    format is that layer's (for_layer), the JSON round-trips, and the block is version 4."""
+    from runtime.layout import LayerGeometry
+
+    mtp = LayerGeometry((61,), 256, 6, "mxfp4", 32)
+    b = block(v41_routing(), routed_format="nvfp4", routed_group_size=16, layer_geometry=(mtp,))
+    assert b.version == 4
+    assert [(b.for_layer(L).routed_format, b.for_layer(L).routed_group_size) for L in (3, 61)] == [
+        ("nvfp4", 16),
+        ("mxfp4", 32),
+    ]
+    assert b.for_layer(61).slot_format(0) == "mxfp4" and b.for_layer(61).slot_format(256) == "fp8"
+    d = json.loads(json.dumps(b.to_dict()))
+    assert d["layer_geometry"][0]["routed_format"] == "mxfp4" and FusedSharedExperts.from_dict(d) == b
+    assert "routed_format" not in LayerGeometry((61,), 128, 3).to_dict()
+    with pytest.raises(LayoutError, match=r"layer_geometry\[0\].routed_format 'mxfp4' in a block that keeps no routed"):
+        block(v41_routing(), layer_geometry=(mtp,))
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (dict(routed_format="nvfp4", routed_group_size=32), "NVFP4 has 16 inputs per scale"),
+        (dict(routed_format="fp4", routed_group_size=16), "layer_geometry.routed_format"),
+        (dict(routed_group_size=32), "routed_group_size 32 without a routed_format"),
+        (dict(routed_format="int4", routed_group_size=48), "a multiple of 32"),
+    ],
+)
+def test_a_layers_own_routed_format_is_checked(entry, message):
+    d = block(v41_routing(), routed_format="nvfp4", routed_group_size=16).to_dict()
+    d["version"] = 4
+    d["layer_geometry"] = [{"layers": [61], "num_routed_experts": 256, "top_k": 6, **entry}]
+    with pytest.raises(LayoutError, match=message):
+        FusedSharedExperts.from_dict(d)
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

@@ -1,6 +1,6 @@
-"""Mixed slots (LAYOUT v3, issue 23): four-bit routed slots (MXFP4, INT4) beside FP8 shared slots. The PyTorch reference
-against independent float64 math on the exact four-bit values, and the Triton kernel (interpreter on CPU) against the
-reference at small shapes."""
+"""Mixed slots (LAYOUT v3, issue 23): four-bit routed slots (MXFP4, INT4, NVFP4) beside FP8 shared slots. The PyTorch
+reference against independent float64 math on the exact four-bit values, and the Triton kernel (interpreter on CPU)
+against the reference at small shapes."""
 
 import dataclasses
 
@@ -22,11 +22,23 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not imp
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
-def independent_weight(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
-    """One stored four-bit matrix in float64, element by element from the formats' descriptions (LAYOUT section 7)."""
-    if fmt == "mxfp4":
+def e4m3_float64(b: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes as float64 from the format's description: ``2^(e-7) * (1 + f/8)``, subnormal ``f * 2^-9``."""
+    b = b.to(torch.int64)
+    e, f = (b >> 3) & 15, (b & 7).double()
+    v = torch.where(e > 0, 2.0 ** (e.double() - 7) * (1 + f / 8), f * 2.0**-9)
+    return torch.where(b >= 128, -v, v)
+
+
+def independent_weight(codes: torch.Tensor, scales: torch.Tensor, fmt: str, row_global=None) -> torch.Tensor:
+    """One stored four-bit matrix in float64, element by element from the formats' descriptions (LAYOUT section 7);
+    ``row_global``: NVFP4's global scale of each row."""
+    if fmt in ("mxfp4", "nvfp4"):
         b = codes.to(torch.int64)
         vals = torch.tensor(E2M1, dtype=torch.float64)[torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)]
+        if fmt == "nvfp4":
+            s = e4m3_float64(scales.view(torch.uint8)).repeat_interleave(16, 1)
+            return vals * s * row_global.double()[:, None]
         return vals * (2.0 ** (scales.to(torch.float64) - 127)).repeat_interleave(32, 1)
     w = codes.to(torch.int64) & 0xFFFFFFFF
     q = torch.stack([(w >> (4 * i)) & 15 for i in range(8)], -1).reshape(w.shape[0], -1) - 8
@@ -43,8 +55,9 @@ def independent_mixed(x, ew, ids, w):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             if e < E:
-                gu = independent_weight(r.gate_up[e], r.gate_up_scale[e], fmt)
-                d = independent_weight(r.down[e], r.down_scale[e], fmt)
+                g = r.global_scale[e] if fmt == "nvfp4" else torch.ones(3)
+                gu = independent_weight(r.gate_up[e], r.gate_up_scale[e], fmt, g[:2].repeat_interleave(I))
+                d = independent_weight(r.down[e], r.down_scale[e], fmt, g[2].expand(ew.hidden_size))
             else:
                 sh = ew.shared
                 gu = torch.cat(
@@ -61,7 +74,7 @@ def independent_mixed(x, ew, ids, w):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "nvfp4"])
 def test_reference_matches_independent_float64(fmt):
     """The reference's routed slots are the exact four-bit values: independent float64 math on the stored codes
     agrees to float32 rounding (FP8 activations both ways)."""
@@ -98,6 +111,22 @@ def test_four_bit_values_are_the_releases():
     )
     w13, w2 = i4.dequantized(0)
     assert w13[0, :9].tolist() == [3.5] + [-4.0] * 7 + [3.5] and w2.unique().tolist() == [-8.0]
+    # NVFP4: byte 0xA3 is (1.5, -1.0); e4m3 byte 0x38 is 1.0, 0x01 is 2^-9 (subnormal); global scales 0.5, 2, 4
+    scale = torch.full((1, 64, 16), 0x38, dtype=torch.uint8)
+    scale[0, 32:, 0] = 0x01
+    nv = FourBitExperts(
+        "nvfp4",
+        torch.full((1, 64, 128), 0xA3, dtype=torch.uint8),
+        scale.view(torch.float8_e4m3fn),
+        torch.full((1, 256, 16), 0x77, dtype=torch.uint8),
+        torch.full((1, 256, 2), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn),
+        16,
+        torch.tensor([[0.5, 2.0, 4.0]]),
+    )
+    w13, w2 = nv.dequantized(0)
+    assert w13[0, :4].tolist() == [0.75, -0.5, 0.75, -0.5] and w13[0, 16].item() == 0.75
+    assert w13[32, :2].tolist() == [1.5 * 2.0**-9 * 2, -(2.0**-9) * 2] and w13[32, 16].item() == 3.0
+    assert w2.unique().tolist() == [24.0]
 
 
 def test_shapes_and_formats_are_checked():
@@ -112,7 +141,16 @@ def test_shapes_and_formats_are_checked():
     with pytest.raises(ValueError, match="must be FP8"):
         MixedExpertWeights(ew.routed, random_experts(1, 256, 128, fp8=False, gen=g))
     with pytest.raises(ValueError, match="four-bit format"):
-        dataclasses.replace(ew.routed, format="nvfp4")
+        dataclasses.replace(ew.routed, format="fp4")
+    nv = random_mixed_experts(3, 1, 256, 128, "nvfp4", gen=g).routed
+    with pytest.raises(ValueError, match="NVFP4 has 16 inputs per scale"):
+        dataclasses.replace(nv, group=32)
+    with pytest.raises(ValueError, match="global_scale must be float32"):
+        dataclasses.replace(nv, global_scale=nv.global_scale[:, :2])
+    with pytest.raises(ValueError, match="need one"):
+        dataclasses.replace(nv, global_scale=None)
+    with pytest.raises(ValueError, match="global_scale is for nvfp4"):
+        dataclasses.replace(ew.routed, global_scale=nv.global_scale)
 
 
 CASES = [
@@ -144,6 +182,14 @@ CASES = [
     ("int4", 4, 2, 1, 4, 0, None, dict(int4_mma="fp8", weight_tma=True)),
     ("mxfp4", 4, 1, 6, 3, 4, None, dict(weight_tma=False, swap_ab=True), 192, 96),
     ("int4", 4, 1, 7, 3, 0, 4, dict(weight_tma=False), 160, 96),
+    # NVFP4 through FP16 MMAs (code x e4m3 scale exact; span 10: subnormal scales too), times its global scale
+    ("nvfp4", 4, 1, 6, 3, 10, None, None, 192, 96),  # partial K blocks and h groups
+    ("nvfp4", 4, 1, 1, 3, 4, None, None),  # one token
+    ("nvfp4", 5, 2, 7, 4, 4, 5, dict(swap_ab=False)),  # two shared slots, padding rows, unswapped MMA
+    ("nvfp4", 4, 1, 40, 3, 4, None, dict(block_m=32)),  # several M blocks per slot
+    ("nvfp4", 4, 1, 1, 3, 4, None, dict(gemm1_split_k=3, gemm2_split_k=2, block_n=32), 384, 96),  # K split
+    ("nvfp4", 4, 2, 7, 4, 4, 5, dict(gemm1_split_k=2, gemm2_split_k=3, block_n=128, swap_ab=False), 192, 160),
+    ("nvfp4", 4, 1, 5, 3, 4, None, dict(weight_tma=True, block_n=64), 192, 96),  # tiles by descriptor
 ]
 
 
@@ -164,6 +210,40 @@ def test_triton_matches_reference(case):
     if nv is not None:
         assert torch.all(out[nv:] == 0)
     assert rel(out, ref) < 2e-3, rel(out, ref)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from runtime.moe_mixed_triton import _nvfp4_tile
+
+    @triton.jit
+    def _expand_nvfp4(w_ptr, s_ptr, o_ptr, BN: tl.constexpr):
+        r = tl.arange(0, BN)[:, None]
+        b = _nvfp4_tile(
+            tl.load(w_ptr + r * 64 + tl.arange(0, 64)[None, :]), tl.load(s_ptr + r * 8 + tl.arange(0, 8)), BN
+        )
+        tl.store(o_ptr + r * 128 + tl.arange(0, 128)[None, :], b.to(tl.float32))
+
+
+@needs_triton
+def test_nvfp4_tile_is_exact_for_every_code_and_scale_byte():
+    """The kernel's NVFP4 expansion (codes and e4m3 scales decoded from their bits, multiplied, cast to FP16) equals
+    the release's float32 dequantization for every code byte against every finite e4m3 scale byte, subnormals and
+    negative scales included."""
+    from runtime.formats.nvfp4 import dequantize_nvfp4
+
+    finite = torch.tensor([b for b in range(256) if b & 127 != 127], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
+    # a group of 16 inputs is 8 code bytes: 32 groups hold all 256 bytes, once per scale byte; 1016 rows, padded to 1024
+    scales = torch.zeros(1024 * 8, dtype=torch.uint8)
+    scales[: finite.numel() * 32] = finite.repeat_interleave(32)
+    codes = torch.zeros(1024 * 8, 8, dtype=torch.uint8)
+    codes[: finite.numel() * 32] = torch.arange(256, dtype=torch.uint8).reshape(32, 8).repeat(finite.numel(), 1)
+    w, scales, out = codes.reshape(1024, 64), scales.reshape(1024, 8), torch.empty(1024, 128)
+    _expand_nvfp4[(1,)](w, scales, out, BN=1024)
+    want = dequantize_nvfp4(w, scales.view(torch.float8_e4m3fn), 1.0)
+    assert torch.equal(out, want) and bool((want.abs() < 2.0**-9).logical_and(want != 0).any())
 
 
 @needs_triton
