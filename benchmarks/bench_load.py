@@ -132,7 +132,10 @@ V4_FLASH = {
 
 def fixture_dir(family: str = "deepseek-v3") -> Path | None:
     name = FAMILIES[family]
-    candidates = (ROOT.parent / "shared" / "fixtures" / "checkpoints" / name, Path("/work/shared/fixtures/checkpoints") / name)
+    candidates = (
+        ROOT.parent / "shared" / "fixtures" / "checkpoints" / name,
+        Path("/work/shared/fixtures/checkpoints") / name,
+    )
     return next((p for p in candidates if (p / "config.json").is_file()), None)
 
 
@@ -279,11 +282,15 @@ def check_against_inventory(tensors, layers: int, family: str = "deepseek-v3") -
     return True
 
 
-def _random(name: str, dtype: str, shape: tuple[int, ...], g: torch.Generator, device, num_experts: int) -> torch.Tensor:
+def _random(
+    name: str, dtype: str, shape: tuple[int, ...], g: torch.Generator, device, num_experts: int
+) -> torch.Tensor:
     n = math.prod(shape)
     if dtype == "I8":  # packed MXFP4: every byte is two valid e2m1 codes
         return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8, device=device).cpu()
-    if dtype == "F8_E8M0":  # powers of two: MXFP4 codes (~2) x 2^-7 and FP8 codes (~4) x 2^-9 give weights ~1/sqrt(width)
+    if (
+        dtype == "F8_E8M0"
+    ):  # powers of two: MXFP4 codes (~2) x 2^-7 and FP8 codes (~4) x 2^-9 give weights ~1/sqrt(width)
         centre = 120 if ".experts." in name else 118
         codes = torch.randint(centre - 1, centre + 2, shape, generator=g, dtype=torch.uint8, device=device)
         return codes.view(torch.float8_e8m0fnu).cpu()
