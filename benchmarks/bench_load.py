@@ -520,6 +520,8 @@ def main(argv=None) -> dict:
             "convert_s": round(convert_s, 2),
         }
         print(json.dumps(res, indent=1))
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1))
         return res
     plain_read_gbps(out)  # warm the page cache: the loads below and the timed read all read from it
     read_gbps, shard_bytes = plain_read_gbps(out)
