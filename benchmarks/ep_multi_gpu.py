@@ -491,36 +491,47 @@ def main(argv=None) -> dict | None:
 
 
 def summary(results: list[dict]) -> str:
-    """The markdown table of result files for docs/benchmarks.md: one row per run."""
+    """The markdown table of result files for docs/benchmarks.md: a line saying what ran, then one row per run."""
 
-    def gb(d: dict) -> str:
-        return " / ".join(f"{v:.1f}" for v in d.values()) if d else "-"
+    def num(v, digits: int) -> str:
+        return "-" if v is None else f"{v:.{digits}f}"
 
-    head = (
-        "| model | GPUs | shared replica | verdict | logits rel. RMS diff (tol.) | hash layers / plain: diff over tol. "
-        "| prefill tok/s EP / 1 GPU / map | decode tok/s EP / 1 GPU / map | all_reduce prefill / decode step "
-        "| GB per GPU EP / map |\n|---|---|---|---|---|---|---|---|---|---|"
+    def gb(values) -> str:
+        return " / ".join(f"{v:.1f}" for v in values) or "-"
+
+    first, versions = results[0], results[0]["versions"]
+    ran = (
+        f"{first['device']}, {first['backend']}, {first['dtype']}, batch {first['batch']} x {first['seq']} tokens, "
+        f"{first['new_tokens']} new; torch {versions['torch']}, transformers {versions['transformers']}; "
+        f"multicast env {first['env']}"
     )
-    rows = [head]
+    head = (
+        "| model | GPUs | shared replica | verdict | logits rel. RMS diff (tol.) | hash / plain layers: diff over tol. "
+        "| prefill tok/s EP / 1 GPU / map | decode tok/s EP / 1 GPU / map | all_reduce per prefill / decode step "
+        "(alone: prefill / decode call) | GB per GPU EP / map |"
+    )
+    lines = [ran, "", head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        c, ep = r["correctness"], r["ep"]
+        c, ep, r0 = r["correctness"], r["ep"], r["ep"]["per_rank"][0]
         single, dmap = r.get("single", {}), r.get("device_map", {})
         kinds = c["layers_by_routing"]
         kind_text = " / ".join(
             f"{kinds[k]['max_diff_over_tolerance']:.2g}" if k in kinds else "-" for k in ("hash", "plain")
         )
-        ep_gb = " / ".join(f"{p['peak_gb_during_runs']:.1f}" for p in ep["per_rank"] if p.get("peak_gb_during_runs"))
-        r0 = ep["per_rank"][0]
-        rows.append(
+        ep_gb = gb(p["peak_gb_during_runs"] for p in ep["per_rank"] if p.get("peak_gb_during_runs"))
+        lines.append(
             f"| {r['model_type']} | {r['world']} | {'yes' if r['shared_replica'] else 'no'} | **{c['verdict']}** "
             f"| {c['logits']['rel_rms_diff']:.3g} ({c['logits']['tolerance']:.3g}) | {kind_text} "
-            f"| {ep['prefill_tok_s']:.0f} / {single.get('prefill_tok_s', '-')} / {dmap.get('prefill_tok_s', '-')} "
-            f"| {ep['decode_tok_s']:.1f} / {single.get('decode_tok_s', '-')} / {dmap.get('decode_tok_s', '-')} "
+            f"| {num(ep['prefill_tok_s'], 0)} / {num(single.get('prefill_tok_s'), 0)} / "
+            f"{num(dmap.get('prefill_tok_s'), 0)} "
+            f"| {num(ep['decode_tok_s'], 1)} / {num(single.get('decode_tok_s'), 1)} / "
+            f"{num(dmap.get('decode_tok_s'), 1)} "
             f"| {r0['all_reduce_s_per_prefill'] * 1e3:.2f} ms ({r0['all_reduce_calls_per_prefill']} calls) / "
-            f"{r0['all_reduce_s_per_decode_step'] * 1e3:.2f} ms "
-            f"| {ep_gb or '-'} / {gb(dmap.get('gpu_peak_gb', {}))} |"
+            f"{r0['all_reduce_s_per_decode_step'] * 1e3:.2f} ms ({r0['all_reduce_us_alone_prefill_shape']:.0f} / "
+            f"{r0['all_reduce_us_alone_decode_shape']:.0f} us) "
+            f"| {ep_gb} / {gb(dmap.get('gpu_peak_gb', {}).values())} |"
         )
-    return "\n".join(rows)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
