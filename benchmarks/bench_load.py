@@ -67,47 +67,26 @@ TOY = dict(
 )
 
 
-# DeepSeek-V4-Flash's release config.json (shared/fixtures/checkpoints/deepseek-v4-flash), the fields the model uses
-V4_FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "hc_eps": 1e-06,
+# DeepSeek-V4-Flash's release config.json (shared/fixtures/checkpoints/deepseek-v4-flash): the tiny release config of
+# the tests (tests/v4_checkpoint.py) at the release's widths
+V4_FLASH_WIDTHS = {
     "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
     "head_dim": 512,
-    "hidden_act": "silu",
     "hidden_size": 4096,
     "index_head_dim": 128,
     "index_n_heads": 64,
     "index_topk": 512,
-    "initializer_range": 0.02,
     "max_position_embeddings": 1048576,
-    "model_type": "deepseek_v4",
     "moe_intermediate_size": 2048,
     "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
     "num_attention_heads": 64,
     "num_experts_per_tok": 6,
     "num_hidden_layers": 43,
     "num_hash_layers": 3,
-    "num_key_value_heads": 1,
-    "num_nextn_predict_layers": 1,
     "o_groups": 8,
     "o_lora_rank": 1024,
     "q_lora_rank": 1024,
     "qk_rope_head_dim": 64,
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
-    "rms_norm_eps": 1e-06,
     "rope_scaling": {
         "beta_fast": 32,
         "beta_slow": 1,
@@ -115,17 +94,8 @@ V4_FLASH = {
         "original_max_position_embeddings": 65536,
         "type": "yarn",
     },
-    "rope_theta": 10000,
-    "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus",
     "sliding_window": 128,
-    "swiglu_limit": 10.0,
-    "tie_word_embeddings": False,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
     "vocab_size": 129280,
-    "compress_rope_theta": 160000,
     "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
 }
 
@@ -150,7 +120,8 @@ def _v4_checkpoint_module():
 
 def base_config(toy: bool, family: str = "deepseek-v3") -> dict:
     if family == "deepseek-v4-flash":  # toy: the tiny release config of the tests (H 256, 8 experts, 1 hash layer)
-        return json.loads(json.dumps(_v4_checkpoint_module().RELEASE_CONFIG if toy else V4_FLASH))
+        tiny = json.loads(json.dumps(_v4_checkpoint_module().RELEASE_CONFIG))
+        return tiny if toy else tiny | V4_FLASH_WIDTHS
     fx = fixture_dir()
     if fx is not None:
         cfg = json.loads((fx / "config.json").read_text())

@@ -19,6 +19,7 @@ case $model in
   *) echo "usage: OUT=DIR bash $0 v3|v4 NGPUS [cpu]" >&2; exit 2 ;;
 esac
 log=$OUT/$model-$n.log
+trap 'rm -rf $W/$model' EXIT  # the disk goes to the next model's checkpoint, whatever happens
 nvidia-smi --query-gpu=index,name,memory.total --format=csv 2>&1 | tee $log
 python3 benchmarks/bench_load.py --work $W/$model "${build[@]}" "${on_build[@]}" --build-only \
   --out $OUT/$model-$n-build.json 2>&1 | tee -a $log || exit 1
@@ -28,7 +29,6 @@ $ep --out $OUT/$model-$n.json 2>&1 | tee -a $log
 replica=$?
 $ep --no-shared-replica --no-placement --out $OUT/$model-$n-noreplica.json 2>&1 | tee -a $log
 noreplica=$?
-rm -rf $W/$model  # the disk goes to the next model's checkpoint
 echo "issue26 $model on $n GPUs: with the shared replica exit $replica (want 0), without it exit $noreplica (want 1)" \
   | tee -a $log
 [ $replica -eq 0 ] && [ $noreplica -ne 0 ]

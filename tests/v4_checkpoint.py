@@ -225,7 +225,12 @@ def release_layout(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     ``F8_E8M0`` 128x128 ``.scale`` grid, hash layers' ``tid2eid`` ``I64 [vocab, top-k]``."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "expert_dtype", "architectures")}
+    # a copy: transformers' config fills in the rope_scaling dict it is given
+    cfg = {
+        k: v
+        for k, v in json.loads(json.dumps(config)).items()
+        if k not in ("quantization_config", "expert_dtype", "architectures")
+    }
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg))
     out: list[tuple[str, str, tuple[int, ...]]] = []
