@@ -11,7 +11,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NCCL_NVLSTREE_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 model=$1 n=${2:-2} W=/tmp/ep
 if [ "$3" = cpu ]; then
-  W=$OUT/work on_build=(--toy --device cpu) on_ep=(--backend gloo --device cpu --dtype float32 --seq 16 --new-tokens 2)
+  W=$(mktemp -d) on_build=(--toy --device cpu) on_ep=(--backend gloo --device cpu --dtype float32 --seq 16 --new-tokens 2)
 fi
 case $model in
   v3) build=(--moe-layers 2) ;;
