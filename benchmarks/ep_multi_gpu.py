@@ -2,8 +2,8 @@
 the shared replica shown necessary), prefill/decode speed with the all_reduce time apart, device_map against EP.
 
 The command script: benchmarks/issue26_ep.sh, one device call per model (the machine starts bare, so each call builds
-its checkpoint, converts it, runs EP with and without the shared replica, and removes it; estimated 5-8 minutes each, under
-the 10-minute limit). NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``NCCL_NVLSTREE_ENABLE=0``,
+its checkpoint, converts it, runs EP with and without the shared replica, and removes it; estimated 5-8 minutes each,
+under the 10-minute limit). NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``NCCL_NVLSTREE_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``: the .sh exports them and this file sets them too).
 Nothing to carry: the card's transformers 5.17 has DeepSeek-V4 with the module names 5.25 has (read from its source,
 not run; if the v4 call fails inside transformers, carry 5.25 wheels as the device README says).
