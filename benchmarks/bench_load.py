@@ -2,6 +2,7 @@
 
     python benchmarks/bench_load.py --work /scratch/bench-load --moe-layers 4          # H200: tens of GB of FP8
     python benchmarks/bench_load.py --work /tmp/bl --toy --device cpu                   # any machine, seconds
+    python benchmarks/bench_load.py --work /scratch/v4 --family deepseek-v4-flash --moe-layers 5 --build-only
 
 1. Writes a DeepSeek-V3-shaped FP8 source (the release's names, dtypes and shapes: checked against the
    inventory in ``shared/fixtures/checkpoints/deepseek-v3`` when it is there) cut to the 3 dense layers plus
@@ -14,6 +15,13 @@
    For each: device memory against the shard bytes, load time and GB/s, greedy tokens and tokens/s of
    ``generate`` (the same tokens are required of every placement).
 4. Prints one JSON object (and writes it to ``--out``).
+
+``--family deepseek-v4-flash`` writes a DeepSeek-V4-Flash release instead (its names, dtypes and shapes from
+``tests/v4_checkpoint.py``'s :func:`release_layout`, checked against ``shared/fixtures/checkpoints/deepseek-v4-flash``'s
+inventory when it is there): routed experts MXFP4, the other big linears FP8 with E8M0 block scales, the first
+``num_hash_layers`` (3) layers hash-routed (``tid2eid``), every layer MoE, so ``--moe-layers 5`` is 3 hash layers and 2
+score-routed ones; converted with FP8 routed experts (what expert parallelism runs). ``--build-only`` stops after the
+conversion (the checkpoint for ``benchmarks/ep_multi_gpu.py``).
 
 ``--toy`` shrinks every width (hidden 256, 8 experts, vocab 512) so the whole flow runs on a CPU in seconds
 (tests/test_bench_load.py runs it). ``--plan-8gpu`` only prints the memory per GPU of the full DeepSeek-V3 on one
@@ -37,8 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FIXTURE = ROOT.parent / "shared" / "fixtures" / "checkpoints" / "deepseek-v3"
-FIXTURE_CANDIDATES = (FIXTURE, Path("/work/shared/fixtures/checkpoints/deepseek-v3"))
+FAMILIES = {"deepseek-v3": "deepseek-v3", "deepseek-v4-flash": "deepseek-v4-flash"}  # --family -> fixture folder
 BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
 TOY = dict(
     hidden_size=256,
@@ -60,11 +67,61 @@ TOY = dict(
 )
 
 
-def fixture_dir() -> Path | None:
-    return next((p for p in FIXTURE_CANDIDATES if (p / "config.json").is_file()), None)
+# DeepSeek-V4-Flash's release config.json (shared/fixtures/checkpoints/deepseek-v4-flash): the tiny release config of
+# the tests (tests/v4_checkpoint.py) at the release's widths
+V4_FLASH_WIDTHS = {
+    "hc_mult": 4,
+    "head_dim": 512,
+    "hidden_size": 4096,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "max_position_embeddings": 1048576,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 43,
+    "num_hash_layers": 3,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "sliding_window": 128,
+    "vocab_size": 129280,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+}
 
 
-def base_config(toy: bool) -> dict:
+def fixture_dir(family: str = "deepseek-v3") -> Path | None:
+    name = FAMILIES[family]
+    candidates = (
+        ROOT.parent / "shared" / "fixtures" / "checkpoints" / name,
+        Path("/work/shared/fixtures/checkpoints") / name,
+    )
+    return next((p for p in candidates if (p / "config.json").is_file()), None)
+
+
+def _v4_checkpoint_module():
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import v4_checkpoint
+
+    return v4_checkpoint
+
+
+def base_config(toy: bool, family: str = "deepseek-v3") -> dict:
+    if family == "deepseek-v4-flash":  # toy: the tiny release config of the tests (H 256, 8 experts, 1 hash layer)
+        tiny = json.loads(json.dumps(_v4_checkpoint_module().RELEASE_CONFIG))
+        return tiny if toy else tiny | V4_FLASH_WIDTHS
     fx = fixture_dir()
     if fx is not None:
         cfg = json.loads((fx / "config.json").read_text())
@@ -156,13 +213,36 @@ def release_tensors(cfg: dict, layers: int) -> list[tuple[str, str, tuple[int, .
     return out
 
 
-def check_against_inventory(tensors, layers: int) -> bool:
+def cut_config(cfg: dict, family: str, moe_layers: int) -> dict:
+    """``cfg`` cut to ``moe_layers`` MoE layers (after V3's dense ones; every V4 layer is MoE) and no MTP block."""
+    cfg = dict(cfg)
+    if family == "deepseek-v4-flash":
+        if moe_layers <= cfg["num_hash_layers"]:
+            raise SystemExit(f"--moe-layers {moe_layers}: V4 needs more than its {cfg['num_hash_layers']} hash layers")
+        cfg.update(num_hidden_layers=moe_layers, compress_ratios=cfg["compress_ratios"][:moe_layers])
+    else:
+        cfg.update(num_hidden_layers=cfg["first_k_dense_replace"] + moe_layers)
+    cfg.update(num_nextn_predict_layers=0)
+    return cfg
+
+
+def family_tensors(cfg: dict, family: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of the release of ``cfg`` (already cut), as the family stores it."""
+    if family == "deepseek-v4-flash":
+        return _v4_checkpoint_module().release_layout(cfg)
+    return release_tensors(cfg, cfg["num_hidden_layers"])
+
+
+def check_against_inventory(tensors, layers: int, family: str = "deepseek-v3") -> bool:
     """The generated names, dtypes and shapes equal the release inventory's for the kept layers (when it is there)."""
-    fx = fixture_dir()
+    fx = fixture_dir(family)
     if fx is None:
         return False
-    keep = re.compile(
-        rf"^(?:lm_head|model\.embed_tokens|model\.norm)\.|^model\.layers\.({'|'.join(map(str, range(layers)))})\."
+    kept = "|".join(map(str, range(layers)))
+    keep = (
+        re.compile(rf"^(?!layers\.|mtp\.)|^layers\.({kept})\.")
+        if family == "deepseek-v4-flash"
+        else re.compile(rf"^(?:lm_head|model\.embed_tokens|model\.norm)\.|^model\.layers\.({kept})\.")
     )
     with gzip.open(fx / "tensors.tsv.gz", "rt") as f:
         rows = [line.rstrip("\n").split("\t") for line in f][1:]
@@ -173,8 +253,23 @@ def check_against_inventory(tensors, layers: int) -> bool:
     return True
 
 
-def _random(dtype: str, shape: tuple[int, ...], g: torch.Generator, device) -> torch.Tensor:
+def _random(
+    name: str, dtype: str, shape: tuple[int, ...], g: torch.Generator, device, num_experts: int
+) -> torch.Tensor:
     n = math.prod(shape)
+    if dtype == "I8":  # packed MXFP4: every byte is two valid e2m1 codes
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8, device=device).cpu()
+    if (
+        dtype == "F8_E8M0"
+    ):  # powers of two: MXFP4 codes (~2) x 2^-7 and FP8 codes (~4) x 2^-9 give weights ~1/sqrt(width)
+        centre = 120 if ".experts." in name else 118
+        codes = torch.randint(centre - 1, centre + 2, shape, generator=g, dtype=torch.uint8, device=device)
+        return codes.view(torch.float8_e8m0fnu).cpu()
+    if dtype == "I64":  # tid2eid: each token's top-k distinct experts
+        experts = torch.rand(shape[0], num_experts, generator=g, device=device).argsort(-1)
+        return experts[:, : shape[1]].contiguous().cpu()
+    if name.endswith("_scale") and dtype == "F32":  # V4's hyper-connection scales start at 1
+        return torch.ones(shape, dtype=torch.float32)
     if dtype == "F8_E4M3":  # finite codes only (0x7f / 0xff are NaN in e4m3fn), small magnitudes like a real release
         mag = torch.randint(0x08, 0x60, (n,), generator=g, dtype=torch.uint8, device=device)
         sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8, device=device) << 7
@@ -185,8 +280,10 @@ def _random(dtype: str, shape: tuple[int, ...], g: torch.Generator, device) -> t
             if dtype == "BF16"
             else torch.randn(shape, generator=g, device=device).cpu() * 1e-3
         )
-    if dtype == "F32":  # block scales: codes of magnitude ~4 times these give weights of ~1/sqrt(width)
+    if dtype == "F32" and name.endswith("_scale_inv"):  # block scales: codes ~4 times these give weights ~1/sqrt(width)
         return (torch.rand(shape, generator=g, device=device) * 2e-3 + 1e-3).cpu()
+    if dtype == "F32":  # V4's hyper-connection mixers and compressor position biases
+        return (torch.randn(shape, generator=g, device=device) * 0.02).cpu()
     return (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
 
 
@@ -198,12 +295,12 @@ def write_source(out: Path, cfg: dict, tensors, device) -> int:
     g = torch.Generator(device=device).manual_seed(0)
     groups: dict[str, list] = {}
     for name, dtype, shape in tensors:
-        key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        groups.setdefault(key, []).append((name, dtype, shape))
+        layer = re.match(r"^(?:model\.)?layers\.(\d+)\.", name)
+        groups.setdefault(layer.group(1) if layer else "rest", []).append((name, dtype, shape))
     weight_map, total = {}, 0
     for k, (key, items) in enumerate(groups.items()):
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {name: _random(dtype, shape, g, device) for name, dtype, shape in items}
+        shard = {name: _random(name, dtype, shape, g, device, cfg["n_routed_experts"]) for name, dtype, shape in items}
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map |= {name: fname for name in shard}
@@ -351,11 +448,13 @@ def plan_8gpu() -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, help="scratch folder for the source and converted checkpoints")
+    ap.add_argument("--family", default="deepseek-v3", choices=sorted(FAMILIES), help="the release to imitate")
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--toy", action="store_true", help="tiny widths: runs on a CPU in seconds")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    ap.add_argument("--build-only", action="store_true", help="write and convert only (then remove the source)")
     ap.add_argument("--plan-8gpu", action="store_true", help="only print the 8-GPU memory plan of the full DeepSeek-V3")
     a = ap.parse_args(argv)
     if a.plan_8gpu:
@@ -366,19 +465,35 @@ def main(argv=None) -> dict:
         ap.error("--work is required")
     from fuse_tool.convert import convert_checkpoint
 
-    cfg = base_config(a.toy)
-    layers = cfg["first_k_dense_replace"] + a.moe_layers
-    cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=0)
-    tensors = release_tensors(cfg, layers)
-    checked = False if a.toy else check_against_inventory(tensors, layers)
+    cfg = cut_config(base_config(a.toy, a.family), a.family, a.moe_layers)
+    layers = cfg["num_hidden_layers"]
+    tensors = family_tensors(cfg, a.family)
+    checked = False if a.toy else check_against_inventory(tensors, layers, a.family)
     src, out = a.work / "source", a.work / "converted"
     gen_device = a.device if a.device.startswith("cuda") else "cpu"
     t0 = time.perf_counter()
     src_bytes = write_source(src, cfg, tensors, gen_device)
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    convert_checkpoint(src, out, progress=False, overwrite=True)
+    convert_checkpoint(src, out, progress=False, overwrite=True, device=gen_device)
     convert_s = time.perf_counter() - t0
+    if a.build_only:  # the source is not needed again: its disk goes to the next checkpoint
+        import shutil
+
+        shutil.rmtree(src)
+        res = {
+            "family": a.family,
+            "converted": str(out),
+            "layers": layers,
+            "checked_against_inventory": checked,
+            "source_bytes": src_bytes,
+            "write_s": round(write_s, 2),
+            "convert_s": round(convert_s, 2),
+        }
+        print(json.dumps(res, indent=1))
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1))
+        return res
     plain_read_gbps(out)  # warm the page cache: the loads below and the timed read all read from it
     read_gbps, shard_bytes = plain_read_gbps(out)
     prompt = torch.randint(0, cfg["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))

@@ -189,19 +189,69 @@ def release_tensors(
                     out[f"{m.group(1)}.{e}.{p}.weight"] = ("I8", packed)
                     out[f"{m.group(1)}.{e}.{p}.scale"] = ("F8_E8M0", scale)
             continue
-        if name.endswith("tid2eid"):
+        dtype = release_dtype(name)
+        if dtype == "I64":
             out[name] = (
                 "I64",
                 torch.randint(0, E, (t.shape[0], TOP_K), dtype=torch.int64, generator=torch.Generator().manual_seed(7)),
             )
-        elif FP8_LINEAR.search(name):
+        elif dtype == "F8_E4M3":
             q, s = quantize_fp8_e8m0(t)
             out[name] = ("F8_E4M3", q)
             out[name[: -len(".weight")] + ".scale"] = ("F8_E8M0", s)
-        elif re.search(r"(attn_sink|hc_\w+|\.ape|gate\.bias)$", name):
+        elif dtype == "F32":
             out[name] = ("F32", t.float() if not name.endswith("gate.bias") else torch.randn(t.shape) * 0.01)
         else:
             out[name] = ("BF16", t.to(torch.bfloat16))
+    return out
+
+
+def release_dtype(name: str) -> str:
+    """The safetensors dtype the release stores a non-routed-expert tensor in (FP8 linears: their ``.weight``)."""
+    if name.endswith("tid2eid"):
+        return "I64"
+    if FP8_LINEAR.search(name):
+        return "F8_E4M3"
+    if re.search(r"(attn_sink|hc_\w+|\.ape|gate\.bias)$", name):
+        return "F32"
+    return "BF16"
+
+
+def release_layout(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, safetensors dtype, shape)`` of every tensor a V4 release of ``config`` stores for its decoder layers,
+    embeddings and head (no MTP block), without any data: the transformers model is built on the meta device, so this
+    costs nothing at real widths (DeepSeek-V4-Flash: H 4096, 256 experts of I 2048). Names and dtypes follow
+    :func:`release_tensors`: routed experts MXFP4 (``I8 [out, in/2]`` + ``F8_E8M0 [out, in/32]``), FP8 linears with an
+    ``F8_E8M0`` 128x128 ``.scale`` grid, hash layers' ``tid2eid`` ``I64 [vocab, top-k]``."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    # a copy: transformers' config fills in the rope_scaling dict it is given
+    cfg = {
+        k: v
+        for k, v in json.loads(json.dumps(config)).items()
+        if k not in ("quantization_config", "expert_dtype", "architectures")
+    }
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg))
+    out: list[tuple[str, str, tuple[int, ...]]] = []
+    for hf, t in model.state_dict().items():
+        name, shape = to_release(hf), tuple(t.shape)
+        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$", name)
+        if m:
+            rows, cols = shape[1:]
+            parts = ("w1", "w3") if m.group(2) == "gate_up_proj" else ("w2",)
+            rows //= len(parts)
+            for e in range(shape[0]):
+                for p in parts:
+                    out.append((f"{m.group(1)}.{e}.{p}.weight", "I8", (rows, cols // 2)))
+                    out.append((f"{m.group(1)}.{e}.{p}.scale", "F8_E8M0", (rows, cols // MX_GROUP)))
+            continue
+        dtype = release_dtype(name)
+        if name.endswith("tid2eid"):
+            shape = (shape[0], config["num_experts_per_tok"])
+        out.append((name, dtype, shape))
+        if dtype == "F8_E4M3":
+            out.append((name[: -len(".weight")] + ".scale", "F8_E8M0", (-(-shape[0] // 128), -(-shape[1] // 128))))
     return out
 
 

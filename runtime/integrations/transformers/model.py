@@ -21,10 +21,13 @@ from .reading import ShardReader
 from .requires import import_transformers
 
 
-def _fp32_patterns(model) -> list[str]:
-    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) + list(
-        getattr(model, "_keep_in_fp32_modules", None) or []
-    )
+def _fp32_patterns(model, dtype: torch.dtype) -> list[str]:
+    """Module names whose weights stay float32, as transformers' ``from_pretrained`` keeps them: the strict list in
+    float16 and bfloat16, the plain list only in float16 (DeepSeek-V4 lists its BF16 compressor projections there, and
+    a float32 weight under bfloat16 activations fails)."""
+    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        pats += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return pats
 
 
@@ -94,7 +97,7 @@ class StreamedModel:
                     f"{self.path}: MoE layers in tensors {sorted(fused)} != config moe_layers {list(self.block.moe_layers)}"
                 )
         self.plan = plan_tensors(self.model, self.family, self.reader.names(), self.num_layers, fused)
-        self._fp32 = _fp32_patterns(self.model)
+        self._fp32 = _fp32_patterns(self.model, dtype)
         self.layers = self.model.get_submodule(self.family.layers_path)
         for layer, path_ in self.plan.fused_moe_layers.items():
             mod = self.model.get_submodule(path_)
