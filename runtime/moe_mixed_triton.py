@@ -29,8 +29,8 @@ slot reads its packed four-bit tile, and no dequantized copy of any expert exist
   ``[BN, 128]`` tile is expanded to FP16 in registers and runs one FP16 MMA per 128 inputs, whose float32 sum is
   scaled by ``a_scale`` and the row's global scale (gate, up and down each have their own).
 
-Speed (H200, Triton 3.6, docs/benchmarks.md, "Mixed slots"): 1.8x (DeepSeek-V4-Flash, one token) to 4.6x (4096
-tokens) slower than the FP8 kernel on FP8 conversions of the same weights, Kimi-K2.6 2.3x to 3.5x. Routed tiles come
+Speed (H200, Triton 3.6, docs/benchmarks.md, "Mixed slots"): slower than the FP8 kernel on FP8 conversions of the
+same weights, MXFP4 1.8x (one token) to 5.0x (4096 tokens), INT4 2.2x to 3.3x, NVFP4 6.6x to 8.8x. Routed tiles come
 through a TMA descriptor on Hopper (``weight_tma``: a plain load of a tile expanded in registers stays outside
 Triton's pipeline, and that halved the time); INT4 defaults to FP16 MMAs of 128 inputs (``int4_mma``, exact, see
 the kernel). Reading half the bytes does not yet pay for expanding four-bit tiles on the MMAs' warps: keeping the
@@ -340,10 +340,9 @@ def mixed_tile_config(
 ) -> dict:
     """Tiles for one call: ``block_m`` from the mean pairs per slot (one token: 16), K split over several programs
     (``gemm1_split_k``, ``gemm2_split_k``) while there are few M blocks, routed tiles by the copy engine
-    (``weight_tma``, Hopper), INT4 as FP16 MMAs of 128 inputs (``int4_mma``), and the weight tile in the MMA's M
-    dimension (``swap_ab``) for INT4 while ``block_m`` is small (MXFP4 runs faster unswapped). Chosen on the H200 by
-    ``benchmarks/bench_mixed_moe.py --variants`` (docs/benchmarks.md, "Mixed slots"); ``overrides`` replace keys of
-    :data:`MIXED_TILE_KEYS`."""
+    (``weight_tma``, Hopper), INT4 as FP16 MMAs of 128 inputs (``int4_mma``). Chosen on the H200 by
+    ``benchmarks/bench_mixed_moe.py --variants`` (docs/benchmarks.md, "Mixed slots"); ``routed_format`` is kept for
+    per-format choices (none differ today); ``overrides`` replace keys of :data:`MIXED_TILE_KEYS`."""
     mean = num_tokens * slots_per_token / num_slots
     bm = 16 if num_tokens == 1 else min(128, max(16, next_pow2(int(mean))))
     few = num_tokens * slots_per_token <= 64
@@ -352,7 +351,7 @@ def mixed_tile_config(
         "block_n": 64 if bm <= 32 else 128,
         "gemm1_split_k": 2 if few else 1,
         "gemm2_split_k": 1,
-        "swap_ab": bm <= 32 and routed_format != "mxfp4",
+        "swap_ab": False,  # the weight tile in the MMA's M dimension: slower or level for every format on the H200
         "num_warps": 4 if bm <= 64 else 8,
         "num_stages": 3,
         "weight_tma": True,  # turned off before Hopper by the caller

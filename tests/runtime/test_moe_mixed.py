@@ -182,6 +182,10 @@ CASES = [
     ("int4", 4, 2, 1, 4, 0, None, dict(int4_mma="fp8", weight_tma=True)),
     ("mxfp4", 4, 1, 6, 3, 4, None, dict(weight_tma=False, swap_ab=True), 192, 96),
     ("int4", 4, 1, 7, 3, 0, 4, dict(weight_tma=False), 160, 96),
+    # the weight tile in the MMA's M dimension (off by default since the H200 sweep), every format
+    ("int4", 4, 1, 1, 3, 0, None, dict(swap_ab=True), 192, 160),
+    ("nvfp4", 4, 1, 5, 3, 4, 4, dict(swap_ab=True)),
+    ("mxfp4", 4, 2, 1, 4, 4, None, dict(swap_ab=True, weight_tma=True)),
     # NVFP4 through FP16 MMAs (code x e4m3 scale exact; span 10: subnormal scales too), times its global scale
     ("nvfp4", 4, 1, 6, 3, 10, None, None, 192, 96),  # partial K blocks and h groups
     ("nvfp4", 4, 1, 1, 3, 4, None, None),  # one token
