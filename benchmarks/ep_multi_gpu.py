@@ -486,8 +486,6 @@ def main(argv=None) -> dict | None:
             a.out.write_text(text)
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0 and res["correctness"]["verdict"] == "FAIL" and argv is None:
-        sys.exit(1)
     return res
 
 
@@ -536,4 +534,11 @@ def summary(results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    failed = bool(result) and result.get("correctness", {}).get("verdict") == "FAIL"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without the interpreter's teardown: after a clean destroy_process_group, gloo's threads still aborted one
+    # rank's exit in CI ("terminate called without an active exception", exit -6), which torchrun reports as a failure
+    # of the whole run whatever the verdict. Rank 0 alone carries the verdict in its exit code.
+    os._exit(1 if failed else 0)
