@@ -75,13 +75,45 @@ MIXED_TILE_KEYS = (
 
 @triton.jit
 def _dot_scaled(acc, a, b, a_s, b_s, SWAP: tl.constexpr):
-    """``acc += (a @ b^T) * a_s[:, None] * b_s[None, :]`` for FP8 ``a [BM, K]`` and ``b [BN, K]``; SWAP: ``acc`` is
-    ``[BN, BM]`` and the weight tile fills the MMA's M dimension (few tokens)."""
+    """``acc += (a @ b^T) * a_s[:, None] * b_s[None, :]`` for ``a [BM, K]`` and ``b [BN, K]`` of one dtype (FP8, or FP16
+    for the expanded four-bit tiles); SWAP: ``acc`` is ``[BN, BM]`` and the weight tile fills the MMA's M dimension
+    (few tokens)."""
     if SWAP:
         acc += tl.dot(b, tl.trans(a)) * b_s[:, None] * a_s[None, :]
     else:
         acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
     return acc
+
+
+@triton.jit
+def _k_steps(K, STEP: tl.constexpr, SPLIT_K: tl.constexpr, pid_k):
+    """``(first, stop)``: the K steps of ``STEP`` inputs that K split ``pid_k`` of ``SPLIT_K`` runs."""
+    nk = tl.cdiv(K, STEP)
+    per = tl.cdiv(nk, SPLIT_K)
+    return pid_k * per, tl.minimum(nk, pid_k * per + per)
+
+
+@triton.jit
+def _activations(a_base, a_scale_row, m_mask, k0, group, K, STEP: tl.constexpr):
+    """FP8 activations ``[BM, STEP]`` from input ``k0`` on (0 past K) and their 1x128 scale ``[BM]`` (of 128-input
+    group ``group``, the one ``k0`` is in)."""
+    offs_k = k0 + tl.arange(0, STEP)
+    a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    return a, tl.load(a_scale_row + group, mask=m_mask, other=0.0)
+
+
+@triton.jit
+def _routed_tile(
+    r_ptr, r_row, tma_row, col0, COLS: tl.constexpr, PER_COL: tl.constexpr, n_mask, K, R_TMA: tl.constexpr
+):
+    """``[BN, COLS]`` packed routed weights (bytes or INT4 words, ``PER_COL`` inputs each) from column ``col0``: by the
+    copy engine (R_TMA, a descriptor over ``[E * N, columns]``, zeros past it) or a plain load (zeros past K)."""
+    if R_TMA:
+        w = r_ptr.load([tma_row, col0])
+    else:
+        cols = col0 + tl.arange(0, COLS)
+        w = tl.load(r_row + cols[None, :], mask=n_mask[:, None] & (PER_COL * cols < K)[None, :], other=0)
+    return w
 
 
 @triton.jit
@@ -210,24 +242,17 @@ def _mixed_gemm_kernel(
     if e < num_routed:
         if not R_TMA:
             r_row = r_ptr + e * stride_re + offs_n[:, None].to(tl.int64) * stride_rn
+        else:
+            r_row = r_ptr  # unused: the descriptor addresses rows by tma_row
         tma_row = (e * N + pid_n * BN).to(tl.int32)  # rows past this slot's N only reach masked output columns
         rs_row = r_scale_ptr + e * stride_rse + offs_n[:, None].to(tl.int64) * stride_rsn
         if FMT == 0:
-            nk = tl.cdiv(K, 128)
-            per = tl.cdiv(nk, SPLIT_K)
-            j = tl.arange(0, 64)
-            for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
-                offs_k = kb * 128 + tl.arange(0, 128)
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
+            first, stop = _k_steps(K, 128, SPLIT_K, pid_k)
+            for kb in range(first, stop):
+                a, a_s = _activations(a_base, a_scale_ptr + a_row * stride_asm, m_mask, kb * 128, kb, K, 128)
                 # past K (a last block of 32 or 64 inputs): codes 0, which add nothing
-                wk = kb * 64 + j
-                w_ok = (2 * wk < K)[None, :]
                 sc = tl.load(rs_row + (kb * 4 + tl.arange(0, 4))[None, :], mask=n_mask[:, None], other=127)
-                if R_TMA:
-                    w = r_ptr.load([tma_row, kb * 64])
-                else:
-                    w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & w_ok, other=0)
+                w = _routed_tile(r_ptr, r_row, tma_row, kb * 64, 64, 2, n_mask, K, R_TMA)
                 if SWAP:
                     t = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "e4m3")
                     acc += t * a_s[None, :]
@@ -241,46 +266,24 @@ def _mixed_gemm_kernel(
             # could not be tested against the reference on a CPU; FP16 MMAs run at BF16's rate. The codes and the eight
             # scales of a row's 128 inputs load as compact tiles and are broadcast in registers; the float32 sum is
             # scaled by the activations' scale and the row's global scale.
-            nk = tl.cdiv(K, 128)
-            per = tl.cdiv(nk, SPLIT_K)
-            j = tl.arange(0, 64)
-            gk = tl.arange(0, 8)
             g = tl.load(r_global_ptr + e * 3 + global_col + (offs_n >= up_row).to(tl.int64), mask=n_mask, other=0.0)
-            for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
-                offs_k = kb * 128 + tl.arange(0, 128)
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
-                wk = kb * 64 + j
-                if R_TMA:
-                    w = r_ptr.load([tma_row, kb * 64])
-                else:
-                    w = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & (2 * wk < K)[None, :], other=0)
-                sk = kb * 8 + gk
+            first, stop = _k_steps(K, 128, SPLIT_K, pid_k)
+            for kb in range(first, stop):
+                a, a_s = _activations(a_base, a_scale_ptr + a_row * stride_asm, m_mask, kb * 128, kb, K, 128)
+                w = _routed_tile(r_ptr, r_row, tma_row, kb * 64, 64, 2, n_mask, K, R_TMA)
+                sk = kb * 8 + tl.arange(0, 8)
                 sc = tl.load(rs_row + sk[None, :], mask=n_mask[:, None] & (sk * 16 < K)[None, :], other=0)
-                b = _nvfp4_tile(w, sc, BN)
-                a16 = a.to(tl.float16)
-                if SWAP:
-                    acc += tl.dot(b, tl.trans(a16)) * g[:, None] * a_s[None, :]
-                else:
-                    acc += tl.dot(a16, tl.trans(b)) * a_s[:, None] * g[None, :]
+                acc = _dot_scaled(acc, a.to(tl.float16), _nvfp4_tile(w, sc, BN), a_s, g, SWAP)
         elif I4_F16:
             # INT4 in FP16, one MMA per 128 inputs: q (3 significant bits) times a BF16 group scale (8) is exact in
             # FP16 (11), once each row's four scales are moved by one power of two 2^k into FP16's range (k puts the
             # largest product below 2^15; products stay normal while a row's four scales span less than 2^25), and
             # e4m3 activations are exact in FP16. 2^-k then scales the row's float32 sum, like a block scale.
-            nk = tl.cdiv(K, 128)
-            per = tl.cdiv(nk, SPLIT_K)
             G: tl.constexpr = 128 // GROUP
-            for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
-                offs_k = kb * 128 + tl.arange(0, 128)
-                k_ok = (offs_k < K)[None, :]
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
-                wk = kb * 16 + tl.arange(0, 16)
-                if R_TMA:
-                    words = r_ptr.load([tma_row, kb * 16])
-                else:
-                    words = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & (8 * wk < K)[None, :], other=0)
+            first, stop = _k_steps(K, 128, SPLIT_K, pid_k)
+            for kb in range(first, stop):
+                a, a_s = _activations(a_base, a_scale_ptr + a_row * stride_asm, m_mask, kb * 128, kb, K, 128)
+                words = _routed_tile(r_ptr, r_row, tma_row, kb * 16, 16, 8, n_mask, K, R_TMA)
                 gk = kb * G + tl.arange(0, G)
                 sc = tl.load(rs_row + gk[None, :], mask=n_mask[:, None] & (gk * GROUP < K)[None, :], other=0.0)
                 sc = sc.to(tl.float32)
@@ -291,24 +294,14 @@ def _mixed_gemm_kernel(
                 q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
                 q = tl.reshape(q - 8, (BN, G, GROUP)).to(tl.float32) * (sc * up[:, None])[:, :, None]
                 b = tl.reshape(q, (BN, 128)).to(tl.float16)
-                a16 = a.to(tl.float16)
-                if SWAP:
-                    acc += tl.dot(b, tl.trans(a16)) * down[:, None] * a_s[None, :]
-                else:
-                    acc += tl.dot(a16, tl.trans(b)) * a_s[:, None] * down[None, :]
+                acc = _dot_scaled(acc, a.to(tl.float16), b, a_s, down, SWAP)
         else:
-            nk = tl.cdiv(K, KSTEP)
-            per = tl.cdiv(nk, SPLIT_K)
-            for ks in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
-                offs_k = ks * KSTEP + tl.arange(0, KSTEP)
-                k_ok = (offs_k < K)[None, :]
-                a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + (ks * KSTEP) // 128, mask=m_mask, other=0.0)
-                wk = ks * (KSTEP // 8) + tl.arange(0, KSTEP // 8)
-                if R_TMA:
-                    words = r_ptr.load([tma_row, ks * (KSTEP // 8)])
-                else:
-                    words = tl.load(r_row + wk[None, :], mask=n_mask[:, None] & (8 * wk < K)[None, :], other=0)
+            first, stop = _k_steps(K, KSTEP, SPLIT_K, pid_k)
+            for ks in range(first, stop):
+                a, a_s = _activations(
+                    a_base, a_scale_ptr + a_row * stride_asm, m_mask, ks * KSTEP, (ks * KSTEP) // 128, K, KSTEP
+                )
+                words = _routed_tile(r_ptr, r_row, tma_row, ks * (KSTEP // 8), KSTEP // 8, 8, n_mask, K, R_TMA)
                 b = _int4_tile(words, BN, KSTEP, INTERP)
                 b_s = tl.load(rs_row + (ks * KSTEP) // GROUP, mask=n_mask[:, None], other=0.0).to(tl.float32)
                 acc = _dot_scaled(acc, a, b, a_s, tl.reshape(b_s, (BN,)), SWAP)
@@ -317,14 +310,11 @@ def _mixed_gemm_kernel(
         w_row = s_ptr + sl * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         scale_row = tl.where(offs_n < up_row, offs_n // 128, up_scale_row + (offs_n - up_row) // 128)
         ws_row = s_scale_ptr + sl * stride_sse + scale_row * stride_ssn
-        nk = tl.cdiv(K, 128)
-        per = tl.cdiv(nk, SPLIT_K)
-        for kb in range(pid_k * per, tl.minimum(nk, pid_k * per + per)):
+        first, stop = _k_steps(K, 128, SPLIT_K, pid_k)
+        for kb in range(first, stop):
+            a, a_s = _activations(a_base, a_scale_ptr + a_row * stride_asm, m_mask, kb * 128, kb, K, 128)
             offs_k = kb * 128 + tl.arange(0, 128)
-            k_ok = (offs_k < K)[None, :]
-            a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & k_ok, other=0.0)
-            a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb, mask=m_mask, other=0.0)
-            b = tl.load(w_row + offs_k[None, :], mask=n_mask[:, None] & k_ok, other=0.0)
+            b = tl.load(w_row + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
             b_s = tl.load(ws_row + kb, mask=n_mask, other=0.0)
             acc = _dot_scaled(acc, a, b, a_s, b_s, SWAP)
     if SWAP:
