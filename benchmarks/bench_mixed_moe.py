@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth, graph_time_us, random_fp8_experts, versions  # noqa: E402
+from common import copy_bandwidth, graph_time_us, random_fp8_experts, rel, versions  # noqa: E402
 from profile_moe import launches  # noqa: E402
 
 from rt_helpers import random_four_bit_experts  # noqa: E402
@@ -50,11 +50,6 @@ SHAPES = {
     "NVFP4-V4-Flash": (4096, 2048, 256, 1, 6, "sqrtsoftplus", 1.5, "nvfp4", 10.0),
 }
 TOL = 3e-2  # against the reference: FP8 re-quantization of h turns float32 order into code flips (test_gpu.py)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def fp8_conversion(routed, shared: ExpertWeights) -> ExpertWeights:

@@ -39,6 +39,7 @@ from common import (
     graph_time_us,
     load_peer,
     random_fp8_experts,
+    rel,
     versions,
 )
 
@@ -47,11 +48,6 @@ from runtime.moe_triton import resolve_tile_config  # noqa: E402
 
 ROT = 4
 TOL_OURS = 1e-2
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def peer_candidates(peer_mod, ew, T, KS, recorded):

@@ -20,7 +20,7 @@ for p in (ROOT, os.path.join(ROOT, "tests", "runtime")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from rt_helpers import MODELS, exact_moe, random_fp8_experts  # noqa: E402,F401
+from rt_helpers import MODELS, exact_moe, random_fp8_experts, rel  # noqa: E402,F401
 
 TOKENS = [1, 8, 64, 512, 4096]
 

@@ -14,13 +14,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "runtime"))
-from rt_helpers import MODELS, exact_moe as exact, random_fp8_experts  # noqa: E402
+from rt_helpers import MODELS, exact_moe as exact, random_fp8_experts, rel  # noqa: E402
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.moe_triton import resolve_tile_config  # noqa: E402
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 PLAIN = dict(

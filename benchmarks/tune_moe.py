@@ -23,7 +23,16 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MODELS, TOKENS, find_peer_dir, graph_time_us, load_peer, random_fp8_experts, versions  # noqa: E402
+from common import (  # noqa: E402
+    MODELS,
+    TOKENS,
+    find_peer_dir,
+    graph_time_us,
+    load_peer,
+    random_fp8_experts,
+    rel,
+    versions,
+)
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.moe_triton import resolve_tile_config  # noqa: E402
@@ -161,11 +170,6 @@ def from_results(results_path, table_dir):
 
 def band(T: int) -> str:
     return "decode" if T <= 8 else "small" if T <= 64 else "mid" if T <= 1024 else "prefill"
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None):

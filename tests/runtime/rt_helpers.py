@@ -13,6 +13,12 @@ from runtime.moe import ExpertWeights
 from runtime.moe_reference import swiglu
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius distance ``||a - b|| / ||b||``, in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
 def random_experts(NE, H, I, fp8=True, oai=False, dtype=torch.bfloat16, device="cpu", gen=None):
     """E+S experts with gate/up/down of unit-ish output scale; SwiGLU-OAI params when ``oai``."""
     w13 = torch.randn(NE, 2 * I, H, generator=gen) / math.sqrt(H)

@@ -6,7 +6,7 @@ import torch
 
 from runtime import RoutingConfig, fused_moe, route
 
-from rt_helpers import MODELS, awkward_activations, exact_moe, random_fp8_experts
+from rt_helpers import MODELS, awkward_activations, exact_moe, random_fp8_experts, rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -14,11 +14,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def _cfg(name):
     H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
     return RoutingConfig(E, K, S, "sigmoid", G, TG, True, rsf)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def assert_as_exact_as_reference(out, ref, exact):

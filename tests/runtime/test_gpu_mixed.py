@@ -9,7 +9,7 @@ from runtime import fused_moe
 from runtime.moe import MixedExpertWeights
 from runtime.moe_mixed_triton import mixed_tile_config
 
-from rt_helpers import random_four_bit_experts, random_fp8_experts
+from rt_helpers import random_four_bit_experts, random_fp8_experts, rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -19,11 +19,6 @@ SHAPES = {
     "Kimi-K2.6": (7168, 2048, 384, 1, 8, "int4", float("inf")),
     "NVFP4-V4-Flash": (4096, 2048, 256, 1, 6, "nvfp4", 10.0),  # nvidia/DeepSeek-V4-Flash-NVFP4
 }
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def mixed_experts(name, seed=0):

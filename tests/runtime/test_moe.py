@@ -10,7 +10,7 @@ from runtime import ExpertWeights, fused_moe
 from runtime._backend import triton_available
 from runtime.fp8 import FP8_MAX, dequantize_block_fp8
 
-from rt_helpers import awkward_activations, exact_moe, random_experts, random_ids
+from rt_helpers import awkward_activations, exact_moe, random_experts, random_ids, rel
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 
@@ -55,11 +55,6 @@ def independent_moe(x, ew, ids, w):
             h = _q64(h[None])[0] if ew.is_fp8 else h.to(ew.gate_up.dtype).double()
             out[t] += float(w[t, k]) * (d @ h)
     return out
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("fp8,oai,H,I", [(True, False, 256, 128), (True, True, 320, 192), (False, False, 256, 128)])

@@ -12,9 +12,9 @@ from runtime._backend import triton_available
 from runtime.moe import FourBitExperts, MixedExpertWeights
 from runtime.mxfp4 import e8m0_to_float, mxfp4_to_fp8_blocks
 
-from rt_helpers import random_experts, random_ids, random_mixed_experts
+from rt_helpers import random_experts, random_ids, random_mixed_experts, rel
 from runtime.fp8 import dequantize_block_fp8
-from test_moe import _q64, rel
+from test_moe import _q64
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 
