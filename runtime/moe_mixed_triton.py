@@ -51,11 +51,12 @@ from ._backend import interpreting, next_pow2
 from .moe_triton import (
     _align,
     _alloc,
-    _is_hopper_or_later,
+    _compiled_and_hopper,
     _Launches,
+    _launch_slot_sum,
+    _output,
     _quantize_rows,
     _round_e4m3,
-    _sum_kernel,
     _weight_tiles,
 )
 
@@ -369,15 +370,12 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     I, E, NE = experts.intermediate_size, experts.num_routed_experts, experts.num_expert_slots
     if H % 32 or I % 32:
         raise ValueError(f"mixed slots need H and I multiples of 32, got H {H}, I {I}")
-    if out is None:
-        out = _alloc((T, H), x.dtype, x)
-    elif out.shape != (T, H) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError("out must be a contiguous [T, H] tensor of x's dtype")
+    out = _output(x, out)
     if T == 0:
         return out
     cfg = mixed_tile_config(T, KS, NE, tile_config, routed.format)
-    index = x.device.index if x.device.index is not None else 0
-    if x.device.type == "cuda" and not interpreting() and not _is_hopper_or_later(index):
+    compiled, hopper = _compiled_and_hopper(x.device)
+    if compiled and not hopper:
         cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
     BM, BN = cfg["block_m"], cfg["block_n"]
     launch = _Launches()
@@ -495,24 +493,5 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     )
     split2 = cfg["gemm2_split_k"]
     c = gemm(h, h_s, (routed.down, routed.down_scale, shared.down, shared.down_scale), H, I, split2, H, 0, 2, 1, True)
-    BH = min(1024 if T > 64 else 256, next_pow2(H))
-    launch(
-        _sum_kernel,
-        (T, triton.cdiv(H, BH)),
-        c,
-        ids_c,
-        out,
-        num_valid_tokens if has_nv else ids_c,
-        c,
-        H,
-        NE,
-        numel * H,
-        T * H,
-        KS=KS,
-        SPLITS=split2,
-        HAS_NVALID=has_nv,
-        BH=BH,
-        INTERP=interp,
-        num_warps=4,
-    )
+    _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, NE, split2)
     return out

@@ -639,6 +639,13 @@ def _is_hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def _compiled_and_hopper(device: torch.device) -> tuple[bool, bool]:
+    """(the kernels are compiled for this CUDA device, not interpreted; that device is sm_90 or later)."""
+    compiled = device.type == "cuda" and not interpreting()
+    index = device.index if device.index is not None else torch.cuda.current_device() if compiled else 0
+    return compiled, compiled and _is_hopper_or_later(index)
+
+
 def resolve_tile_config(
     num_tokens: int, experts, slots_per_token: int, device: torch.device, tile_config: dict | None = None
 ) -> dict:
@@ -677,8 +684,7 @@ def resolve_tile_config(
         cfg["quantize_in_epilogue"] = False
     if cfg["quantize_in_epilogue"]:
         cfg["quantize_hidden_first"] = False
-    compiled = device.type == "cuda" and not interpreting()
-    hopper = compiled and _is_hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    compiled, hopper = _compiled_and_hopper(device)
     if not hopper or gdc_wait is None:
         cfg["dependent_launch"] = False  # needs Hopper and Triton 3.3+; nothing to overlap under the interpreter
     if compiled and not hopper:
@@ -700,6 +706,44 @@ def _quant_rows(rows: int) -> int:
 
 def _alloc(shape, dtype, like):
     return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The ``[T, H]`` result tensor of a forward: ``out`` checked, or a new one of x's dtype."""
+    if out is None:
+        return _alloc(tuple(x.shape), x.dtype, x)
+    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous [T, H] tensor of x's dtype")
+    return out
+
+
+def _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, num_slots: int, splits: int, dense=None, dense_slots=0):
+    """``out[t]`` = the sum of token t's slots in GEMM2's float32 ``c [splits, T * KS, H]`` (slots below ``num_slots``,
+    every K split) plus, for ``dense_slots`` > 0, ``dense [dense_slots, T, H]``; zeros past ``num_valid_tokens``."""
+    T, H = out.shape
+    KS = ids_c.shape[1]
+    BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
+    has_nv = num_valid_tokens is not None
+    launch(
+        _sum_kernel,
+        (T, triton.cdiv(H, BH)),
+        c,
+        ids_c,
+        out,
+        num_valid_tokens if has_nv else ids_c,
+        c if dense is None else dense,
+        H,
+        num_slots,
+        T * KS * H,
+        T * H,
+        KS=KS,
+        SPLITS=splits,
+        HAS_NVALID=has_nv,
+        BH=BH,
+        INTERP=interpreting(),
+        DENSE=dense_slots,
+        num_warps=4,
+    )
 
 
 class _Launches:
@@ -965,10 +1009,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     KS = ids.shape[1]
     num_slots, I = experts.num_expert_slots, experts.intermediate_size
     fp8 = experts.is_fp8
-    if out is None:
-        out = _alloc((T, H), x.dtype, x)
-    elif out.shape != (T, H) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError("out must be a contiguous [T, H] tensor of x's dtype")
+    out = _output(x, out)
     if T == 0:
         return out
     cfg = resolve_tile_config(T, experts, KS, x.device, tile_config)
@@ -1147,25 +1188,5 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if fold_sum:
         return out
     shared_out = _dense_shared_slots(launch, a, a_s, experts, ids_c, shared_slots, act) if dense else c
-    BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
-    launch(
-        _sum_kernel,
-        (T, triton.cdiv(H, BH)),
-        c,
-        ids_c,
-        out,
-        num_valid_tokens if has_nv else ids_c,
-        shared_out,
-        H,
-        routed,
-        numel * H,
-        T * H,
-        KS=KS,
-        SPLITS=split2,
-        HAS_NVALID=has_nv,
-        BH=BH,
-        INTERP=interp,
-        DENSE=shared_slots if dense else 0,
-        num_warps=4,
-    )
+    _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, routed, split2, shared_out, shared_slots if dense else 0)
     return out
