@@ -26,6 +26,10 @@ LAYOUT_VERSIONS = (1, 2, 3, 4)
 CONFIG_KEY = "fused_shared_experts"
 WEIGHT_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
+# A converted config.json's own names (docs/layout.md section 1): an engine that does not read the layout must refuse the
+# checkpoint by these, never load it as the source architecture (which would drop the shared slots silently).
+QUANT_METHOD = "fuse_shared"  # quantization_config.quant_method of every converted checkpoint
+ARCHITECTURE_PREFIX = "FusedShared"  # architectures: "FusedShared" + the source's class name
 
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 GROUP_SCORES = ("top2_sum", "max")  # group score: sum of the group's two best choice scores, or its best
@@ -862,3 +866,25 @@ def converted_moe_layers(tensor_names: Iterable[str], config: Mapping[str, Any])
     n_layers = find_config_block(config)[0].get("num_hidden_layers")
     ok = isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers >= 0
     return moe_layer_tensors(tensor_names, n_layers if ok else None)
+
+
+def fused_architecture(source_architecture: str) -> str:
+    """The ``architectures`` entry of a converted checkpoint for the source's model class name
+    (``"DeepseekV3ForCausalLM"`` -> ``"FusedSharedDeepseekV3ForCausalLM"``)."""
+    if source_architecture.startswith(ARCHITECTURE_PREFIX):
+        return source_architecture
+    return ARCHITECTURE_PREFIX + source_architecture
+
+
+def source_architecture(architecture: str) -> str:
+    """The source's model class name for a converted checkpoint's ``architectures`` entry (the inverse of
+    :func:`fused_architecture`); a name without the prefix (a checkpoint converted before it was written) as it is."""
+    return architecture.removeprefix(ARCHITECTURE_PREFIX)
+
+
+def is_fused_config(config: Mapping[str, Any]) -> bool:
+    """Whether a config.json dict is a converted checkpoint's (it holds a ``fused_shared_experts`` block, at the top
+    level or in a wrapper's ``text_config``)."""
+    return CONFIG_KEY in config or (
+        isinstance(config.get("text_config"), Mapping) and CONFIG_KEY in config["text_config"]
+    )

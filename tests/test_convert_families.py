@@ -14,7 +14,15 @@ from checks import assert_fp8_close, config_block, dequant, index_of, shared_pre
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
 from runtime.families import describe_model, router_tensor_names
-from runtime.layout import PER_EXPERT_NAMES, STACKED_FORMS, moe_layer_tensors, scale_name, stacked_names
+from runtime.layout import (
+    ARCHITECTURE_PREFIX,
+    PER_EXPERT_NAMES,
+    QUANT_METHOD,
+    STACKED_FORMS,
+    moe_layer_tensors,
+    scale_name,
+    stacked_names,
+)
 
 # (family, build kwargs, E, I, W): W != I covers split slots (V2) and padded slots (MiniMax 48 over 32).
 CASES = {
@@ -213,7 +221,9 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
         assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == (
             2 if "v2" in case else 1
         )
-    assert ("quantization_config" in cfg) == (precision == "fp8")
+    assert cfg["quantization_config"]["quant_method"] == QUANT_METHOD
+    assert all(a.startswith(ARCHITECTURE_PREFIX) for a in cfg.get("architectures", []))
+    assert ("fmt" in cfg["quantization_config"]) == (precision == "fp8")
     if precision == "fp8":
         assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
     for f in out_dir.glob("*.safetensors"):

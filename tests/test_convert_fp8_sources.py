@@ -13,7 +13,7 @@ from fuse_tool.convert import convert_checkpoint
 from fuse_tool.errors import ConversionError
 from fuse_tool.plan import ConvertOptions
 from runtime.fp8 import dequantize_fp8
-from runtime.layout import moe_layer_tensors, scale_name
+from runtime.layout import QUANT_METHOD, moe_layer_tensors, scale_name
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -94,7 +94,7 @@ def test_compressed_tensors_per_channel_becomes_block_fp8(tmp_path):
     src, out = load_all(src_dir), load_all(out_dir)
     assert not any(k.endswith("weight_scale") for k in out)
     cfg = json.loads((out_dir / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == "fp8"
+    assert cfg["quantization_config"]["quant_method"] == QUANT_METHOD
     assert config_block(out_dir).source["quantization"] == "compressed-tensors fp8"
     names = moe_layer_tensors(out)[1]
     for e, src_name in (

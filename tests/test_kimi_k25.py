@@ -23,7 +23,7 @@ from fuse_tool.report import describe_plan
 from fuse_tool.verify.integrity import check_output
 from fuse_tool.verify.numerics import FP8_EXPERTS, verify_against
 from runtime.int4 import dequantize_int4, unpack_int4
-from runtime.layout import moe_layer_tensors, scale_name
+from runtime.layout import QUANT_METHOD, moe_layer_tensors, scale_name
 from skeletons import FIXTURES, read_inventory
 
 E, I, W, H = 6, 32, 64, 64  # noqa: E741
@@ -145,7 +145,7 @@ def test_convert(k25):
         assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k]), k
     cfg = json.loads((out_dir / "config.json").read_text())
     assert "fused_shared_experts" in cfg["text_config"] and "quantization_config" not in cfg["text_config"]
-    assert cfg["quantization_config"]["quant_method"] == "fp8"
+    assert cfg["quantization_config"]["quant_method"] == QUANT_METHOD
     assert result.plan.converted_weights()["int4"] == len(exact) == 2 * E * 3
 
 

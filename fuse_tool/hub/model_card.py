@@ -137,7 +137,7 @@ def render_model_card(
     model_type = sub.get("model_type") or checked.config.get("model_type")
     block = checked.block
     qcfg = checked.config.get("quantization_config") or sub.get("quantization_config") or {}
-    is_fp8 = isinstance(qcfg, dict) and qcfg.get("quant_method") == "fp8"
+    is_fp8 = isinstance(qcfg, dict) and qcfg.get("fmt") == "e4m3"
 
     tags = []
     if is_fp8:

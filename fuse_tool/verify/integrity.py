@@ -32,7 +32,9 @@ from runtime.errors import ModelError
 from runtime.families import MoEArchitecture, check_hidden_size, describe_model, family_for, router_tensor_names
 from runtime.formats import FormatError, stored_weight
 from runtime.layout import (
+    ARCHITECTURE_PREFIX,
     CONFIG_KEY,
+    QUANT_METHOD,
     WEIGHT_BLOCK,
     ExpertTensorNames,
     FusedSharedExperts,
@@ -546,7 +548,20 @@ def _check_block_against_config(root: Path, config: dict, block: FusedSharedExpe
             "(the layout's FP8 scales are of 128x128 blocks) or null"
         )
     qc = config.get("quantization_config")
-    declared = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != QUANT_METHOD:
+        raise _fail(
+            f"{path}: quantization_config.quant_method is {json.dumps(method)}, expected {QUANT_METHOD!r} (without it "
+            "a stock engine loads the checkpoint as the source model and silently skips the shared slots)"
+        )
+    archs = config.get("architectures")
+    stale = [a for a in archs if not str(a).startswith(ARCHITECTURE_PREFIX)] if isinstance(archs, list) else []
+    if stale:
+        raise _fail(
+            f"{path}: architectures names {stale[0]!r}, expected {ARCHITECTURE_PREFIX + str(stale[0])!r} (a stock engine "
+            "would load the checkpoint as the source model and silently skip the shared slots)"
+        )
+    declared = qc.get("weight_block_size")
     if declared is not None and (wbs is None or list(declared) != list(wbs)):
         raise _fail(
             f"{path}: quantization_config.weight_block_size is {json.dumps(declared)[:40]}, but "

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ModelError
 from ..fp8 import dequantize_block_fp8, quantize_block_fp8
-from ..layout import E8M0_DTYPE_CODE, e8m0_scale_name, scale_name
+from ..layout import E8M0_DTYPE_CODE, QUANT_METHOD, e8m0_scale_name, scale_name
 from ..safetensors_io import FLOAT_DTYPES, FP8_DTYPE_CODE, TensorInfo
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -277,6 +277,11 @@ def declared_format(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]
         return None, "fp8 (no quantization_config)" if any(
             t.dtype == FP8_DTYPE_CODE for t in tensors.values()
         ) else "none"
+    if method == QUANT_METHOD:
+        raise FormatError(
+            f"quantization_config.quant_method {method!r}: this is a fuse-shared conversion already; convert its source",
+            "",
+        )
     for f in REGISTRY:
         if (words := f.declared(qc, config)) is not None:
             return f, words

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runtime.layout import CONFIG_KEY, FusedSharedExperts, RoutingSpec, scale_name
+from runtime.layout import CONFIG_KEY, QUANT_METHOD, FusedSharedExperts, RoutingSpec, scale_name
 
 E, S, I, H, VOCAB = 4, 1, 32, 64, 2048
 MOE_LAYERS = (1,)
@@ -102,7 +102,7 @@ def write_converted_checkpoint(
         "routed_scaling_factor": 2.5,
         "norm_topk_prob": True,
         "quantization_config": {
-            "quant_method": "fp8",
+            "quant_method": QUANT_METHOD,
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
