@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runtime.layout import CONFIG_KEY, QUANT_METHOD, FusedSharedExperts, RoutingSpec, scale_name
+from runtime.layout import CONFIG_KEY, QUANT_METHOD, FusedSharedExperts, RoutingSpec, fused_architecture, scale_name
 
 E, S, I, H, VOCAB = 4, 1, 32, 64, 2048
 MOE_LAYERS = (1,)
@@ -86,7 +86,7 @@ def write_converted_checkpoint(
     )
 
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"],
+        "architectures": [fused_architecture("DeepseekV3ForCausalLM")],
         "model_type": "deepseek_v3",
         "hidden_size": H,
         "intermediate_size": 2 * I,

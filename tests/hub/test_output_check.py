@@ -211,3 +211,20 @@ def test_single_file_checkpoint(tmp_path):
     save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
     c = check_output(out, require_manifest=False)  # a hand-assembled single-file folder: no manifest
     assert c.shards == ("model.safetensors",) and c.index_file is None
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]), "architectures names 'DeepseekV3ForCausalLM'"),
+        (lambda c: c["quantization_config"].update(quant_method="fp8"), 'quant_method is "fp8"'),
+        (lambda c: c.pop("quantization_config"), "quant_method is null"),
+    ],
+)
+def test_a_config_that_a_stock_engine_would_load_as_the_source_is_refused(converted, edit, words):
+    """A converted config under the source's names would be run by a stock engine without its shared slots (vLLM 0.32
+    skips a GLM-4.5's experts.12): the check refuses it, naming config.json and the field."""
+    _edit_json(converted / "config.json", edit)
+    with pytest.raises(VerifyError) as e:
+        check_output(converted)
+    assert "config.json" in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
