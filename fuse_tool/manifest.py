@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.safetensors_io import read_small_file
+from runtime.paths import CheckpointPaths
+from runtime.safetensors_io import read_json
 
 from .errors import FuseSharedError
 from .files import MANIFEST_NAME, MANIFEST_VERSION
@@ -85,13 +86,10 @@ class Manifest:
 
     @classmethod
     def load(cls, folder: str | Path) -> "Manifest":
-        """Strict: the folder's manifest, or :class:`ManifestError` when it cannot be parsed (a file that is not a
-        regular file or too large is refused by ``read_small_file``'s own one-line error)."""
-        data = read_small_file(Path(folder) / MANIFEST_NAME, "a fuse-shared manifest")
-        try:
-            return cls.from_json(json.loads(data))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ManifestError(str(e)) from None
+        """Strict: the folder's manifest, or :class:`ManifestError` when it is not one fuse-shared wrote (a file outside
+        the folder, not a regular file, too large, not JSON or nested too deeply is refused by ``read_json``'s own
+        one-line CheckpointError)."""
+        return cls.from_json(read_json(CheckpointPaths(folder).resolve(MANIFEST_NAME), "a fuse-shared manifest"))
 
     @classmethod
     def load_lenient(cls, folder: str | Path) -> "Manifest | None":

@@ -4,14 +4,14 @@
     folder.config["fused_shared_experts"]
     w = folder.get("model.layers.3.mlp.experts.0.gate_proj.weight", device="cuda")
 
-Headers are parsed once by :mod:`runtime.safetensors_io` (the converter reads sources with
-the same functions); tensor bytes are read with ``pread`` into fresh buffers, never memory
+Every file it reads (config.json, the index, each shard the index names) is resolved inside the
+folder first (:mod:`runtime.paths`). Headers are parsed once by :mod:`runtime.safetensors_io` (the
+converter reads sources with the same functions); tensor bytes are read with ``pread`` into fresh buffers, never memory
 mapped, so resident memory is what the caller keeps.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .safetensors_io import TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes, read_header
+from .paths import CheckpointPaths
+from .safetensors_io import TORCH_DTYPES, TensorInfo, bytes_to_tensor, read_bytes, read_header, read_json
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 class ModelFolder:
@@ -32,22 +34,29 @@ class ModelFolder:
     Args:
         path: the folder.
     Raises:
-        CheckpointError: no config.json, an unreadable index, no shards, a damaged header,
-            a tensor the index places in a shard that does not hold it, or a stored tensor the index leaves out.
+        CheckpointError: no config.json, an unreadable index, no shards, a damaged header, a file named that lies
+            outside the folder (:class:`runtime.paths.CheckpointPaths`), a tensor the index places in a shard that
+            does not hold it, or a stored tensor the index leaves out.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.config: dict[str, Any] = _read_json(self.path / CONFIG_NAME, "config.json")
+        paths = CheckpointPaths(self.path)  # every file read below is resolved inside the folder first
+        self.config: dict[str, Any] = _read_json(paths.resolve(CONFIG_NAME), "config.json")
         if not isinstance(self.config, dict):
             raise CheckpointError("is not a JSON object", file=self.path / CONFIG_NAME)
-        index = self.path / INDEX_NAME
+        index = paths.resolve(INDEX_NAME)
         if index.is_file():
             data = _read_json(index, "the index")
             weight_map = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError("has no weight_map object", file=index)
-            files = sorted(set(weight_map.values()))
+            files_seen: set[str] = set()
+            for name, fname in weight_map.items():
+                if not isinstance(fname, str) or fname not in files_seen:  # once per shard (a list is not hashable)
+                    paths.resolve(fname, named_by=index, tensor=name, what="weight_map")
+                    files_seen.add(fname)
+            files = sorted(files_seen)
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
@@ -55,7 +64,7 @@ class ModelFolder:
             weight_map = None
         self.tensors: dict[str, TensorInfo] = {}
         for fname in files:
-            found, _ = read_header(self.path / fname)
+            found, _ = read_header(paths.resolve(fname))
             for name, info in found.items():
                 if weight_map is None or weight_map.get(name) == fname:
                     self.tensors[name] = info
@@ -110,9 +119,6 @@ class ModelFolder:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} is missing: not a Hugging Face model folder", file=path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"cannot read {what} ({e})", file=path) from None
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{what} is missing: not a Hugging Face model folder", file=path)
+    return read_json(path, what)

@@ -24,6 +24,11 @@ from .errors import CheckpointError
 MAX_HEADER_BYTES = 100_000_000
 # config.json and the index are parsed whole: DeepSeek-V3's index (91k tensors) is 9 MB.
 MAX_JSON_BYTES = 100_000_000
+# Real configs nest 5 levels (quantization_config.config_groups.group_0.weights.num_bits), indexes 2, journals and
+# manifests 4. Python code that walks a parsed file recursively (json.dumps with indent, copy.deepcopy, transformers'
+# config classes) spends a few frames a level: at 64 levels that stays far below the interpreter's limit of 1000, where
+# a 600-level config.json ended in a RecursionError.
+MAX_JSON_DEPTH = 64
 
 _NOT_REGULAR = {
     stat.S_IFIFO: "a named pipe (FIFO)",
@@ -78,6 +83,54 @@ def read_small_file(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BY
             return f.read(limit + 1)
         except OSError as e:
             raise CheckpointError(f"cannot read: {e.strerror or e}", file=path) from None
+
+
+def read_json(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES) -> object:
+    """A small JSON file (config.json, an index, a manifest, a resume journal), parsed: the one JSON reader of the project.
+
+    Args:
+        path: the file (already resolved inside its folder, :mod:`runtime.paths`).
+        what: what the file should be, for the message ("a JSON config file").
+        limit: the largest size read.
+    Returns:
+        the parsed value (any JSON value; the caller checks its type).
+    Raises:
+        CheckpointError: one line naming the file: not a regular file, over ``limit`` bytes, not UTF-8, not valid
+            JSON, or nested more than ``MAX_JSON_DEPTH`` levels deep.
+    """
+    data = read_small_file(path, what, limit)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"is not UTF-8 text (byte {e.start}): expected {what} in JSON", file=path) from None
+    try:
+        value = json.loads(text)
+        deep = _nested_deeper_than(value, MAX_JSON_DEPTH)
+    except RecursionError:  # deeper than the parser's own recursion allows: far beyond MAX_JSON_DEPTH
+        value, deep = None, True
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"is not valid JSON ({e}): expected {what}", file=path) from None
+    if deep:
+        raise CheckpointError(
+            f"is nested more than {MAX_JSON_DEPTH} levels deep: expected {what}, which nests a few levels (a damaged "
+            "or hostile file; nothing in it was used)",
+            file=path,
+        )
+    return value
+
+
+def _nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether lists and objects nest more than ``limit`` levels in ``value``; iterative, so any depth is safe to ask."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 DTYPE_SIZES = {

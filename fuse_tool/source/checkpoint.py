@@ -1,9 +1,10 @@
 """A source checkpoint folder, known from its config and safetensors headers alone.
 
 Only what belongs to the model is read or copied. Every file read (config.json, the index,
-the shards) and every file copied into the output must resolve inside the model folder: a
-symlink pointing elsewhere is refused (a weight) or skipped and listed (a file to copy), so a
-symlinked "tokenizer" cannot publish a private file. The one exception is the Hugging Face
+the shards) and every file copied into the output must resolve inside the model folder
+(:class:`runtime.paths.CheckpointPaths`, the one resolver: no absolute name, no ``..``, no NUL, valid
+UTF-8, bounded length, symlinks staying inside): a path leaving it is refused (a weight) or skipped
+and listed (a file to copy), so a symlinked "tokenizer" cannot publish a private file. The one exception is the Hugging Face
 cache, whose snapshot files are symlinks into ``../../blobs/`` of the same repo folder
 (``models--owner--name/``): links that stay inside that repo folder are followed. Weight files
 of other frameworks are not copied; the plan's summary lists every skipped file and why. A
@@ -13,14 +14,14 @@ temporaries) is refused: it would clash with them in the output.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConversionError
 from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, SKIPPED_FILES, is_temporary_name
-from runtime.safetensors_io import TensorInfo, read_header, read_small_file
+from runtime.paths import CheckpointPaths, name_problem
+from runtime.safetensors_io import TensorInfo, read_header, read_json
 
 
 @dataclass
@@ -40,22 +41,17 @@ class SourceCheckpoint:
         root = Path(root)
         if not root.is_dir():
             raise ConversionError("not a directory (expected a Hugging Face model folder)", file=root)
-        inside = Containment(root)
-        config_path = root / CONFIG_NAME
-        if not config_path.exists():
+        inside = CheckpointPaths(root)
+        config_path = inside.resolve(CONFIG_NAME)
+        if not os.path.lexists(config_path):
             raise ConversionError("no config.json: not a Hugging Face model folder", file=root)
-        inside.require(config_path)
-        try:
-            config = json.loads(read_small_file(config_path, "a JSON config file"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ConversionError(f"cannot parse ({e})", file=config_path) from None
+        config = read_json(config_path, "a JSON config file")
         if not isinstance(config, dict):
             raise ConversionError("is not a JSON object", file=config_path)
 
-        index_path = root / INDEX_NAME
+        index_path = inside.resolve(INDEX_NAME)
         tensors: dict[str, TensorInfo] = {}
-        if index_path.exists():
-            inside.require(index_path)
+        if os.path.lexists(index_path):
             shard_files, tensors = _read_indexed(root, index_path, inside)
         else:
             index_path = None
@@ -63,8 +59,7 @@ class SourceCheckpoint:
             if not shard_files:
                 raise ConversionError(f"no *.safetensors files and no {INDEX_NAME}", file=root)
             for path in shard_files:
-                inside.require(path)
-                found, _ = read_header(path)
+                found, _ = read_header(inside.resolve(path.name))
                 for name, info in found.items():
                     if name in tensors:
                         raise ConversionError(
@@ -111,39 +106,8 @@ def is_tool_name(name: str) -> bool:
     return name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME) or is_temporary_name(name)
 
 
-class Containment:
-    """Where the model's files may resolve: the model folder, or for a Hugging Face cache
-    snapshot (``.../models--owner--name/snapshots/<rev>``) the repo's cache folder, whose
-    ``blobs/`` hold the snapshot's files."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        real = Path(os.path.realpath(root))
-        self.allowed = [real]
-        if real.parent.name == "snapshots" and real.parent.parent.name.startswith(
-            ("models--", "datasets--", "spaces--")
-        ):
-            self.allowed.append(real.parent.parent)
-
-    def target(self, path: Path) -> Path | None:
-        """Where ``path`` resolves when that is outside the allowed folders; None when it stays inside."""
-        real = Path(os.path.realpath(path))
-        if any(real == a or a in real.parents for a in self.allowed):
-            return None
-        return real
-
-    def require(self, path: Path) -> None:
-        real = self.target(path)
-        if real is not None:
-            raise ConversionError(
-                f"is a symlink to {str(real)!r}, outside the model folder: refusing to read it "
-                "(copy the file into the model folder, or convert the folder it belongs to)",
-                file=path,
-            )
-
-
 def _files_to_copy(
-    root: Path, weight_files: set[Path], inside: Containment
+    root: Path, weight_files: set[Path], inside: CheckpointPaths
 ) -> tuple[list[Path], list[tuple[str, str]]]:
     """The files copied into the output beside the converted weights, and those skipped (with why)."""
     copy: list[Path] = []
@@ -162,10 +126,14 @@ def _files_to_copy(
             continue  # hidden files (.gitattributes, .cache) and folders are not part of the model's files
         if name in SKIPPED_FILES:
             continue  # the source's model card describes the source, not the output
+        bad_name = name_problem(name, subfolders=False)
+        if bad_name is not None:  # a name no loader reads back (not UTF-8, a backslash): quoted, so it prints
+            skipped.append((ascii(name), f"its name {bad_name}"))
+            continue
         if p.is_symlink() and not p.exists():
             skipped.append((name, f"a symlink to {os.readlink(p)!r}, which does not exist"))
             continue
-        outside = inside.target(p)
+        outside = inside.outside(p)
         if outside is not None:
             skipped.append((name, f"a symlink to {str(outside)!r}, outside the model folder"))
             continue
@@ -183,14 +151,13 @@ def _files_to_copy(
     return copy, skipped
 
 
-def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[list[Path], dict[str, TensorInfo]]:
-    try:
-        index = json.loads(read_small_file(index_path, "a safetensors index"))
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
-        raise ConversionError(f"not a valid safetensors index ({e!r})", file=index_path) from None
+def _read_indexed(root: Path, index_path: Path, inside: CheckpointPaths) -> tuple[list[Path], dict[str, TensorInfo]]:
+    index = read_json(index_path, "a safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(
+            "not a valid safetensors index (expected a JSON object with a weight_map object)", file=index_path
+        )
     if not weight_map:
         raise ConversionError("weight_map is empty", file=index_path)
     by_file: dict[str, list[str]] = {}
@@ -200,11 +167,8 @@ def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[li
                 f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name
             )
         by_file.setdefault(fname, []).append(name)
-    for fname, names in by_file.items():  # once per shard, not per tensor
-        if fname.startswith("/") or ".." in Path(fname).parts:
-            raise ConversionError(
-                f"weight_map names {fname!r}, which is outside the model folder", file=index_path, tensor=names[0]
-            )
+    for fname, names in by_file.items():  # once per shard, not per tensor; where a link leads is checked below
+        inside.check_name(fname, named_by=index_path, tensor=names[0], what="weight_map")
     tensors: dict[str, TensorInfo] = {}
     shard_files = []
     for fname in sorted(by_file):
@@ -217,7 +181,7 @@ def _read_indexed(root: Path, index_path: Path, inside: Containment) -> tuple[li
                 f"the index names {fname!r} (for {len(by_file[fname])} tensors, e.g. {by_file[fname][0]!r}) but {what}",
                 file=index_path,
             )
-        inside.require(path)
+        inside.resolve(fname, named_by=index_path, tensor=by_file[fname][0], what="weight_map")
         shard_files.append(path)
         found, _ = read_header(path)
         for name in by_file[fname]:

@@ -4,9 +4,15 @@ the conversion records it in the manifest (``source_license``) and the pushed mo
 from __future__ import annotations
 
 import re
-from pathlib import Path
+
+from runtime.errors import FuseSharedError
+from runtime.paths import CheckpointPaths
+from runtime.safetensors_io import open_regular
+
+from ..files import MODEL_CARD_NAME
 
 LICENSE_KEYS = ("license", "license_name", "license_link")
+FRONT_MATTER_BYTES = 65536  # the front matter is at the top of the card: the rest is never read
 
 
 def source_license(readme_text: str) -> dict[str, str] | None:
@@ -29,8 +35,12 @@ def source_license(readme_text: str) -> dict[str, str] | None:
 
 
 def read_source_license(source_dir) -> dict[str, str] | None:
-    """:func:`source_license` of ``source_dir/README.md``; None when there is none or it cannot be read."""
+    """:func:`source_license` of ``source_dir/README.md``; None when there is none, it cannot be read, or it is not a
+    file of the folder (a symlink leading outside it, a FIFO: never opened)."""
     try:
-        return source_license((Path(source_dir) / "README.md").read_text(encoding="utf-8", errors="replace")[:65536])
-    except OSError:
+        card = CheckpointPaths(source_dir).resolve(MODEL_CARD_NAME)
+        with open_regular(card, "a model card") as f:
+            text = f.read(FRONT_MATTER_BYTES).decode("utf-8", errors="replace")
+    except (FuseSharedError, OSError):
         return None
+    return source_license(text)

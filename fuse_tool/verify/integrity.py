@@ -45,13 +45,13 @@ from runtime.layout import (
     scale_grid,
     selection_bias_shapes,
 )
-from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read_small_file
+from runtime.paths import CheckpointPaths, name_problem
+from runtime.safetensors_io import FP8_DTYPE_CODE, TensorInfo, read_header, read_json
 
 from ..durable import sha256_file
 from ..manifest import Manifest, ManifestError, is_file_entry
 from ..progress import progress_bar
 from ..errors import FuseSharedError, VerifyError
-from ..source.checkpoint import Containment
 from ..write.out_dir import output_locked
 from ..files import (
     CONFIG_NAME,
@@ -101,11 +101,9 @@ def _load_json(path: Path, what: str) -> Any:
     if not os.path.lexists(path):
         raise _fail(f"{path}: {what} is missing")
     try:
-        return json.loads(read_small_file(path, what))
-    except FuseSharedError as e:  # not a regular file, too large
+        return read_json(CheckpointPaths(path.parent).resolve(path.name), what)
+    except FuseSharedError as e:  # outside the folder, not a regular file, too large, not JSON, nested too deeply
         raise _fail(str(e)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise _fail(f"{path}: {what} is not readable JSON ({e})") from None
 
 
 def list_checkpoint_files(out_dir: str | os.PathLike) -> dict[str, int]:
@@ -322,10 +320,10 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Man
                 root / name,
             )
     listed = list(shards) + sorted(set(files) - set(shards))
-    inside = Containment(root)  # a Hub-cache snapshot's files are symlinks into its repo's blobs/
+    inside = CheckpointPaths(root)  # a Hub-cache snapshot's files are symlinks into its repo's blobs/
     for name in listed:
         entry = files[name]
-        if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name):
+        if name_problem(name, subfolders=False) is not None:
             raise _fail(f"lists {name!r}, which is not a file name in the output folder", path)
         if not is_file_entry(entry):
             raise _fail(
@@ -333,7 +331,7 @@ def _check_manifest(root: Path, shards: list[str], checksums: bool) -> tuple[Man
                 path,
             )
         p = root / name
-        outside = inside.target(p) if p.is_symlink() else None
+        outside = inside.outside(p) if p.is_symlink() else None
         if outside is not None or not p.is_file():
             what = (
                 f"a symlink to {str(outside)!r}, outside the folder"
@@ -402,19 +400,30 @@ def check_output(
     tensors: dict[str, TensorInfo] = {}
     if weight_map is None:
         shards: tuple[str, ...] = (SINGLE_NAME,)
-        t, metadata = read_safetensors_header(root / SINGLE_NAME)
+        try:
+            single = CheckpointPaths(root).resolve(SINGLE_NAME)
+        except FuseSharedError as e:
+            raise _fail(str(e)) from None
+        t, metadata = read_safetensors_header(single)
         _check_format(metadata, root / SINGLE_NAME)
         tensors.update(t)
         weight_map = {k: SINGLE_NAME for k in t}
     else:
-        shards = tuple(sorted(set(map(str, weight_map.values()))))
-        by_shard: dict[str, list[str]] = {s: [] for s in shards}
+        inside = CheckpointPaths(root)
+        by_shard: dict[str, list[str]] = {}
         for tname, shard in weight_map.items():
-            by_shard[str(shard)].append(tname)
+            if not isinstance(shard, str) or shard not in by_shard:  # once per shard (a list is not even hashable)
+                try:
+                    inside.check_name(shard, named_by=root / INDEX_NAME, tensor=tname, what="weight_map")
+                except FuseSharedError as e:
+                    raise _fail(str(e)) from None
+            by_shard.setdefault(shard, []).append(tname)
+        shards = tuple(sorted(by_shard))
         for shard in shards:
-            if shard.startswith("/") or ".." in shard.split("/"):
-                raise _fail(f"{root / INDEX_NAME}: shard name {shard!r} points outside the folder")
-            spath = root / shard
+            try:
+                spath = inside.resolve(shard, named_by=root / INDEX_NAME, tensor=by_shard[shard][0], what="weight_map")
+            except FuseSharedError as e:
+                raise _fail(str(e)) from None
             if shard not in files:
                 if not os.path.lexists(spath):
                     raise _fail(f"{spath}: shard named by {INDEX_NAME} is missing")

@@ -361,7 +361,7 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
     "index_corrupt": (
         "the index is not JSON",
         lambda s: (s / INDEX).write_text("{ nope"),
-        (INDEX, "not a valid safetensors index"),
+        (INDEX, "is not valid JSON", "expected a safetensors index"),
         (),
     ),
     "index_points_outside": (
@@ -386,7 +386,7 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
     "config_corrupt": (
         "config.json not JSON",
         lambda s: (s / "config.json").write_text("{"),
-        ("config.json", "cannot parse"),
+        ("config.json", "is not valid JSON", "expected a JSON config file"),
         (),
     ),
     "config_more_experts": (

@@ -10,11 +10,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from ...checkpoint import GENERATION_CONFIG_NAME
 from ...fp8_linear import FP8BlockLinear
 from ...formats.base import recognise
 from ...formats.fp8_block import FP8Block, read_block_scales
 from ...layout import LayoutError, converted_moe_layers, read_config_block
 from ...moe import FusedSharedMoE
+from ...paths import CheckpointPaths
+from ...safetensors_io import read_json
 from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .placement import DeviceMap, align_inputs, auto_device_map, default_max_memory
 from .reading import ShardReader
@@ -416,10 +419,16 @@ def from_source_pretrained(
 
 
 def _attach_generation_config(model, path) -> None:
-    if os.path.exists(os.path.join(os.fspath(path), "generation_config.json")):
-        from transformers import GenerationConfig
+    """The folder's generation_config.json, when it has one, read as every file of a checkpoint is (inside the folder,
+    a regular file, bounded JSON: a refusal is a CheckpointError) and handed to transformers as a dict, so transformers
+    never opens a file of the folder itself."""
+    file = CheckpointPaths(path).resolve(GENERATION_CONFIG_NAME)
+    if not os.path.lexists(file):
+        return
+    values = read_json(file, "a generation config")
+    from transformers import GenerationConfig
 
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(os.fspath(path))
-        except Exception:  # noqa: BLE001 - a bad generation config must not block loading the weights
-            pass
+    try:
+        model.generation_config = GenerationConfig.from_dict(values)
+    except Exception:  # noqa: BLE001 - values transformers does not take must not block loading the weights
+        pass
