@@ -1,6 +1,7 @@
 """Durable writes and digests: every file the tool writes goes through here.
 
-- :func:`stage_bytes` / :func:`stage_copy`: a file written as ``.NAME.partial`` and fsynced; the caller renames it.
+- :func:`stage_bytes` / :func:`stage_copy`: a file written as ``.NAME.TAG.partial`` and fsynced; the caller renames it.
+  ``TAG`` (:func:`fuse_tool.files.temporary_tag`) is what later proves the converter wrote it.
 - :func:`write_atomically`: staged, renamed into place, its folder fsynced: the file is old or new, never half.
 - :func:`fsync_dir`: make renames and removals in a folder durable.
 - :func:`sha256_bytes`, :func:`sha256_file`: the digests the manifest, the journal, verify and push compare.
@@ -41,9 +42,9 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view) :]
 
 
-def stage_bytes(path: Path, data: bytes) -> Path:
-    """Write a small file as ``.NAME.partial`` and fsync it; the caller renames it into place."""
-    tmp = path.with_name(partial_name(path.name))
+def stage_bytes(path: Path, data: bytes, tag: str) -> Path:
+    """Write a small file as ``.NAME.TAG.partial`` and fsync it; the caller renames it into place."""
+    tmp = path.with_name(partial_name(path.name, tag))
     try:
         fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
         try:
@@ -57,9 +58,9 @@ def stage_bytes(path: Path, data: bytes) -> Path:
     return tmp
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` durably: staged and fsynced, renamed, the folder fsynced."""
-    tmp = stage_bytes(path, data)
+def write_atomically(path: Path, data: bytes, tag: str) -> None:
+    """Replace ``path`` with ``data`` durably: staged (under ``tag``) and fsynced, renamed, the folder fsynced."""
+    tmp = stage_bytes(path, data, tag)
     try:
         os.replace(tmp, path)
     except OSError as e:
@@ -68,9 +69,9 @@ def write_atomically(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def stage_copy(src: Path, path: Path) -> Path:
-    """Copy ``src`` (following symlinks, e.g. into a Hub cache's blobs) to ``.NAME.partial`` and fsync it."""
-    tmp = path.with_name(partial_name(path.name))
+def stage_copy(src: Path, path: Path, tag: str) -> Path:
+    """Copy ``src`` (following symlinks, e.g. into a Hub cache's blobs) to ``.NAME.TAG.partial`` and fsync it."""
+    tmp = path.with_name(partial_name(path.name, tag))
     try:
         sfd = os.open(src, os.O_RDONLY)
     except OSError as e:

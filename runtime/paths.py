@@ -30,6 +30,8 @@ from .errors import CheckpointError
 MAX_NAME_BYTES = 255
 MAX_PATH_BYTES = 4096
 _HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+_JSON_KINDS = {int: "a number", float: "a number", bool: "true or false", list: "a list", dict: "an object"}
+_JSON_KINDS[type(None)] = "null"
 
 
 def name_problem(name: object, *, subfolders: bool = True) -> str | None:
@@ -40,7 +42,8 @@ def name_problem(name: object, *, subfolders: bool = True) -> str | None:
         subfolders: whether ``a/b`` is allowed; False for names that must be files of the folder itself.
     """
     if not isinstance(name, str):
-        return f"is a {type(name).__name__}, not a file name"
+        kind = _JSON_KINDS.get(type(name), type(name).__name__)
+        return f"is not a file name but {kind}"
     if not name:
         return "is empty, not a file name"
     if "\0" in name:

@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import HubError, VerifyError
-from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_CARD_NAME
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_CARD_NAME, TAG_LENGTH, temporary_tag
 from .model_card import human_bytes, render_model_card
 from .timeouts import bound_hub_requests
 from ..durable import sha256_file, write_atomically
@@ -74,6 +75,14 @@ def _scrub(text: str, token: str | None) -> str:
     if token:
         text = text.replace(token, "***")
     return re.sub(r"(?i)(bearer\s+)\S+", r"\1***", text)
+
+
+def _card_tag(checked: CheckedOutput) -> str:
+    """The tag of the model card's temporary name: the conversion's own (its manifest's fingerprint), so a later
+    convert --overwrite can prove it wrote a card a killed push left staged; a folder without a manifest gets a random
+    one, which nothing proves (left behind, it is named by convert and verify, never deleted silently)."""
+    fingerprint = checked.manifest.inputs_fingerprint if checked.manifest is not None else None
+    return temporary_tag(fingerprint) or secrets.token_hex(TAG_LENGTH // 2)
 
 
 def _validate_repo_id(repo_id: str, *, need_namespace: bool) -> str:
@@ -439,7 +448,7 @@ def push_checkpoint(
 
     if write_card:
         card = render_model_card(checked, repo_id=repo_id, base_model=base_model, revision=revision)
-        write_atomically(root / MODEL_CARD_NAME, card.encode())
+        write_atomically(root / MODEL_CARD_NAME, card.encode(), _card_tag(checked))
         say(f"wrote model card {root / MODEL_CARD_NAME}")
     files = list_checkpoint_files(root)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConversionError
-from ..files import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, SKIPPED_FILES, is_temporary_name
+from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SKIPPED_FILES, is_leftover_name
 from runtime.paths import CheckpointPaths, name_problem
 from runtime.safetensors_io import TensorInfo, read_header, read_json
 
@@ -103,7 +103,7 @@ _FOREIGN_WEIGHT_SUFFIXES = (
 
 def is_tool_name(name: str) -> bool:
     """A name fuse-shared itself writes into an output folder (its own bookkeeping, not the model's)."""
-    return name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME) or is_temporary_name(name)
+    return name == MANIFEST_NAME or is_leftover_name(name)
 
 
 def _files_to_copy(
@@ -162,13 +162,9 @@ def _read_indexed(root: Path, index_path: Path, inside: CheckpointPaths) -> tupl
         raise ConversionError("weight_map is empty", file=index_path)
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
-        if not isinstance(fname, str) or not fname:
-            raise ConversionError(
-                f"weight_map gives {fname!r} as the file, expected a shard file name", file=index_path, tensor=name
-            )
+        if not isinstance(fname, str) or fname not in by_file:  # once per shard (a list is not even hashable)
+            inside.check_name(fname, named_by=index_path, tensor=name, what="weight_map")  # where it leads: below
         by_file.setdefault(fname, []).append(name)
-    for fname, names in by_file.items():  # once per shard, not per tensor; where a link leads is checked below
-        inside.check_name(fname, named_by=index_path, tensor=names[0], what="weight_map")
     tensors: dict[str, TensorInfo] = {}
     shard_files = []
     for fname in sorted(by_file):

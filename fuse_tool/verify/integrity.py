@@ -55,14 +55,13 @@ from ..errors import FuseSharedError, VerifyError
 from ..write.out_dir import output_locked
 from ..files import (
     CONFIG_NAME,
-    DONE_SUFFIX,
     INDEX_NAME,
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
     MANIFEST_VERSION,
-    PARTIAL_SUFFIX,
     SINGLE_NAME,
+    is_leftover_name,
     is_unfinished_write_name,
 )
 
@@ -157,7 +156,7 @@ def _check_not_in_progress(root: Path) -> None:
             raise _fail(
                 "converter lock file: a conversion did not finish, or is still running; rerun convert with --resume", p
             )
-        if p.name.startswith(".") and p.name.endswith((PARTIAL_SUFFIX, DONE_SUFFIX)):
+        if is_leftover_name(p.name):
             raise _fail("leftover temporary file: the conversion did not finish; rerun convert with --resume", p)
 
 

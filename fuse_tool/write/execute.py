@@ -54,12 +54,15 @@ class ShardPipeline:
                 digest = fut.result()
             except OSError as e:
                 raise ConversionError(
-                    f"cannot re-read the shard just written: {e.strerror or e}", file=self.out / partial_name(name)
+                    f"cannot re-read the shard just written: {e.strerror or e}",
+                    file=self.out / partial_name(name, self.journal.tag),
                 ) from None
             try:
-                os.replace(self.out / partial_name(name), self.out / done_name(name))
+                os.replace(
+                    self.out / partial_name(name, self.journal.tag), self.out / done_name(name, self.journal.tag)
+                )
             except OSError as e:
-                raise disk_error(e, self.out / done_name(name)) from None
+                raise disk_error(e, self.out / done_name(name, self.journal.tag)) from None
             fsync_dir(self.out)
             self.journal.completed[name] = {"size": size, "sha256": digest}
             self.journal.save()
@@ -106,7 +109,15 @@ def execute(
     try:
         for shard in todo:
             digest = write_shard(
-                shard, headers[shard.filename], out_dir, source_fds, bar, device, allow_non_finite, measurements
+                shard,
+                headers[shard.filename],
+                out_dir,
+                journal.tag,
+                source_fds,
+                bar,
+                device,
+                allow_non_finite,
+                measurements,
             )
             pipeline.submit(shard.filename, len(headers[shard.filename]) + shard.nbytes, digest)
         pipeline.collect(block=True)
@@ -131,6 +142,7 @@ def write_shard(
     shard: PlannedShard,
     header: bytes,
     out_dir: Path,
+    tag: str,
     source_fds: dict[Path, int],
     bar,
     device: str,
@@ -139,7 +151,7 @@ def write_shard(
 ) -> Future:
     """Write one shard, adding what its conversions measured to ``measurements``; returns the Future of its sha256
     (hashed as written, fsynced on the shard's own thread)."""
-    writer = ShardWriter(out_dir / partial_name(shard.filename), shard.tensors, SHARD_METADATA)
+    writer = ShardWriter(out_dir / partial_name(shard.filename, tag), shard.tensors, SHARD_METADATA)
     task = None
     try:
         if writer.header != header:  # pragma: no cover - the writer and the plan disagree
@@ -166,12 +178,12 @@ def write_shard(
         writer.abort()
         if isinstance(e, (FuseSharedError, KeyboardInterrupt)):
             raise
-        raise unexpected_error(e, task, shard.filename, out_dir / partial_name(shard.filename)) from None
+        raise unexpected_error(e, task, shard.filename, out_dir / partial_name(shard.filename, tag)) from None
 
 
 def with_resume_hint(message: str, journal: Journal, plan: ConversionPlan, transient: bool = True) -> str:
     out = journal.path.parent
-    n = sum(s.filename in journal.completed or (out / done_name(s.filename)).exists() for s in plan.shards)
+    n = sum(s.filename in journal.completed or (out / done_name(s.filename, journal.tag)).exists() for s in plan.shards)
     if n == 0:
         if journal.path.exists():
             journal.remove()  # nothing to resume: leave OUT_DIR as it was
@@ -207,7 +219,7 @@ def finalize(
     others = plan.source.other_files
     try:
         for p in others:
-            tmp = stage_copy(p, out / p.name)  # follows Hub-cache symlinks into their blobs
+            tmp = stage_copy(p, out / p.name, journal.tag)  # follows Hub-cache symlinks into their blobs
             staged.append((tmp, out / p.name))
             manifest_files[p.name] = _file_entry(tmp.read_bytes())
         manifest_files[INDEX_NAME] = _file_entry(index_bytes)
@@ -221,9 +233,9 @@ def finalize(
             measurements=measurements.manifest_entries(plan.converted_weights()),  # the model card shows them
             extra=_source_license(plan),
         )
-        staged.append((stage_bytes(out / INDEX_NAME, index_bytes), out / INDEX_NAME))
-        staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump()), out / MANIFEST_NAME))
-        config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes)
+        staged.append((stage_bytes(out / INDEX_NAME, index_bytes, journal.tag), out / INDEX_NAME))
+        staged.append((stage_bytes(out / MANIFEST_NAME, manifest.dump(), journal.tag), out / MANIFEST_NAME))
+        config_tmp = stage_bytes(out / CONFIG_NAME, config_bytes, journal.tag)
     except BaseException:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
@@ -232,7 +244,7 @@ def finalize(
     # 2. Renames only. A kill here leaves final-named shards but no config.json; --resume finishes.
     try:
         for s in plan.shards:
-            done = out / done_name(s.filename)
+            done = out / done_name(s.filename, journal.tag)
             if done.exists():
                 os.replace(done, out / s.filename)
         for tmp, final in staged:

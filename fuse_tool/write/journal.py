@@ -17,10 +17,13 @@ complete. It holds
 - ``outputs``: every final name this conversion writes (what ``--overwrite`` may delete
   when it finds the run unfinished).
 
-A shard is listed only after its data was fsynced and it was renamed from
-``.NAME.partial`` to ``.NAME.done``; so a kill at any moment leaves at worst one
-half-written ``.partial`` (deleted on resume) or one ``.done`` not yet listed (also
-redone). ``--resume`` with other inputs or options is refused, naming what differs.
+Every temporary name of the conversion carries the tag of ``fingerprint``
+(``.NAME.TAG.partial``, ``.NAME.TAG.done``: :func:`fuse_tool.files.temporary_tag`), so the
+journal proves which dot-files in OUT_DIR the converter wrote and may delete; any other is
+the user's. A shard is listed only after its data was fsynced and it was renamed from
+``.NAME.TAG.partial`` to ``.NAME.TAG.done``; so a kill at any moment leaves at worst one
+half-written ``.partial`` (deleted on resume) or one ``.done`` not yet listed (adopted after
+a check). ``--resume`` with other inputs or options is refused, naming what differs.
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import FuseSharedError
 from runtime.layout import LAYOUT_VERSION
+from runtime.paths import CheckpointPaths, name_problem
+from runtime.safetensors_io import read_json
 
 from .. import __version__
-from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
+from ..files import CONFIG_NAME, DONE_SUFFIX, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, PARTIAL_SUFFIX, temporary_tag
 from ..errors import ConversionError
 from ..durable import fsync_dir, sha256_bytes, write_atomically
 
-JOURNAL_VERSION = 2  # 2: data-page samples in the inputs, ``outputs``
+JOURNAL_VERSION = 3  # 2: data-page samples in the inputs, ``outputs``; 3: temporaries named with the fingerprint's tag
 PAGE = 4096
 SAMPLE_PAGES = 8  # pages hashed per source file, evenly spread over its data
 
@@ -191,10 +197,15 @@ class Journal:
     def fingerprint(self) -> str:
         return fingerprint(self.inputs)
 
+    @property
+    def tag(self) -> str:
+        """The tag of every temporary name this conversion writes (``.NAME.TAG.partial``)."""
+        return temporary_tag(self.fingerprint)
+
     @classmethod
     def load(cls, path: Path) -> "Journal":
         try:
-            raw = json.loads(path.read_bytes())
+            raw = read_json(CheckpointPaths(path.parent).resolve(path.name), "a fuse-shared resume journal")
             version = raw.get("journal_version") if isinstance(raw, dict) else None
             if isinstance(version, int) and 0 < version < JOURNAL_VERSION:
                 raise ConversionError(
@@ -222,7 +233,13 @@ class Journal:
             if not (isinstance(outputs, list) and all(isinstance(n, str) for n in outputs)):
                 raise ValueError("outputs is not a list of file names")
             return cls(path, inputs, int(raw.get("num_shards", 0)), completed, outputs)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except ConversionError:
+            raise
+        except FuseSharedError as e:  # read_json: not a regular file, not JSON, nested too deeply
+            raise ConversionError(
+                f"the resume journal is unreadable ({e.detail}); rerun with --overwrite to start over", file=path
+            ) from None
+        except (KeyError, TypeError, ValueError) as e:
             raise ConversionError(
                 f"the resume journal is unreadable ({e}); rerun with --overwrite to start over", file=path
             ) from None
@@ -236,29 +253,59 @@ class Journal:
             "inputs": self.inputs,
             "outputs": self.outputs,
         }
-        write_atomically(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+        write_atomically(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), self.tag)
 
     @staticmethod
-    def written_names(path: Path) -> set[str] | None:
-        """The final names an unfinished conversion writes, read leniently from its journal (any version);
-        None when the journal cannot be read at all. Old journals did not list them: their completed shards,
-        copied files and the three JSON files every conversion writes."""
+    def recorded(path: Path) -> "JournalRecord | None":
+        """What an unfinished conversion's journal (any version) records about the files it writes, read leniently;
+        None when it cannot be read at all. A name that is not a plain file name of OUT_DIR (``../x``, ``a/b``, NUL) is
+        refused: not a journal fuse-shared wrote."""
         try:
-            raw = json.loads(path.read_bytes())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raw = read_json(CheckpointPaths(path.parent).resolve(path.name), "a fuse-shared resume journal")
+        except FuseSharedError:
             return None
         if not isinstance(raw, dict):
             return None
         names: set[str] = set()
+        inputs = raw.get("inputs")
         for value in (
             raw.get("outputs"),
             raw.get("completed"),
-            (raw.get("inputs") or {}).get("other_files") if isinstance(raw.get("inputs"), dict) else None,
+            inputs.get("other_files") if isinstance(inputs, dict) else None,
         ):
             if isinstance(value, (list, dict)):
                 names |= {n for n in value if isinstance(n, str)}
-        return names | {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}
+        for n in sorted(names):
+            why = name_problem(n, subfolders=False)
+            if why is not None:
+                raise ConversionError(
+                    f"lists {n!r}, which is not a file of OUT_DIR (it {why}): not a journal fuse-shared wrote; "
+                    "remove it or choose another output folder",
+                    file=path,
+                )
+        version = raw.get("journal_version")
+        return JournalRecord(
+            version if isinstance(version, int) else None,
+            temporary_tag(raw.get("fingerprint")),
+            names
+            | {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME},  # old journals did not list them; every conversion writes them
+        )
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
         fsync_dir(self.path.parent)
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    """An unfinished conversion's journal, read leniently (``Journal.recorded``): what it proves was written."""
+
+    version: int | None
+    tag: str | None  # the tag of its temporaries (None: not a fingerprint)
+    names: set[str]  # every final name it writes
+
+    def temporaries(self) -> set[str]:
+        """The exact temporary names a journal of version 2 or older used (untagged ``.NAME.partial`` / ``.done``)."""
+        if self.version is not None and self.version >= 3:
+            return set()
+        return {f".{n}{suffix}" for n in self.names | {JOURNAL_NAME} for suffix in (PARTIAL_SUFFIX, DONE_SUFFIX)}

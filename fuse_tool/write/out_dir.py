@@ -6,15 +6,20 @@ What is on disk at any moment (see docs/reliability.md):
   same folder is refused. The kernel drops the lock when the process dies, kill -9 included.
 - ``.fuse-shared-journal.json``: written before the first shard and after each completed
   one (``write.journal``): a fingerprint of the inputs and options, and the completed shards.
-- ``.NAME.partial``: the shard being written. ``.NAME.done``: a complete, fsynced shard.
+- ``.NAME.TAG.partial``: a file being written. ``.NAME.TAG.done``: a complete, fsynced shard.
+  ``TAG`` is the conversion's (:func:`fuse_tool.files.temporary_tag` of its inputs fingerprint).
 - Final names appear only in the final phase (``write.execute.finalize``).
 
-What may be deleted: ``--overwrite`` deletes exactly the files an earlier conversion's
-manifest (or, for an unfinished one, its journal) lists, and the converter's own
-temporaries; anything else in OUT_DIR is left alone, and a file the new conversion would
-replace that no earlier conversion wrote is refused. OUT_DIR and MODEL are compared by
-device and inode (bind mounts, symlinked parents, case-insensitive file systems), never
-by path.
+What may be deleted: only what OUT_DIR proves a conversion wrote (:class:`Written`). The
+journal; a temporary whose tag this run's fingerprint, the journal's or the manifest's gives
+(and, for a journal of fuse-shared before tags, the untagged temporaries of the names it lists);
+with ``--overwrite``, the final names an earlier conversion's manifest (or, for an unfinished
+one, its journal) lists. A name only an unfinished conversion leaves that nothing proves
+(``.model-00001-of-00002.safetensors.0123456789abcdef.partial`` of some other run) is refused,
+named; every other file (``notes.txt``, ``.thesis.pdf.partial``) is the user's and left alone,
+and a file the new conversion would replace that no earlier conversion wrote is refused. OUT_DIR
+and MODEL are compared by device and inode (bind mounts, symlinked parents, case-insensitive file
+systems), never by path.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import fcntl
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConversionError
+from runtime.paths import name_problem
+
 from ..files import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -34,12 +42,15 @@ from ..files import (
     LOCK_NAME,
     MANIFEST_NAME,
     MANIFEST_VERSION,
+    TAG_LENGTH,
     done_name,
-    is_temporary_name,
+    is_leftover_name,
     partial_name,
+    temporary_parts,
+    temporary_tag,
 )
 from ..plan import ConversionPlan, PlannedShard
-from .journal import Journal, describe_difference, fingerprint
+from .journal import Journal, JournalRecord, describe_difference, fingerprint
 from ..durable import disk_error, sha256_file
 from ..manifest import Manifest
 
@@ -107,7 +118,8 @@ def check_name_lengths(plan: ConversionPlan, out_dir: Path) -> None:
     limit = name_max(out_dir)
     sources = {p.name: p for p in plan.source.other_files}
     for final in sorted(our_names(plan)):
-        for name in (final, partial_name(final), done_name(final)):
+        tag = "0" * TAG_LENGTH  # every tag has this length
+        for name in (final, partial_name(final, tag), done_name(final, tag)):
             if len(os.fsencode(name)) > limit:
                 what = f"its temporary name {name!r}" if name != final else "it"
                 raise ConversionError(
@@ -143,25 +155,66 @@ def our_names(plan: ConversionPlan) -> set[str]:
     return names | {p.name for p in plan.source.other_files}
 
 
+@dataclass(frozen=True)
+class Written:
+    """What OUT_DIR proves a conversion wrote, from this run's fingerprint and OUT_DIR's journal and manifest: the only
+    files the converter may delete (besides the final names an earlier manifest or journal lists, for --overwrite)."""
+
+    tags: frozenset[str]  # tags of temporaries some conversion of these records wrote
+    untagged: frozenset[str]  # exact temporary names of a journal written before tags (JournalRecord.temporaries)
+
+    def proves(self, name: str) -> bool:
+        """Whether ``name``, a file of OUT_DIR, is the converter's own journal or one of the temporaries proven here."""
+        parts = temporary_parts(name)
+        return name == JOURNAL_NAME or (parts is not None and parts[1] in self.tags) or name in self.untagged
+
+    def unproven(self, entries: list[Path]) -> list[Path]:
+        """The entries named as only an unfinished conversion names its files that nothing here proves it wrote."""
+        return [p for p in entries if is_leftover_name(p.name) and not self.proves(p.name)]
+
+
+def written_here(tag: str, record: JournalRecord | None, manifest: Manifest | None) -> Written:
+    """:class:`Written` of OUT_DIR for a run whose temporaries carry ``tag``."""
+    tags = {tag}
+    untagged: set[str] = set()
+    if record is not None:
+        if record.tag is not None:
+            tags.add(record.tag)
+        untagged = record.temporaries()
+    if manifest is not None and (t := temporary_tag(manifest.inputs_fingerprint)) is not None:
+        tags.add(t)
+    return Written(frozenset(tags), frozenset(untagged))
+
+
+def refuse_unproven(entries: list[Path], written: Written) -> None:
+    """A leftover-looking name nothing proves the converter wrote is neither deleted nor left for verify to refuse."""
+    unproven = written.unproven(entries)
+    if unproven:
+        more = f" (and {len(unproven) - 1} more such files)" if len(unproven) > 1 else ""
+        raise ConversionError(
+            f"is named like a temporary file of a fuse-shared conversion, but no journal or manifest in OUT_DIR shows "
+            f"that one wrote it, so it is not deleted{more}: move or delete it yourself, or choose another output folder",
+            file=unproven[0],
+        )
+
+
 def prepare_out_dir(
     out: Path, plan: ConversionPlan, headers: dict[str, bytes], inputs: dict, overwrite: bool, resume: bool
 ) -> tuple[Journal, int]:
     """Decide what OUT_DIR holds and what is left to do. Returns the journal to continue and how many shards were kept."""
-    entries = [p for p in out.iterdir() if p.name != LOCK_NAME]
+    entries = sorted((p for p in out.iterdir() if p.name != LOCK_NAME), key=lambda p: p.name)
     jpath = out / JOURNAL_NAME
     outputs = sorted(our_names(plan))
     fresh = Journal(jpath, inputs, len(plan.shards), outputs=outputs)
     if not entries:
         return fresh, 0
-    if overwrite:
-        remove_previous_output(out, entries, set(outputs))
-        return fresh, 0
-    has_journal = jpath.exists()
-    if not has_journal and all(is_temporary_name(p.name) for p in entries):
+    has_journal = jpath.exists() or jpath.is_symlink()
+    tag = fresh.tag
+    if not has_journal and all(written_here(tag, None, None).proves(p.name) for p in entries):
         for p in entries:
-            p.unlink(missing_ok=True)  # killed before the journal was first written: nothing to keep
+            p.unlink(missing_ok=True)  # killed before the journal was first written: only this run's own temporaries
         return fresh, 0
-    if not resume:
+    if not resume and not overwrite:
         if has_journal:
             j = load_journal_quietly(jpath)
             done = f"{len(j.completed)} of {j.num_shards} shards done" if j else "its journal is unreadable"
@@ -169,10 +222,19 @@ def prepare_out_dir(
                 f"OUT_DIR holds an interrupted conversion ({done}); rerun with --resume to continue it, or --overwrite to start over",
                 file=out,
             )
+        more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
         raise ConversionError(
-            "OUT_DIR is not empty; pass --overwrite to replace a previous conversion there (or --resume to continue one)",
+            f"OUT_DIR is not empty (it holds {entries[0].name!r}{more}); pass --overwrite to replace a previous "
+            "conversion there (or --resume to continue one), or choose an empty folder",
             file=out,
         )
+    if overwrite:
+        record = Journal.recorded(jpath) if jpath.is_file() and not jpath.is_symlink() else None
+        manifest = Manifest.load_lenient(out)
+        written = written_here(tag, record, manifest)
+        refuse_unproven(entries, written)
+        remove_previous_output(out, entries, set(outputs), written, record, manifest)
+        return fresh, 0
 
     if has_journal:
         journal = Journal.load(jpath)
@@ -191,6 +253,9 @@ def prepare_out_dir(
                 "choose an empty folder, or pass --overwrite to replace what is there",
                 file=out,
             )
+    # Both the journal and the manifest were checked to carry this run's fingerprint: the tag proves the temporaries.
+    written = written_here(tag, None, None)
+    refuse_unproven(entries, written)
 
     # Keep what is complete and intact; delete stale temporaries (a half-written .partial, a .done
     # the journal never listed, staged small files); everything else in OUT_DIR is left alone.
@@ -198,45 +263,34 @@ def prepare_out_dir(
     kept: dict[str, dict] = {}
     for name, entry in recorded.items():
         shard = planned.get(name)
-        if shard is not None and intact(out, shard, headers[name], entry):
+        if shard is not None and intact(out, shard, headers[name], entry, tag):
             kept[name] = entry
     if has_journal:
         # A .done is renamed only once its shard is fsynced and hashed, so it is complete; one the journal
         # does not list (killed, or the disk was too full to rewrite the journal) is adopted after a check.
         for name, shard in planned.items():
-            done = out / done_name(name)
+            done = out / done_name(name, tag)
             if name not in kept and done.is_file() and not done.is_symlink():
                 size = len(headers[name]) + shard.nbytes
                 if done.stat().st_size == size:
                     digest = sha256_file(done, "a shard of this conversion", fsync=True)
-                    if intact(out, shard, headers[name], {"size": size}):
+                    if intact(out, shard, headers[name], {"size": size}, tag):
                         kept[name] = {"size": size, "sha256": digest}
-    keep_temp = {done_name(n) for n in kept}
+    keep_temp = {done_name(n, tag) for n in kept}
     for p in entries:
-        if is_temporary_name(p.name) and p.name != JOURNAL_NAME and p.name not in keep_temp:
+        if written.proves(p.name) and p.name != JOURNAL_NAME and p.name not in keep_temp:
             p.unlink(missing_ok=True)
     journal = Journal(jpath, inputs, len(plan.shards), kept, outputs)
     return journal, len(kept)
 
 
-def _plain_name(name) -> bool:
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name
-    )
-
-
-def previous_output(out: Path) -> tuple[set[str], bool, bool]:
+def previous_output(out: Path, record: JournalRecord | None, manifest: Manifest | None) -> tuple[set[str], bool, bool]:
     """What earlier conversions in OUT_DIR wrote: (final names their manifest or journal lists, whether that list is
     complete (older manifests listed only shards), whether any manifest or journal was found)."""
     names: set[str] = set()
     complete, found = True, False
-    manifest = Manifest.load_lenient(out)
     if manifest is not None and isinstance(manifest.converter_version, str):
-        bad = [n for n in manifest.files if not _plain_name(n) or n == MANIFEST_NAME]
+        bad = [n for n in manifest.files if name_problem(n, subfolders=False) is not None or n == MANIFEST_NAME]
         if bad:
             raise ConversionError(
                 f"lists {bad[0]!r}, which is not a file of OUT_DIR: not a manifest fuse-shared wrote; "
@@ -248,23 +302,28 @@ def previous_output(out: Path) -> tuple[set[str], bool, bool]:
         if manifest.version != MANIFEST_VERSION:  # listed only the shards; config, index and copies were not listed
             complete = False
             names |= {CONFIG_NAME, INDEX_NAME}
-    jpath = out / JOURNAL_NAME
-    if jpath.is_file() and not jpath.is_symlink():
-        written = Journal.written_names(jpath)
-        if written is not None:
-            found = True
-            names |= {n for n in written if _plain_name(n)}
+    if record is not None:
+        found = True
+        names |= record.names
     return names, complete, found
 
 
-def remove_previous_output(out: Path, entries: list[Path], ours: set[str]) -> None:
-    """--overwrite: delete exactly what an earlier conversion's manifest or journal lists, and the converter's temporaries.
-    A file this conversion would replace that no earlier conversion wrote is refused; other files are left alone."""
-    listed, complete, found = previous_output(out)
+def remove_previous_output(
+    out: Path,
+    entries: list[Path],
+    ours: set[str],
+    written: Written,
+    record: JournalRecord | None,
+    manifest: Manifest | None,
+) -> None:
+    """--overwrite: delete exactly what an earlier conversion's manifest or journal lists, and the temporaries
+    ``written`` proves. A file this conversion would replace that no earlier conversion wrote is refused; other files
+    are left alone."""
+    listed, complete, found = previous_output(out, record, manifest)
     delete, foreign = [], []
     for p in entries:
         name = p.name
-        if is_temporary_name(name) or name in listed or (not complete and name in ours):
+        if written.proves(name) or name in listed or (not complete and name in ours):
             if p.is_dir() and not p.is_symlink():
                 foreign.append(name + "/")
             else:
@@ -310,12 +369,12 @@ def completed_from_manifest(out: Path, inputs: dict) -> dict[str, dict] | None:
     return manifest.entries()
 
 
-def intact(out: Path, shard: PlannedShard, header: bytes, entry: dict) -> bool:
+def intact(out: Path, shard: PlannedShard, header: bytes, entry: dict, tag: str) -> bool:
     """A journalled shard is kept if its file (still .done, or already renamed) has the recorded size and the planned header."""
     size = len(header) + shard.nbytes
     if entry.get("size") != size:
         return False
-    for p in (out / done_name(shard.filename), out / shard.filename):
+    for p in (out / done_name(shard.filename, tag), out / shard.filename):
         try:
             if p.is_symlink() or not p.is_file() or p.stat().st_size != size:
                 continue

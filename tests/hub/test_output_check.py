@@ -156,7 +156,12 @@ def test_total_size_mismatch(converted):
 
 @pytest.mark.parametrize(
     "name",
-    [".model-00002-of-00002.safetensors.tmp.1234", ".model-00002-of-00002.safetensors.partial", ".config.json.partial"],
+    [
+        ".model-00002-of-00002.safetensors.tmp.1234",
+        ".model-00002-of-00002.safetensors.partial",
+        ".config.json.partial",
+        ".tokenizer.json.0123456789abcdef.partial",
+    ],
 )
 def test_leftover_temporary_file(converted, name):
     (converted / name).write_bytes(b"partial")

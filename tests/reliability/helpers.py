@@ -55,6 +55,82 @@ def assert_clean_refusal(code: int, stderr: str, out: Path, *fragments: str) -> 
     assert final_named(out) == [], f"final-named files left in OUT_DIR: {final_named(out)}"
 
 
+class Accesses:
+    """Every file opened (for reading or writing) and every path removed or renamed under ``watch`` while active: an
+    audit hook, which sees builtins.open, io.open, os.open, os.remove/unlink (so Path.unlink), os.rmdir, os.rename/
+    replace and shutil.rmtree wherever they are called from. Opened paths are recorded with their symlinks resolved
+    (where the bytes come from); removed ones with only their folder resolved (a link is removed, not its target)."""
+
+    active: list = []
+
+    def __init__(self, watch):
+        self.root = os.path.realpath(watch)
+        self.opened: list[tuple[str, bool]] = []  # (real path, opened for writing)
+        self.removed: list[str] = []
+
+    def __enter__(self):
+        if not Accesses.active:
+            sys.addaudithook(Accesses._hook)  # once per process: an audit hook cannot be removed
+        Accesses.active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        Accesses.active.remove(self)
+
+    def _under(self, path: str) -> bool:
+        return path == self.root or path.startswith(self.root + os.sep)
+
+    @staticmethod
+    def _hook(event, args):
+        if not Accesses.active or event not in ("open", "os.remove", "os.rmdir", "os.rename", "shutil.rmtree"):
+            return
+        path = args[0]
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return  # an fd
+        text = os.fsdecode(path)
+        if event == "open":
+            mode, flags = args[1], args[2]
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int)
+                and bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+            )
+            real = os.path.realpath(text)
+            for a in Accesses.active:
+                if a._under(real):
+                    a.opened.append((real, writes))
+            return
+        targets = [text] + ([os.fsdecode(args[1])] if event == "os.rename" else [])
+        for t in targets:
+            real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(t))), os.path.basename(t))
+            for a in Accesses.active:
+                if a._under(real):
+                    a.removed.append(real)
+
+
+def interrupted_conversion(src: Path, out: Path, options, after: int = 3) -> str:
+    """Convert ``src`` into ``out`` and stop (cleanly, as on Ctrl-C) after ``after`` shards; the error's message."""
+    import fuse_tool.write.execute as C
+    from fuse_tool.convert import convert_checkpoint
+
+    real = C.ShardWriter
+    n = [0]
+
+    class Stop(real):
+        def __init__(self, *a, **kw):
+            n[0] += 1
+            if n[0] > after:
+                raise KeyboardInterrupt
+            super().__init__(*a, **kw)
+
+    C.ShardWriter = Stop
+    try:
+        with pytest.raises(Exception) as ei:
+            convert_checkpoint(src, out, options, progress=False)
+    finally:
+        C.ShardWriter = real
+    return str(ei.value)
+
+
 def cli_subprocess(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "fuse_tool.cli", *map(str, args)],

@@ -59,7 +59,7 @@ def test_disk_fills_mid_run_then_resume(tiny_source, reference, tmp_path, monkey
         state = _fill_before_shard(monkeypatch, 4, mnt)
         code, _, err = run_cli("convert", tiny_source, out, "--quiet", "--max-shard-size", SHARD)
         assert_clean_refusal(code, err, out, "no space left on the device", "--resume", "3 of")
-        assert len(list(out.glob(".*.safetensors.done"))) == 3 and not list(out.glob(".*.partial"))
+        assert len(list(out.glob(".*.safetensors.*.done"))) == 3 and not list(out.glob(".*.partial"))
         monkeypatch.undo()
         # Still full: resume fails the same clean way, and keeps what it has.
         code, _, err = run_cli("convert", tiny_source, out, "--quiet", "--max-shard-size", SHARD, "--resume")
@@ -106,7 +106,7 @@ def test_disk_fills_before_the_final_phase_then_resume(tiny_source, reference, t
         code, _, err = run_cli("convert", tiny_source, out, "--quiet", "--max-shard-size", SHARD)
         assert_clean_refusal(code, err, out, "no space left on the device")
         n = len(list(reference.glob("*.safetensors")))
-        assert len(list(out.glob(".*.safetensors.done"))) == n
+        assert len(list(out.glob(".*.safetensors.*.done"))) == n
         assert final_named(out) == [] and not list(out.glob(".*.partial"))
         monkeypatch.undo()
         state["filler"].unlink()

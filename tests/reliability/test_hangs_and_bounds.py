@@ -208,10 +208,12 @@ def test_walks_of_out_dir_do_not_follow_symlinked_folders(out, tmp_path):
     assert code == 0 and stdout.startswith("ok: "), (code, stdout, stderr)
 
 
-def test_shard_behind_a_symlinked_folder_is_not_followed(out, tmp_path):
-    """The index names sub/SHARD and sub is a link to a folder that has it: refused, not followed."""
+@pytest.mark.parametrize("inside", [True, False], ids=["link_inside", "link_outside"])
+def test_shard_behind_a_symlinked_folder_is_not_followed(out, tmp_path, inside):
+    """The index names sub/SHARD and sub is a link to a folder that has it: refused, not followed (a link leading out of
+    the folder is refused by the resolver before the shard is opened)."""
     shard = first_shard(out)
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = (out / "inner") if inside else (tmp_path / "elsewhere")
     elsewhere.mkdir()
     (out / shard).rename(elsewhere / shard)
     (out / "sub").symlink_to(elsewhere, target_is_directory=True)
@@ -220,7 +222,10 @@ def test_shard_behind_a_symlinked_folder_is_not_followed(out, tmp_path):
     (out / INDEX).write_text(json.dumps(index))
     code, _, stderr = run_cli("verify", out, "--quiet")
     assert code == 1 and len(stderr.strip().splitlines()) == 1, stderr
-    assert f"sub/{shard}: shard named by {INDEX} lies behind a symlinked folder, which is not followed" in stderr
+    if inside:
+        assert f"sub/{shard}: shard named by {INDEX} lies behind a symlinked folder, which is not followed" in stderr
+    else:
+        assert f"sub/{shard}: is a symlink to {str(elsewhere / shard)!r}, outside the model folder" in stderr
 
 
 # ----------------------------------------------------------------------------- options that size allocations

@@ -373,7 +373,7 @@ CASES: dict[str, tuple[str, object, tuple[str, ...], tuple[str, ...]]] = {
     "index_file_not_a_string": (
         "the index gives a number as a tensor's file",
         lambda s: edit_index(s, lambda i: i["weight_map"].__setitem__(EXPERT, 7)),
-        (EXPERT, "expected a shard file name"),
+        (EXPERT, "weight_map names 7, which is not a file name but a number"),
         (),
     ),
     "hub_blob_missing": (

@@ -82,7 +82,10 @@ def _complete_shards(out) -> int:
         names = os.listdir(out)
     except FileNotFoundError:
         return 0
-    return sum(n.endswith(".safetensors.done") or (n.endswith(".safetensors") and not n.startswith(".")) for n in names)
+    return sum(
+        (n.endswith(".done") and ".safetensors." in n) or (n.endswith(".safetensors") and not n.startswith("."))
+        for n in names
+    )
 
 
 def _kill_at_progress(src, out, rng, target: int, per_shard: float, *extra) -> dict | None:

@@ -14,15 +14,18 @@ import time
 import pytest
 
 from fuse_tool.convert import convert_checkpoint
-from fuse_tool.files import JOURNAL_NAME
+from fuse_tool.files import JOURNAL_NAME, partial_name
 from fuse_tool.plan import ConvertOptions
+from fuse_tool.write.journal import Journal
 
 from helpers import (
     REPO,
+    Accesses,
     assert_clean_refusal,
     assert_identical,
     cli_subprocess,
     final_named,
+    interrupted_conversion,
     readonly_bind,
     run_cli,
     tree_bytes,
@@ -42,25 +45,7 @@ def reference(src, tmp_path):
 
 def _interrupted(src, out, after: int = 3):
     """A conversion that stopped (cleanly, on Ctrl-C) after ``after`` shards."""
-    import fuse_tool.write.execute as C
-
-    real = C.ShardWriter
-    n = [0]
-
-    class Stop(real):
-        def __init__(self, *a, **kw):
-            n[0] += 1
-            if n[0] > after:
-                raise KeyboardInterrupt
-            super().__init__(*a, **kw)
-
-    C.ShardWriter = Stop
-    try:
-        with pytest.raises(Exception) as ei:
-            convert_checkpoint(src, out, OPTS, progress=False)
-    finally:
-        C.ShardWriter = real
-    return str(ei.value)
+    return interrupted_conversion(src, out, OPTS, after)
 
 
 def test_interrupt_keeps_completed_shards_and_says_resume(src, tmp_path, reference):
@@ -187,7 +172,8 @@ def test_damaged_completed_shard_is_redone(src, tmp_path, reference):
     data = bytearray(done[1].read_bytes())
     data[20] ^= 0xFF  # header byte changed
     done[1].write_bytes(bytes(data))
-    (out / ".model-00009-of-00016.safetensors.partial").write_bytes(b"stale half shard")
+    tag = Journal.load(out / JOURNAL_NAME).tag
+    (out / partial_name("model-00009-of-00016.safetensors", tag)).write_bytes(b"stale half shard")
     code, stdout, err = run_cli("convert", src, out, "--quiet", "--max-shard-size", SHARD, "--resume")
     assert code == 0, err
     assert "resumed        1 of" in stdout
@@ -282,41 +268,6 @@ def test_hub_cache_snapshot_converts_and_resumes(tiny_source, tmp_path, referenc
     assert journal_free[0] == 0, journal_free
 
 
-class _WriteOpens:
-    """Records every open for writing under a folder (an audit hook: it sees builtins.open and os.open)."""
-
-    active: list = []
-
-    def __init__(self, root):
-        self.root = os.path.realpath(root)
-        self.hits: list[str] = []
-
-    def __enter__(self):
-        if not _WriteOpens.active:
-            sys.addaudithook(_WriteOpens._hook)
-        _WriteOpens.active.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _WriteOpens.active.remove(self)
-
-    @staticmethod
-    def _hook(event, args):
-        if event != "open" or not _WriteOpens.active:
-            return
-        path, mode, flags = args
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
-        )
-        if writes:
-            real = os.path.realpath(os.fsdecode(path))
-            for w in _WriteOpens.active:
-                if real == w.root or real.startswith(w.root + os.sep):
-                    w.hits.append(real)
-
-
 def test_read_only_model_folder_converts(tiny_source, tmp_path, reference):
     """A read-only bind mount (even root cannot write there), and a chmod a-w copy; nothing is opened for writing."""
     ro = tmp_path / "ro"
@@ -324,10 +275,10 @@ def test_read_only_model_folder_converts(tiny_source, tmp_path, reference):
         with pytest.raises(OSError):
             (ro / "probe").write_text("x")
         out = tmp_path / "out"
-        with _WriteOpens(tiny_source) as w:
+        with Accesses(tiny_source) as w:
             code, _, err = run_cli("convert", ro, out, "--quiet", "--max-shard-size", SHARD)
         assert code == 0, err
-        assert w.hits == []
+        assert [p for p, writes in w.opened if writes] == [] and w.removed == []
         _same_output(out, reference)
 
     copy = tmp_path / "chmod"
@@ -335,10 +286,10 @@ def test_read_only_model_folder_converts(tiny_source, tmp_path, reference):
     subprocess.run(["chmod", "-R", "a-w", str(copy)], check=True)
     try:
         out2 = tmp_path / "out2"
-        with _WriteOpens(copy) as w:
+        with Accesses(copy) as w:
             code, _, err = run_cli("convert", copy, out2, "--quiet", "--max-shard-size", SHARD)
         assert code == 0, err
-        assert w.hits == []
+        assert [p for p, writes in w.opened if writes] == [] and w.removed == []
         _same_output(out2, reference)
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(copy)], check=True)
