@@ -47,7 +47,7 @@ def name_problem(name: object, *, subfolders: bool = True) -> str | None:
     if not name:
         return "is empty, not a file name"
     if "\0" in name:
-        return "holds a NUL character, which no file name has"
+        return "holds a NUL character (no file name has one)"
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
@@ -132,6 +132,7 @@ class CheckpointPaths:
         tensor: str | None = None,
         what: str = "the checkpoint",
         subfolders: bool = True,
+        advice: str = " (copy the file into the model folder, or convert the folder it belongs to)",
     ) -> Path:
         """``root / name``, once :meth:`problem` finds nothing wrong with it (the path as named, not its target, so a
         Hub cache snapshot's files keep their names).
@@ -143,6 +144,8 @@ class CheckpointPaths:
             tensor: the tensor whose entry gives the name, for the message about the name.
             what: who names it, for the message ("weight_map", "the manifest").
             subfolders: whether ``a/b`` is allowed.
+            advice: what to do about a symlink leading outside, appended to its refusal (the caller's own where it
+                knows better: a journal is not copied into a folder).
         Returns:
             ``root / name``.
         Raises:
@@ -152,9 +155,7 @@ class CheckpointPaths:
         real = self.outside(path)
         if real is not None:
             raise CheckpointError(
-                f"is a symlink to {str(real)!r}, outside the model folder: refusing to read it (copy the file into the "
-                "model folder, or convert the folder it belongs to)",
-                file=path,
+                f"is a symlink to {str(real)!r}, outside the model folder: refusing to read it{advice}", file=path
             )
         return path
 

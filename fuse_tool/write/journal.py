@@ -205,7 +205,7 @@ class Journal:
     @classmethod
     def load(cls, path: Path) -> "Journal":
         try:
-            raw = read_json(CheckpointPaths(path.parent).resolve(path.name), "a fuse-shared resume journal")
+            raw = read_json(CheckpointPaths(path.parent).resolve(path.name, advice=""), "a fuse-shared resume journal")
             version = raw.get("journal_version") if isinstance(raw, dict) else None
             if isinstance(version, int) and 0 < version < JOURNAL_VERSION:
                 raise ConversionError(
@@ -261,7 +261,7 @@ class Journal:
         None when it cannot be read at all. A name that is not a plain file name of OUT_DIR (``../x``, ``a/b``, NUL) is
         refused: not a journal fuse-shared wrote."""
         try:
-            raw = read_json(CheckpointPaths(path.parent).resolve(path.name), "a fuse-shared resume journal")
+            raw = read_json(CheckpointPaths(path.parent).resolve(path.name, advice=""), "a fuse-shared resume journal")
         except FuseSharedError:
             return None
         if not isinstance(raw, dict):

@@ -13,6 +13,10 @@ FILES = [
     "test_midrun_failures.py",
     "test_resume_source_changes.py",
     "test_verify_every_file.py",
+    "test_user_files.py",
+    "test_outside_reads.py",
+    "test_json_depth.py",
+    "test_fuzz_paths.py",
 ]
 
 
