@@ -113,7 +113,7 @@ def read_json(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES) -
     if deep:
         raise CheckpointError(
             f"is nested more than {MAX_JSON_DEPTH} levels deep: expected {what}, which nests a few levels (a damaged "
-            "or hostile file; nothing in it was used)",
+            "or hostile file; nothing in it was used): replace it with the original",
             file=path,
         )
     return value

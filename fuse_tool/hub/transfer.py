@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
+from runtime.paths import CheckpointPaths
+
 from ..errors import HubError, VerifyError
 from ..files import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_CARD_NAME, TAG_LENGTH, temporary_tag
 from .model_card import human_bytes, render_model_card
@@ -83,6 +85,19 @@ def _card_tag(checked: CheckedOutput) -> str:
     one, which nothing proves (left behind, it is named by convert and verify, never deleted silently)."""
     fingerprint = checked.manifest.inputs_fingerprint if checked.manifest is not None else None
     return temporary_tag(fingerprint) or secrets.token_hex(TAG_LENGTH // 2)
+
+
+def _refuse_links_out(root: Path) -> None:
+    """upload_folder follows a symlinked file: one leading out of OUT_DIR (a note linked to a private file) would be
+    published. Refused before anything is sent or written; a Hub cache snapshot's links into its own blobs/ pass."""
+    inside = CheckpointPaths(root)
+    for name in list_checkpoint_files(root):
+        real = inside.outside(root / name)
+        if real is not None:
+            raise HubError(
+                f"not pushing: {root / name} is a symlink to {str(real)!r}, outside OUT_DIR, and would be uploaded; "
+                "remove the link, or copy the file into OUT_DIR if it belongs to the checkpoint"
+            )
 
 
 def _validate_repo_id(repo_id: str, *, need_namespace: bool) -> str:
@@ -439,6 +454,7 @@ def push_checkpoint(
         checked: CheckedOutput = check_output(root, require_manifest=False)
     except VerifyError as e:
         raise HubError(f"not pushing, OUT_DIR is not a complete converted checkpoint: {e}") from None
+    _refuse_links_out(root)
     api, repo_id, token, ep = _push_access(repo_id, revision, token, endpoint)
 
     def fail(e: BaseException, action: str, writing: bool = True) -> HubError:

@@ -316,6 +316,19 @@ def test_conversion_in_progress_sends_nothing(hub, converted):
     _no_requests(hub)
 
 
+def test_a_file_linked_outside_out_dir_is_not_uploaded(hub, converted, tmp_path):
+    """upload_folder follows symlinked files: a note linked to a private file would be published (issue 36)."""
+    private = tmp_path / "private.txt"
+    private.write_text("secret")
+    (converted / "notes.txt").symlink_to(private)
+    with pytest.raises(HubError) as ei:
+        push_checkpoint(converted, REPO, progress=False)
+    msg = str(ei.value)
+    assert "notes.txt is a symlink to" in msg and "outside OUT_DIR" in msg and "\n" not in msg
+    _no_requests(hub)
+    assert not (converted / "README.md").exists()
+
+
 def test_verification_catches_a_corrupted_upload(hub, converted):
     """If what the Hub holds differs from OUT_DIR, the push says so."""
     push_checkpoint(converted, REPO, progress=False)
