@@ -103,27 +103,6 @@ class CheckpointPaths:
             return f"is a symlink to {str(real)!r}, outside the model folder"
         return None
 
-    def check_name(
-        self,
-        name: object,
-        *,
-        named_by: str | os.PathLike | None = None,
-        tensor: str | None = None,
-        what: str = "the checkpoint",
-        subfolders: bool = True,
-    ) -> str:
-        """``name`` itself, once :func:`name_problem` finds nothing wrong with it (where it leads is not looked at:
-        :meth:`resolve` does both). Arguments as for :meth:`resolve`."""
-        why = name_problem(name, subfolders=subfolders)
-        if why is not None:
-            raise CheckpointError(
-                f"{what} names {_quoted(name)}, which {why}: refusing to read it (fix the entry, or convert the folder "
-                "that holds the file)",
-                file=named_by if named_by is not None else self.root,
-                tensor=tensor,
-            )
-        return name  # type: ignore[return-value]
-
     def resolve(
         self,
         name: object,
@@ -132,6 +111,7 @@ class CheckpointPaths:
         tensor: str | None = None,
         what: str = "the checkpoint",
         subfolders: bool = True,
+        links: bool = True,
         advice: str = " (copy the file into the model folder, or convert the folder it belongs to)",
     ) -> Path:
         """``root / name``, once :meth:`problem` finds nothing wrong with it (the path as named, not its target, so a
@@ -144,6 +124,8 @@ class CheckpointPaths:
             tensor: the tensor whose entry gives the name, for the message about the name.
             what: who names it, for the message ("weight_map", "the manifest").
             subfolders: whether ``a/b`` is allowed.
+            links: also check where the path leads (False: the name alone, for a caller that first says the file is
+                missing, and checks the links before it opens it).
             advice: what to do about a symlink leading outside, appended to its refusal (the caller's own where it
                 knows better: a journal is not copied into a folder).
         Returns:
@@ -151,8 +133,16 @@ class CheckpointPaths:
         Raises:
             CheckpointError: one line naming ``named_by`` (else the path) and what to do.
         """
-        path = self.root / self.check_name(name, named_by=named_by, tensor=tensor, what=what, subfolders=subfolders)
-        real = self.outside(path)
+        why = name_problem(name, subfolders=subfolders)
+        if why is not None:
+            raise CheckpointError(
+                f"{what} names {_quoted(name)}, which {why}: refusing to read it (fix the entry, or convert the folder "
+                "that holds the file)",
+                file=named_by if named_by is not None else self.root,
+                tensor=tensor,
+            )
+        path = self.root / name  # type: ignore[operator]
+        real = self.outside(path) if links else None
         if real is not None:
             raise CheckpointError(
                 f"is a symlink to {str(real)!r}, outside the model folder: refusing to read it{advice}", file=path

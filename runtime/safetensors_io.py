@@ -102,7 +102,9 @@ def read_json(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES) -
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CheckpointError(f"is not UTF-8 text (byte {e.start}): expected {what}, which is UTF-8 JSON", file=path) from None
+        raise CheckpointError(
+            f"is not UTF-8 text (byte {e.start}): expected {what}, which is UTF-8 JSON", file=path
+        ) from None
     try:
         value = json.loads(text)
         deep = _nested_deeper_than(value, MAX_JSON_DEPTH)

@@ -163,7 +163,9 @@ def _read_indexed(root: Path, index_path: Path, inside: CheckpointPaths) -> tupl
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         if not isinstance(fname, str) or fname not in by_file:  # once per shard (a list is not even hashable)
-            inside.check_name(fname, named_by=index_path, tensor=name, what="weight_map")  # where it leads: below
+            inside.resolve(
+                fname, named_by=index_path, tensor=name, what="weight_map", links=False
+            )  # where it leads: below
         by_file.setdefault(fname, []).append(name)
     tensors: dict[str, TensorInfo] = {}
     shard_files = []

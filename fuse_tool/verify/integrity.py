@@ -413,7 +413,7 @@ def check_output(
         for tname, shard in weight_map.items():
             if not isinstance(shard, str) or shard not in by_shard:  # once per shard (a list is not even hashable)
                 try:
-                    inside.check_name(shard, named_by=root / INDEX_NAME, tensor=tname, what="weight_map")
+                    inside.resolve(shard, named_by=root / INDEX_NAME, tensor=tname, what="weight_map", links=False)
                 except FuseSharedError as e:
                     raise _fail(str(e)) from None
             by_shard.setdefault(shard, []).append(tname)

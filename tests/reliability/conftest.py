@@ -42,6 +42,21 @@ def big_source(tmp_path_factory):
 @pytest.fixture()
 def src(tmp_path, tiny_source):
     """A private copy of the tiny source, free to damage."""
-    dst = tmp_path / "src"
-    shutil.copytree(tiny_source, dst)
-    return dst
+    return shutil.copytree(tiny_source, tmp_path / "src")
+
+
+@pytest.fixture(scope="session")
+def tiny_converted(tiny_source, tmp_path_factory):
+    """``tiny_source`` converted in shards of at most 20 KB (16 of them)."""
+    from fuse_tool.convert import convert_checkpoint
+    from fuse_tool.plan import ConvertOptions
+
+    out = tmp_path_factory.mktemp("tiny_converted") / "out"
+    convert_checkpoint(tiny_source, out, ConvertOptions(max_shard_size=20_000), progress=False)
+    return out
+
+
+@pytest.fixture()
+def out(tiny_converted, tmp_path):
+    """A private copy of ``tiny_converted``, free to damage."""
+    return shutil.copytree(tiny_converted, tmp_path / "out")

@@ -23,7 +23,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuse_tool.convert import convert_checkpoint
 from fuse_tool.files import JOURNAL_NAME, MANIFEST_NAME
 from fuse_tool.plan import ConvertOptions
 from runtime.errors import FuseSharedError
@@ -62,13 +61,11 @@ HOSTILE = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def material(tiny_source, tmp_path_factory):
+def material(tiny_source, tiny_converted, tmp_path_factory):
     """A finished conversion and an interrupted one of ``tiny_source``, built once, copied per example."""
-    root = tmp_path_factory.mktemp("fuzz-paths")
-    done, unfinished = root / "done", root / "unfinished"
-    convert_checkpoint(tiny_source, done, OPTS, progress=False)
+    unfinished = tmp_path_factory.mktemp("fuzz-paths") / "unfinished"
     interrupted_conversion(tiny_source, unfinished, OPTS)
-    return tiny_source, done, unfinished
+    return tiny_source, tiny_converted, unfinished
 
 
 def _place(target: str, name: str, folder: Path) -> None:

@@ -9,11 +9,9 @@ and then end in "internal error (RecursionError ...)" in the code that walks it.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from fuse_tool.convert import convert_checkpoint
 from fuse_tool.files import JOURNAL_NAME, MANIFEST_NAME
 from fuse_tool.plan import ConvertOptions
 from runtime.checkpoint import ModelFolder
@@ -38,20 +36,6 @@ def _refused(code: int, err: str, file) -> None:
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
     assert f"{file}: " in lines[0] and f"nested more than {MAX_JSON_DEPTH} levels deep" in lines[0], err
     assert "internal error" not in err and "a bug" not in err and "RecursionError" not in err, err
-
-
-@pytest.fixture(scope="module")
-def converted_once(tiny_source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("deep") / "out"
-    convert_checkpoint(tiny_source, out, OPTS, progress=False)
-    return out
-
-
-@pytest.fixture()
-def out(converted_once, tmp_path):
-    dst = tmp_path / "out"
-    shutil.copytree(converted_once, dst)
-    return dst
 
 
 @pytest.mark.parametrize("depth", [600, 1000, 100_000])

@@ -15,7 +15,6 @@ import shutil
 
 import pytest
 
-from fuse_tool.convert import convert_checkpoint
 from fuse_tool.files import JOURNAL_NAME
 from fuse_tool.plan import ConvertOptions
 from runtime.checkpoint import ModelFolder
@@ -25,20 +24,6 @@ from helpers import Accesses, assert_clean_refusal, interrupted_conversion, run_
 
 INDEX = "model.safetensors.index.json"
 OPTS = ConvertOptions(max_shard_size=20_000)
-
-
-@pytest.fixture(scope="module")
-def converted_once(tiny_source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("outside") / "out"
-    convert_checkpoint(tiny_source, out, OPTS, progress=False)
-    return out
-
-
-@pytest.fixture()
-def out(converted_once, tmp_path):
-    dst = tmp_path / "out"
-    shutil.copytree(converted_once, dst)
-    return dst
 
 
 def _move_out(folder, tmp_path, how: str) -> str:

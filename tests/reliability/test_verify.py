@@ -11,31 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fuse_tool.convert import convert_checkpoint
 from fuse_tool.files import JOURNAL_NAME
-from fuse_tool.plan import ConvertOptions
 
 from helpers import run_cli
 
 MANIFEST = "fuse_shared_manifest.json"
 INDEX = "model.safetensors.index.json"
 X = "model.layers.1.mlp.experts"
-
-
-@pytest.fixture(scope="module")
-def converted_once(tiny_source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("verify") / "out"
-    convert_checkpoint(tiny_source, out, ConvertOptions(max_shard_size=20_000), progress=False)
-    return out
-
-
-@pytest.fixture()
-def out(converted_once, tmp_path):
-    import shutil
-
-    dst = tmp_path / "out"
-    shutil.copytree(converted_once, dst)
-    return dst
 
 
 def verify(out, *extra):
