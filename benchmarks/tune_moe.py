@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -35,14 +36,14 @@ from common import (  # noqa: E402
 )
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
-from runtime.moe_triton import resolve_tile_config  # noqa: E402
-from runtime.moe_tiles import (
+from runtime.moe_tiles import (  # noqa: E402
     builtin_tile_config,
     check_tile_config,
     dtype_tag,
-    shape_key,  # noqa: E402
+    shape_key,
     table_file_name,
 )
+from runtime.moe_triton import card_info, resolve_tile_config, tile_source  # noqa: E402
 
 ROT = 4
 TOL = 1e-2
@@ -141,6 +142,11 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         "m64-plain-hq-s4-tma-n2x256": dict(
             _PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8, **_TMA
         ),
+        # The shared slot as dense cuBLASLt GEMMs (issue 24) under the 64-row plain tiles, 128 or 256 GEMM2 columns.
+        "m64-plain-hq-s4-tma-dense": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, shared_dense=True, **_TMA),
+        "m64-plain-hq-g8-s4-tma-dense": dict(
+            _PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, shared_dense=True, **_TMA
+        ),
         # One 128x128 accumulator per program in two warpgroups (the gated 128-row tiles spilled); shared slot dense.
         "m128-plain-hq-tma-dense": dict(
             _PLAIN_HQ_M64,
@@ -172,7 +178,7 @@ def band(T: int) -> str:
     return "decode" if T <= 8 else "small" if T <= 64 else "mid" if T <= 1024 else "prefill"
 
 
-def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None):
+def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None, peer_only=None):
     H = ew.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(1000 + T)
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -184,16 +190,24 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
     row = dict(model=name, T=T, ours={}, peer={})
     base = builtin_tile_config(T, True)
     current = resolve_tile_config(T, ew, ids0.shape[1], x.device)
+    row["current_source"] = tile_source(T, ew, ids0.shape[1], x.device)
     cands = dict(CANDIDATES[band(T)], current=current)
     if T >= 256 and cfg.num_fused_shared_experts:  # the table's entry with the shared slots as dense block-FP8 GEMMs
         cands["current-dense"] = dict(current, shared_dense=True)
     for label, over in (variants or {}).items():  # --variants: overrides on the table's own entry
         cands[label] = dict(current, **over)
     shared = cfg.num_fused_shared_experts
+    timed = {}  # the full config (as JSON) -> the label it was timed under: a candidate equal to another is not re-run
     for label, over in cands.items():
         if only and label not in only:
             continue
         full = dict(base, **over)
+        same = timed.get(json.dumps(full, sort_keys=True))
+        if same:
+            row["ours"][label] = dict(row["ours"][same], same_as=same)
+            log(f"  {name} T={T} ours {label}: same config as {same}")
+            continue
+        timed[json.dumps(full, sort_keys=True)] = label
         try:
             check_tile_config(full)
             y = torch.full_like(x, float("nan"))
@@ -219,6 +233,8 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
         for act in ("fused", "unfused"):
             peer = peer_mod.Peer(ew, act)
             cands = peer_mod.sweep_candidates(peer, T, KS)
+            if peer_only is not None:  # --peer-from: vLLM's own choice and the config that won this cell there
+                cands = [(label, c) for label, c in cands if label in peer_only.get((name, T), {"vllm"})]
             if act == "unfused":  # the activation path does not change the GEMMs: its best config only
                 best = min((v for v in row["peer"].values() if v.get("ok")), key=lambda v: v["us"], default=None)
                 cands = [(best["label"], best["config"])] if best else cands[:1]
@@ -240,7 +256,7 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
                 except Exception as e:  # noqa: BLE001
                     row["peer"][key] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
                     log(f"  {name} T={T} peer {key}: FAILED {type(e).__name__}: {str(e)[:200]}")
-    good = {k: v for k, v in row["ours"].items() if v.get("ok")}
+    good = {k: v for k, v in row["ours"].items() if v.get("ok") and not v.get("same_as")}
     row["best"] = min(good, key=lambda k: good[k]["us"]) if good else None
     pgood = {k: v for k, v in row["peer"].items() if v.get("ok")}
     row["peer_best"] = min(pgood, key=lambda k: pgood[k]["us"]) if pgood else None
@@ -265,6 +281,7 @@ def write_table(table_dir, info, shapes, log):
         torch=info["torch"],
         date=info["date"],
         generated_by="benchmarks/tune_moe.py",
+        card=info["card"],
         shapes=shapes,
         default=first,
     )
@@ -295,13 +312,31 @@ def main():
         help="JSON {name: overrides} timed on top of the table's entry, "
         'e.g. \'{"bf16gu": {"gemm1_output_dtype": "bfloat16"}}\'',
     )
+    ap.add_argument(
+        "--peer-from",
+        default=None,
+        help="a tune_moe.py results file (another card's run): time only vLLM's own config and the one that won "
+        "each cell there, instead of every shipped H200 config",
+    )
+    ap.add_argument(
+        "--deadline", type=float, default=None, help="seconds after the start past which no new cell is started"
+    )
     args = ap.parse_args()
     if args.from_results:
         return from_results(args.from_results, args.table_out)
     log = lambda s: print(s, flush=True)  # noqa: E731
     peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
+    peer_only = None
+    if args.peer_from:
+        peer_only = {}
+        with open(args.peer_from) as f:
+            for r in json.load(f)["rows"]:
+                won = r["peer"][r["peer_best"]]["label"] if r.get("peer_best") else "vllm"
+                peer_only[(r["model"], r["T"])] = {"vllm", won}
     info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    info["card"] = card_info(torch.cuda.current_device()).to_json()
     log(f"{info}; peer: {'yes' if peer_mod else 'no'}")
+    start = time.monotonic()
     rows, shapes = [], ({} if args.fresh else read_table(args.table_out, info["device"]))
     for name in args.models.split(","):
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
@@ -309,6 +344,10 @@ def main():
         ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
         table = shapes.setdefault(shape_key(E + S, H, I, K + S), {})
         for T in map(int, args.tokens.split(",")):
+            if args.deadline and time.monotonic() - start > args.deadline:
+                log(f"{name} T={T}: skipped, past the {args.deadline:.0f} s deadline")
+                continue
+            t0 = time.monotonic()
             try:
                 row = tune_cell(
                     name,
@@ -320,10 +359,13 @@ def main():
                     log,
                     set(args.only.split(",")) if args.only else None,
                     json.loads(args.variants) if args.variants else None,
+                    peer_only,
                 )
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 continue
+            row["wall_s"] = time.monotonic() - t0
+            log(f"{name} T={T}: cell took {row['wall_s']:.0f} s, {time.monotonic() - start:.0f} s so far")
             rows.append(row)
             if row["best"]:
                 table[str(T)] = row["ours"][row["best"]]["config"]
