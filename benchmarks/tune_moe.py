@@ -36,130 +36,11 @@ from common import (  # noqa: E402
 )
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
-from runtime.moe_tiles import (  # noqa: E402
-    builtin_tile_config,
-    check_tile_config,
-    dtype_tag,
-    shape_key,
-    table_file_name,
-)
+from runtime.moe_tiles import builtin_tile_config, dtype_tag, shape_key, table_file_name  # noqa: E402
 from runtime.moe_triton import card_info, resolve_tile_config, tile_source  # noqa: E402
+from runtime.tune_moe import CANDIDATES, band, check_and_time  # noqa: E402
 
 ROT = 4
-TOL = 1e-2
-_PQ = dict(quantize_input_first=True)
-_SWAP1 = dict(_PQ, block_m=16, gemm1_swap_ab=True, gemm1_stages=4)
-_EPQ = dict(
-    gemm1_fused_activation=True,
-    gemm1_block_n=128,
-    quantize_in_epilogue=True,
-    quantize_input_first=True,
-    down_output_dtype="bfloat16",
-    group_m=8,
-)
-_EPQ_SWAP = dict(
-    _EPQ,
-    block_m=16,
-    gemm1_swap_ab=True,
-    gemm2_swap_ab=True,
-    gemm2_block_n=64,
-    gemm1_stages=4,
-    gemm2_stages=4,
-    group_m=1,
-    down_output_dtype="float32",
-)
-_PLAIN_SPLIT_HQ = dict(
-    _SWAP1,
-    gemm1_fused_activation=False,
-    gemm1_block_n=64,
-    gemm1_split_k=2,
-    quantize_hidden_first=True,
-    gemm2_block_n=64,
-    gemm2_swap_ab=True,
-    gemm2_stages=4,
-)
-# Prefill as the peer's GEMMs run: plain GEMM1 (one 64x128 float32 accumulator per program, 4 warps) writing float32
-# gate | up sums, then SwiGLU + FP8 quantization of h in their own launch; GEMM2 reads FP8 h.
-_PLAIN_HQ_M64 = dict(
-    block_m=64,
-    gemm1_fused_activation=False,
-    gemm1_block_n=128,
-    gemm1_split_k=1,
-    gemm1_swap_ab=False,
-    gemm1_warps=4,
-    gemm1_stages=3,
-    quantize_input_first=True,
-    quantize_in_epilogue=False,
-    quantize_hidden_first=True,
-    gemm2_block_n=128,
-    gemm2_swap_ab=False,
-    gemm2_warps=4,
-    gemm2_stages=3,
-    group_m=32,
-    down_output_dtype="bfloat16",
-)
-# Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
-# quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
-# 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower. Dropped after
-# the runs in benchmarks/results/2026-12-03-h200-tune-{1..5}: in-register A at decode, 5 stages, 128-row tiles (spills),
-# 8-warp plain GEMM1, 256-column plain GEMM1 tiles. Every cell also times "current": the table's own entry.
-_TMA = dict(weight_tma=True)
-_HQ_SWAP = dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True, gemm2_stages=4)
-CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
-    "decode": {
-        "paired-swap-pq-hq-swap": _HQ_SWAP,
-        "paired-swap-pq-hq-swap-tma": dict(_HQ_SWAP, **_TMA),
-        "epq-swap-pq": _EPQ_SWAP,
-        # Split GEMM1 (plain gate | up columns, float32 partial sums): more programs in flight than the paired
-        # GEMM1's 288; the sums, SwiGLU and FP8 quantization of h in their own launch so GEMM2 reads FP8 and swaps.
-        "plain-split2-hq": _PLAIN_SPLIT_HQ,
-        "plain-split4-hq": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4),
-        "plain-split4-hq-tma": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4, **_TMA),
-    },
-    "small": {
-        "m16-epq-swap-pq": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, group_m=8),
-        "paired-swap-pq-hq-swap": dict(_HQ_SWAP, gemm1_stages=3, group_m=8),
-        "paired-swap-pq-hq-swap-tma": dict(_HQ_SWAP, gemm1_stages=3, group_m=8, **_TMA),
-        "plain-split2-hq": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3),
-    },
-    "mid": {
-        "m32-epq-swap-g32": dict(
-            _EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128, group_m=32
-        ),
-        "m32-epq-swap-g32-tma": dict(
-            _EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128, group_m=32, **_TMA
-        ),
-        "m32-plain-hq-swap-tma": dict(_PLAIN_HQ_M64, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, **_TMA),
-        "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
-    },
-    "prefill": {
-        "m64-epq-n2x256-s4": dict(
-            _EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8, group_m=16
-        ),
-        "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
-        "m64-plain-hq-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, **_TMA),
-        "m64-plain-hq-g8-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, **_TMA),
-        "m64-plain-hq-s4-tma-n2x256": dict(
-            _PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8, **_TMA
-        ),
-        # The shared slot as dense cuBLASLt GEMMs (issue 24) under the 64-row plain tiles, 128 or 256 GEMM2 columns.
-        "m64-plain-hq-s4-tma-dense": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, shared_dense=True, **_TMA),
-        "m64-plain-hq-g8-s4-tma-dense": dict(
-            _PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, shared_dense=True, **_TMA
-        ),
-        # One 128x128 accumulator per program in two warpgroups (the gated 128-row tiles spilled); shared slot dense.
-        "m128-plain-hq-tma-dense": dict(
-            _PLAIN_HQ_M64,
-            block_m=128,
-            gemm1_warps=8,
-            gemm2_warps=8,
-            gemm1_stages=3,
-            gemm2_stages=3,
-            shared_dense=True,
-            **_TMA,
-        ),
-    },
-}
 
 
 def from_results(results_path, table_dir):
@@ -172,10 +53,6 @@ def from_results(results_path, table_dir):
         if r.get("best"):
             shapes.setdefault(shape_key(E + S, H, I, K + S), {})[str(r["T"])] = r["ours"][r["best"]]["config"]
     write_table(table_dir, res["info"], shapes, print)
-
-
-def band(T: int) -> str:
-    return "decode" if T <= 8 else "small" if T <= 64 else "mid" if T <= 1024 else "prefill"
 
 
 def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None, peer_only=None):
@@ -208,26 +85,17 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None,
             log(f"  {name} T={T} ours {label}: same config as {same}")
             continue
         timed[json.dumps(full, sort_keys=True)] = label
-        try:
-            check_tile_config(full)
-            y = torch.full_like(x, float("nan"))
-            fused_moe(x, ew, ids0, w0, tile_config=full, out=y, shared_slots=shared)
-            torch.cuda.synchronize()
-            err = rel(y, ref)
-            if not err < TOL or torch.isnan(y).any():
-                log(f"  {name} T={T} ours {label}: CHECK FAILED rel {err:.2e}")
-                row["ours"][label] = dict(ok=False, rel=err)
-                continue
-            t = graph_time_us(
-                lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out, shared_slots=shared) for i, w in sets],
-                ROT,
-                trials,
-            )
-            row["ours"][label] = dict(ok=True, rel=err, us=t, config=full)
-            log(f"  {name} T={T} ours {label}: {t:.1f} us (rel {err:.1e})")
-        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
-            row["ours"][label] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-            log(f"  {name} T={T} ours {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        row["ours"][label] = check_and_time(
+            x,
+            ew,
+            sets,
+            ref,
+            full,
+            shared,
+            lambda fn, calls: graph_time_us(fn, calls, trials),
+            log,
+            f"{name} T={T} ours {label}",
+        )
     if peer_mod is not None:
         KS = ids0.shape[1]
         for act in ("fused", "unfused"):
