@@ -8,7 +8,7 @@
 #
 # MODELS, TOKENS, TUNE_DEADLINE (seconds of tuning before no new cell starts) and PEER_FROM (an earlier tune_moe
 # results file: the peer is timed with vLLM's own config and the one that won each cell there) may be set. Writes
-# $OUT/$TAG-{card.txt,tune.json,tune.log,bench.json,bench.log} and the table the run wrote.
+# $OUT/$TAG-{card.txt,tune.json,tune.log,bench.json,bench.log,user-tune.log} and the table the run wrote.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 : "${OUT:?set OUT}" "${TAG:?set TAG}"
@@ -39,3 +39,11 @@ cp "$table" "$OUT/"
 python3 benchmarks/bench_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --rounds 3 --anchors --no-exact \
     --default-too --peer-dir "$PEERS" --peer-configs "$OUT/$TAG-tune.json" --out "$OUT/$TAG-bench.json" 2>&1 |
     tee "$OUT/$TAG-bench.log"
+
+# The user's tuning command on the same card: one shape into a fresh cache folder, then the lookup must read it.
+export XDG_CACHE_HOME=/tmp/issue32-cache
+python3 -m runtime.tune_moe --shape slots=257,hidden=7168,intermediate=2048,slots_per_token=9 --tokens 1,4096 \
+    --trials 3 2>&1 | tee "$OUT/$TAG-user-tune.log"
+python3 -c 'import torch; from runtime.moe_triton import tile_source; from runtime.tune_moe import random_fp8_experts
+ew = random_fp8_experts(257, 7168, 2048)
+print("lookup after the user run:", tile_source(1, ew, 9, torch.device("cuda")))' 2>&1 | tee -a "$OUT/$TAG-user-tune.log"
