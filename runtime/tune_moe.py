@@ -171,9 +171,13 @@ def band(num_tokens: int) -> str:
     return "decode" if num_tokens <= 8 else "small" if num_tokens <= 64 else "mid" if num_tokens <= 1024 else "prefill"
 
 
-def graph_time_us(fn: Callable[[], object], calls: int, trials: int = 7, warmup: int = 2) -> float:
+def graph_time_us(
+    fn: Callable[[], object], calls: int, trials: int = 7, warmup: int = 2, busy_ms: float = 100.0
+) -> float:
     """Median device time per call (us) of ``fn``, which makes ``calls`` calls, captured once in a
-    CUDA graph and replayed ``trials`` times (after ``warmup`` eager runs on a side stream)."""
+    CUDA graph and replayed ``trials`` times (after ``warmup`` eager runs on a side stream, and replays for at least
+    ``busy_ms`` so the clocks are up: an idle H100 sits at 345 MHz, and decode cells timed from idle came out
+    bimodal, 141 or 164 us for one config, 2026-12-06)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -184,8 +188,13 @@ def graph_time_us(fn: Callable[[], object], calls: int, trials: int = 7, warmup:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
     g.replay()
+    b.record()
     torch.cuda.synchronize()
+    for _ in range(math.ceil(busy_ms / max(a.elapsed_time(b), 1e-3))):
+        g.replay()
     res = []
     for _ in range(trials):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
