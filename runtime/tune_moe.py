@@ -156,8 +156,9 @@ CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
         ),
     },
 }
-# What a user's run times by default: per band the candidates that came within a few percent of the winner on the
-# H100 and the H200 (benchmarks/results/2026-12-06-*-tune.json), so a run takes minutes, not an hour.
+# What a user's run times by default (beside the lookup's current entry): per band the candidates that won or came
+# close on the H100 (benchmarks/results/2026-12-06-h100-run3-tune.json: these and current within 0.5% of the whole
+# candidate set in 19 of 20 cells, 2.5% in the last) and on the H200 (2026-12-03/04 runs), so a run takes minutes.
 USER_CANDIDATES = {
     "decode": ("plain-split4-hq", "plain-split2-hq", "plain-split4-hq-tma", "paired-swap-pq-hq-swap-tma"),
     "small": ("paired-swap-pq-hq-swap-tma", "plain-split2-hq", "m16-epq-swap-pq"),
