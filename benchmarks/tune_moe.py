@@ -3,12 +3,15 @@
     PYTHONPATH=. python3 benchmarks/tune_moe.py [--models ...] [--tokens 1,8,64,512,4096]
         [--table-out runtime/configs] [--results-out results.json] [--peer | --no-peer] [--peer-dir DIR]
 
-For every model geometry and token count, each candidate tile config below is first checked
+For every model geometry and token count, each candidate tile config of ``runtime.tune_moe.CANDIDATES`` for the
+token band (``--only`` narrows them; the table's own entry, ``current``, is always among them) is first checked
 against the PyTorch reference (relative error < 1e-2, every output row written) and only then
 timed (median per call of a CUDA graph of ROT calls on ROT routings); the fastest passing one goes
 into the table. With the peer harness present (``.peers`` or ``../shared/peers``), the peer (vLLM's
 Triton fused MoE) is timed in the same run with its default and each shipped H200 tuned config,
-checked against the reference too, for a side-by-side record in ``--results-out``.
+checked against the reference too, for a side-by-side record in ``--results-out`` (``--peer-from`` an earlier
+results file: only vLLM's own config and the one that won each cell there). This writes the shipped tables; a user
+tunes their own card with ``python -m runtime.tune_moe``, which writes the user's cache folder.
 """
 
 from __future__ import annotations
