@@ -44,7 +44,7 @@ from common import (
 )
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
-from runtime.moe_triton import resolve_tile_config  # noqa: E402
+from runtime.moe_triton import resolve_tile_config, tile_source  # noqa: E402
 
 ROT = 4
 TOL_OURS = 1e-2
@@ -73,6 +73,12 @@ def main():
     ap.add_argument("--unfused", action="store_true")
     ap.add_argument("--anchors", action="store_true", help="time the block-FP8 cuBLASLt anchors too")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--default-too",
+        action="store_true",
+        help="also time ours with the tiles this card gets without a table of its own (its shipped table and the "
+        "user's cache ignored: the default derived from the card), in the same rounds",
+    )
     ap.add_argument(
         "--rounds",
         type=int,
@@ -128,6 +134,7 @@ def main():
                 rel_ours=err,
                 ok=bool(err < TOL_OURS and not torch.isnan(y).any()),
                 tiles=resolve_tile_config(T, ew, K + S, x.device, override),
+                tiles_source=tile_source(T, ew, K + S, x.device),
             )
             if args.exact:
                 exact = exact_moe(x, ew, ids0, w0)
@@ -141,7 +148,9 @@ def main():
                     gemm2_shared=(T, H, I),
                 )
                 for what, (m, n, k) in shapes.items():
-                    anchors.append(dict(block_fp8_anchor(m, n, k), what=what, model=name, T=T))
+                    same = next((a for a in anchors if (a["M"], a["N"], a["K"]) == (m, n, k) and "model" in a), None)
+                    a = dict(same, same_as=f"{same['model']} T={same['T']}") if same else block_fp8_anchor(m, n, k)
+                    anchors.append(dict(a, what=what, model=name, T=T))
                     print(f"anchor {anchors[-1]}", flush=True)
 
             def ours():
@@ -149,6 +158,24 @@ def main():
 
             ours_rounds = [graph_time_us(ours, ROT, args.trials)]
             tf = ours_rounds[0]
+            default, default_rounds = None, []
+            if args.default_too:
+                dcfg = resolve_tile_config(T, ew, K + S, x.device, override, own_tables=False)
+                yd = torch.full_like(x, float("nan"))
+                fused_moe(x, ew, ids0, w0, tile_config=dcfg, out=yd, shared_slots=S)
+                torch.cuda.synchronize()
+                derr = rel(yd, ref)
+                r.update(
+                    default_tiles=dcfg,
+                    default_source=tile_source(T, ew, K + S, x.device, own_tables=False),
+                    rel_default=derr,
+                    default_ok=bool(derr < TOL_OURS and not torch.isnan(yd).any()),
+                )
+
+                def default():
+                    return [fused_moe(x, ew, i, w, tile_config=dcfg, out=out, shared_slots=S) for i, w in sets]
+
+                default_rounds.append(graph_time_us(default, ROT, args.trials))
             experts = sum(torch.unique(i).numel() for i, _ in sets) / ROT
             nbytes = experts * per_expert + 2 * x.numel() * x.element_size()
             flops = 2 * T * (K + S) * 3 * H * I
@@ -193,8 +220,10 @@ def main():
                     best = min(peer_times, key=lambda k: peer_times[k][0])
                     first_us, best_rel, peer, c = peer_times[best]
                     peer_rounds = [first_us]
-                    for _ in range(args.rounds - 1):  # interleaved: ours, peer, ours, peer, ...
+                    for _ in range(args.rounds - 1):  # interleaved: ours, (default,) peer, ours, ...
                         ours_rounds.append(graph_time_us(ours, ROT, args.trials))
+                        if default:
+                            default_rounds.append(graph_time_us(default, ROT, args.trials))
                         peer_rounds.append(time_peer(peer, c))
                     tf, tp = statistics.median(ours_rounds), statistics.median(peer_rounds)
                     r.update(
@@ -212,6 +241,16 @@ def main():
                         peer_pct_copy=100 * nbytes / (tp * 1e-6) / bw,
                         peer_all={k: v[0] for k, v in peer_times.items()},
                     )
+            if default and len(default_rounds) < args.rounds:  # no peer: ours and the default alternate
+                for _ in range(args.rounds - len(default_rounds)):
+                    ours_rounds.append(graph_time_us(ours, ROT, args.trials))
+                    default_rounds.append(graph_time_us(default, ROT, args.trials))
+                tf = statistics.median(ours_rounds)
+                r.update(ours_us=tf, ours_rounds=ours_rounds, pct_copy=100 * nbytes / (tf * 1e-6) / bw)
+                r["tflops"] = flops / (tf * 1e-6) / 1e12
+            if default:
+                td = statistics.median(default_rounds)
+                r.update(default_us=td, default_rounds=default_rounds, default_over_table=td / tf)
             rows.append(r)
             if args.out:  # after every cell, so a run cut short keeps what it measured
                 with open(args.out, "w") as f:
@@ -228,6 +267,11 @@ def main():
                     else ""
                 )
                 + (f" | unfused {r['unfused_us']:8.1f} us" if "unfused_us" in r else "")
+                + (
+                    f" | default {r['default_us']:8.1f} us ({r['default_over_table']:.3f}x, {r['default_source']})"
+                    if "default_us" in r
+                    else ""
+                )
                 + f" | floor {r['floor_us']:.1f} us",
                 flush=True,
             )
@@ -241,7 +285,15 @@ def main():
             f"{r.get('peer_over_ours', float('nan')):.3f} | {r['pct_copy']:.1f} | {r.get('peer_pct_copy', float('nan')):.1f} "
             f"| {r['tflops']:.1f} |"
         )
-    fails = [f"{r['model']} T={r['T']}" for r in rows if not r["ok"]]
+    if any("default_us" in r for r in rows):
+        print("\n| model | T | table us | default us | default / table | default tiles from |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['model']} | {r['T']} | {r['ours_us']:.1f} | {r['default_us']:.1f} | "
+                f"{r['default_over_table']:.3f} | {r['default_source']} |"
+            )
+    fails = [f"{r['model']} T={r['T']}" for r in rows if not r["ok"] or not r.get("default_ok", True)]
     print(f"checks: {len(rows) - len(fails)} passed, {len(fails)} failed {fails if fails else ''}")
     if args.out:
         with open(args.out, "w") as f:

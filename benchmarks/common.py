@@ -22,34 +22,9 @@ for p in (ROOT, os.path.join(ROOT, "tests", "runtime")):
 
 from rt_helpers import MODELS, exact_moe, random_fp8_experts, rel  # noqa: E402,F401
 
+from runtime.tune_moe import graph_time_us  # noqa: E402,F401
+
 TOKENS = [1, 8, 64, 512, 4096]
-
-
-def graph_time_us(fn, calls: int, trials: int = 7, warmup: int = 2) -> float:
-    """Median device time per call (us) of ``fn``, which makes ``calls`` calls, captured once in a
-    CUDA graph and replayed ``trials`` times (after ``warmup`` eager runs on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) * 1e3 / calls)
-    del g
-    return sorted(res)[len(res) // 2]
 
 
 def eager_time_us(fn, calls: int, trials: int = 5, warmup: int = 5) -> float:

@@ -3,12 +3,15 @@
     PYTHONPATH=. python3 benchmarks/tune_moe.py [--models ...] [--tokens 1,8,64,512,4096]
         [--table-out runtime/configs] [--results-out results.json] [--peer | --no-peer] [--peer-dir DIR]
 
-For every model geometry and token count, each candidate tile config below is first checked
+For every model geometry and token count, each candidate tile config of ``runtime.tune_moe.CANDIDATES`` for the
+token band (``--only`` narrows them; the table's own entry, ``current``, is always among them) is first checked
 against the PyTorch reference (relative error < 1e-2, every output row written) and only then
 timed (median per call of a CUDA graph of ROT calls on ROT routings); the fastest passing one goes
 into the table. With the peer harness present (``.peers`` or ``../shared/peers``), the peer (vLLM's
 Triton fused MoE) is timed in the same run with its default and each shipped H200 tuned config,
-checked against the reference too, for a side-by-side record in ``--results-out``.
+checked against the reference too, for a side-by-side record in ``--results-out`` (``--peer-from`` an earlier
+results file: only vLLM's own config and the one that won each cell there). This writes the shipped tables; a user
+tunes their own card with ``python -m runtime.tune_moe``, which writes the user's cache folder.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -35,125 +39,11 @@ from common import (  # noqa: E402
 )
 
 from runtime import RoutingConfig, fused_moe, route  # noqa: E402
-from runtime.moe_triton import resolve_tile_config  # noqa: E402
-from runtime.moe_tiles import (
-    builtin_tile_config,
-    check_tile_config,
-    dtype_tag,
-    shape_key,  # noqa: E402
-    table_file_name,
-)
+from runtime.moe_tiles import builtin_tile_config, dtype_tag, shape_key, table_file_name  # noqa: E402
+from runtime.moe_triton import card_info, resolve_tile_config, tile_source  # noqa: E402
+from runtime.tune_moe import CANDIDATES, band, check_and_time  # noqa: E402
 
 ROT = 4
-TOL = 1e-2
-_PQ = dict(quantize_input_first=True)
-_SWAP1 = dict(_PQ, block_m=16, gemm1_swap_ab=True, gemm1_stages=4)
-_EPQ = dict(
-    gemm1_fused_activation=True,
-    gemm1_block_n=128,
-    quantize_in_epilogue=True,
-    quantize_input_first=True,
-    down_output_dtype="bfloat16",
-    group_m=8,
-)
-_EPQ_SWAP = dict(
-    _EPQ,
-    block_m=16,
-    gemm1_swap_ab=True,
-    gemm2_swap_ab=True,
-    gemm2_block_n=64,
-    gemm1_stages=4,
-    gemm2_stages=4,
-    group_m=1,
-    down_output_dtype="float32",
-)
-_PLAIN_SPLIT_HQ = dict(
-    _SWAP1,
-    gemm1_fused_activation=False,
-    gemm1_block_n=64,
-    gemm1_split_k=2,
-    quantize_hidden_first=True,
-    gemm2_block_n=64,
-    gemm2_swap_ab=True,
-    gemm2_stages=4,
-)
-# Prefill as the peer's GEMMs run: plain GEMM1 (one 64x128 float32 accumulator per program, 4 warps) writing float32
-# gate | up sums, then SwiGLU + FP8 quantization of h in their own launch; GEMM2 reads FP8 h.
-_PLAIN_HQ_M64 = dict(
-    block_m=64,
-    gemm1_fused_activation=False,
-    gemm1_block_n=128,
-    gemm1_split_k=1,
-    gemm1_swap_ab=False,
-    gemm1_warps=4,
-    gemm1_stages=3,
-    quantize_input_first=True,
-    quantize_in_epilogue=False,
-    quantize_hidden_first=True,
-    gemm2_block_n=128,
-    gemm2_swap_ab=False,
-    gemm2_warps=4,
-    gemm2_stages=3,
-    group_m=32,
-    down_output_dtype="bfloat16",
-)
-# Swapped operands only pay when A comes from memory (quantize_input_first / quantize_in_epilogue): a tile
-# quantized in registers has to go through shared memory every K step, which stalls the pipeline. Run of
-# 2026-12-03 (docs/benchmarks.md): plain GEMM1 and split-K with in-register A were 1.4-2.6x slower. Dropped after
-# the runs in benchmarks/results/2026-12-03-h200-tune-{1..5}: in-register A at decode, 5 stages, 128-row tiles (spills),
-# 8-warp plain GEMM1, 256-column plain GEMM1 tiles. Every cell also times "current": the table's own entry.
-_TMA = dict(weight_tma=True)
-_HQ_SWAP = dict(_SWAP1, quantize_hidden_first=True, gemm2_block_n=64, gemm2_swap_ab=True, gemm2_stages=4)
-CANDIDATES = {  # token bands -> {name: overrides on builtin_tile_config}
-    "decode": {
-        "paired-swap-pq-hq-swap": _HQ_SWAP,
-        "paired-swap-pq-hq-swap-tma": dict(_HQ_SWAP, **_TMA),
-        "epq-swap-pq": _EPQ_SWAP,
-        # Split GEMM1 (plain gate | up columns, float32 partial sums): more programs in flight than the paired
-        # GEMM1's 288; the sums, SwiGLU and FP8 quantization of h in their own launch so GEMM2 reads FP8 and swaps.
-        "plain-split2-hq": _PLAIN_SPLIT_HQ,
-        "plain-split4-hq": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4),
-        "plain-split4-hq-tma": dict(_PLAIN_SPLIT_HQ, gemm1_split_k=4, **_TMA),
-    },
-    "small": {
-        "m16-epq-swap-pq": dict(_EPQ_SWAP, gemm1_stages=3, gemm2_stages=3, group_m=8),
-        "paired-swap-pq-hq-swap": dict(_HQ_SWAP, gemm1_stages=3, group_m=8),
-        "paired-swap-pq-hq-swap-tma": dict(_HQ_SWAP, gemm1_stages=3, group_m=8, **_TMA),
-        "plain-split2-hq": dict(_PLAIN_SPLIT_HQ, gemm1_stages=3, gemm2_stages=3),
-    },
-    "mid": {
-        "m32-epq-swap-g32": dict(
-            _EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128, group_m=32
-        ),
-        "m32-epq-swap-g32-tma": dict(
-            _EPQ, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, gemm2_block_n=128, group_m=32, **_TMA
-        ),
-        "m32-plain-hq-swap-tma": dict(_PLAIN_HQ_M64, block_m=32, gemm1_swap_ab=True, gemm2_swap_ab=True, **_TMA),
-        "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
-    },
-    "prefill": {
-        "m64-epq-n2x256-s4": dict(
-            _EPQ, block_m=64, gemm1_warps=8, gemm1_stages=4, gemm2_block_n=256, gemm2_warps=8, group_m=16
-        ),
-        "m64-plain-hq-tma": dict(_PLAIN_HQ_M64, **_TMA),
-        "m64-plain-hq-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, **_TMA),
-        "m64-plain-hq-g8-s4-tma": dict(_PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, group_m=8, **_TMA),
-        "m64-plain-hq-s4-tma-n2x256": dict(
-            _PLAIN_HQ_M64, gemm1_stages=4, gemm2_stages=4, gemm2_block_n=256, gemm2_warps=8, **_TMA
-        ),
-        # One 128x128 accumulator per program in two warpgroups (the gated 128-row tiles spilled); shared slot dense.
-        "m128-plain-hq-tma-dense": dict(
-            _PLAIN_HQ_M64,
-            block_m=128,
-            gemm1_warps=8,
-            gemm2_warps=8,
-            gemm1_stages=3,
-            gemm2_stages=3,
-            shared_dense=True,
-            **_TMA,
-        ),
-    },
-}
 
 
 def from_results(results_path, table_dir):
@@ -168,11 +58,7 @@ def from_results(results_path, table_dir):
     write_table(table_dir, res["info"], shapes, print)
 
 
-def band(T: int) -> str:
-    return "decode" if T <= 8 else "small" if T <= 64 else "mid" if T <= 1024 else "prefill"
-
-
-def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None):
+def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None, peer_only=None):
     H = ew.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(1000 + T)
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -184,41 +70,42 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
     row = dict(model=name, T=T, ours={}, peer={})
     base = builtin_tile_config(T, True)
     current = resolve_tile_config(T, ew, ids0.shape[1], x.device)
+    row["current_source"] = tile_source(T, ew, ids0.shape[1], x.device)
     cands = dict(CANDIDATES[band(T)], current=current)
     if T >= 256 and cfg.num_fused_shared_experts:  # the table's entry with the shared slots as dense block-FP8 GEMMs
         cands["current-dense"] = dict(current, shared_dense=True)
     for label, over in (variants or {}).items():  # --variants: overrides on the table's own entry
         cands[label] = dict(current, **over)
     shared = cfg.num_fused_shared_experts
+    timed = {}  # the full config (as JSON) -> the label it was timed under: a candidate equal to another is not re-run
     for label, over in cands.items():
         if only and label not in only:
             continue
         full = dict(base, **over)
-        try:
-            check_tile_config(full)
-            y = torch.full_like(x, float("nan"))
-            fused_moe(x, ew, ids0, w0, tile_config=full, out=y, shared_slots=shared)
-            torch.cuda.synchronize()
-            err = rel(y, ref)
-            if not err < TOL or torch.isnan(y).any():
-                log(f"  {name} T={T} ours {label}: CHECK FAILED rel {err:.2e}")
-                row["ours"][label] = dict(ok=False, rel=err)
-                continue
-            t = graph_time_us(
-                lambda: [fused_moe(x, ew, i, w, tile_config=full, out=out, shared_slots=shared) for i, w in sets],
-                ROT,
-                trials,
-            )
-            row["ours"][label] = dict(ok=True, rel=err, us=t, config=full)
-            log(f"  {name} T={T} ours {label}: {t:.1f} us (rel {err:.1e})")
-        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
-            row["ours"][label] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-            log(f"  {name} T={T} ours {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        same = timed.get(json.dumps(full, sort_keys=True))
+        if same:
+            row["ours"][label] = dict(row["ours"][same], same_as=same)
+            log(f"  {name} T={T} ours {label}: same config as {same}")
+            continue
+        timed[json.dumps(full, sort_keys=True)] = label
+        row["ours"][label] = check_and_time(
+            x,
+            ew,
+            sets,
+            ref,
+            full,
+            shared,
+            lambda fn, calls: graph_time_us(fn, calls, trials),
+            log,
+            f"{name} T={T} ours {label}",
+        )
     if peer_mod is not None:
         KS = ids0.shape[1]
         for act in ("fused", "unfused"):
             peer = peer_mod.Peer(ew, act)
             cands = peer_mod.sweep_candidates(peer, T, KS)
+            if peer_only is not None:  # --peer-from: vLLM's own choice and the config that won this cell there
+                cands = [(label, c) for label, c in cands if label in peer_only.get((name, T), {"vllm"})]
             if act == "unfused":  # the activation path does not change the GEMMs: its best config only
                 best = min((v for v in row["peer"].values() if v.get("ok")), key=lambda v: v["us"], default=None)
                 cands = [(best["label"], best["config"])] if best else cands[:1]
@@ -240,7 +127,7 @@ def tune_cell(name, T, ew, cfg, peer_mod, trials, log, only=None, variants=None)
                 except Exception as e:  # noqa: BLE001
                     row["peer"][key] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
                     log(f"  {name} T={T} peer {key}: FAILED {type(e).__name__}: {str(e)[:200]}")
-    good = {k: v for k, v in row["ours"].items() if v.get("ok")}
+    good = {k: v for k, v in row["ours"].items() if v.get("ok") and not v.get("same_as")}
     row["best"] = min(good, key=lambda k: good[k]["us"]) if good else None
     pgood = {k: v for k, v in row["peer"].items() if v.get("ok")}
     row["peer_best"] = min(pgood, key=lambda k: pgood[k]["us"]) if pgood else None
@@ -265,6 +152,7 @@ def write_table(table_dir, info, shapes, log):
         torch=info["torch"],
         date=info["date"],
         generated_by="benchmarks/tune_moe.py",
+        card=info["card"],
         shapes=shapes,
         default=first,
     )
@@ -295,13 +183,31 @@ def main():
         help="JSON {name: overrides} timed on top of the table's entry, "
         'e.g. \'{"bf16gu": {"gemm1_output_dtype": "bfloat16"}}\'',
     )
+    ap.add_argument(
+        "--peer-from",
+        default=None,
+        help="a tune_moe.py results file (another card's run): time only vLLM's own config and the one that won "
+        "each cell there, instead of every shipped H200 config",
+    )
+    ap.add_argument(
+        "--deadline", type=float, default=None, help="seconds after the start past which no new cell is started"
+    )
     args = ap.parse_args()
     if args.from_results:
         return from_results(args.from_results, args.table_out)
     log = lambda s: print(s, flush=True)  # noqa: E731
     peer_mod = load_peer(find_peer_dir(args.peer_dir)) if args.peer else None
+    peer_only = None
+    if args.peer_from:
+        peer_only = {}
+        with open(args.peer_from) as f:
+            for r in json.load(f)["rows"]:
+                won = r["peer"][r["peer_best"]]["label"] if r.get("peer_best") else "vllm"
+                peer_only[(r["model"], r["T"])] = {"vllm", won}
     info = dict(versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    info["card"] = card_info(torch.cuda.current_device()).to_json()
     log(f"{info}; peer: {'yes' if peer_mod else 'no'}")
+    start = time.monotonic()
     rows, shapes = [], ({} if args.fresh else read_table(args.table_out, info["device"]))
     for name in args.models.split(","):
         H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
@@ -309,6 +215,10 @@ def main():
         ew = random_fp8_experts(E + S, H, I, oai=oai, seed=1)
         table = shapes.setdefault(shape_key(E + S, H, I, K + S), {})
         for T in map(int, args.tokens.split(",")):
+            if args.deadline and time.monotonic() - start > args.deadline:
+                log(f"{name} T={T}: skipped, past the {args.deadline:.0f} s deadline")
+                continue
+            t0 = time.monotonic()
             try:
                 row = tune_cell(
                     name,
@@ -320,10 +230,13 @@ def main():
                     log,
                     set(args.only.split(",")) if args.only else None,
                     json.loads(args.variants) if args.variants else None,
+                    peer_only,
                 )
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 continue
+            row["wall_s"] = time.monotonic() - t0
+            log(f"{name} T={T}: cell took {row['wall_s']:.0f} s, {time.monotonic() - start:.0f} s so far")
             rows.append(row)
             if row["best"]:
                 table[str(T)] = row["ours"][row["best"]]["config"]

@@ -1,17 +1,28 @@
-"""Tile choices of the Triton fused MoE: tuned tables as JSON data, a built-in default otherwise.
+"""Tile choices of the Triton fused MoE: tuned tables as JSON data, a default derived from the card otherwise.
 
 The tables live in ``runtime/configs/`` (shipped as package data), one file per GPU and weight
 dtype, named ``moe_<dtype>_<device name with spaces as underscores>.json``, e.g.
 ``moe_fp8_e4m3_block128_NVIDIA_H200.json``. ``benchmarks/tune_moe.py`` writes them. A file holds::
 
     {"device": "NVIDIA H200", "dtype": "fp8_e4m3_block128", "triton": "3.6.0", "date": "...",
+     "card": {"capability": [9, 0], "sms": 132, "smem_per_block": 232448, "mem_bandwidth": 4.8e12},
      "shapes": {"slots=257,hidden=7168,intermediate=2048,slots_per_token=9":
                     {"1": {tile config}, "8": {...}, ...}},
      "default": {"1": {...}, ...}}
 
 A shape's table is keyed by token counts; a call with ``T`` tokens takes the entry with the
-nearest key (on a log scale). Shapes not in ``shapes`` use ``default`` from the same file, and
-devices without a file use :func:`builtin_tile_config`. Nothing here imports Triton.
+nearest key (on a log scale). Where a call's tiles come from, first match wins (:func:`tile_config`):
+
+1. the user's own table for this card and Triton version, written by ``python -m runtime.tune_moe`` into the
+   user's cache folder (:func:`cache_dir`; never the package folder), then this card's shipped table, then the
+   shipped tables of the other cards of the same architecture, nearest first (:func:`nearest_cards`: compute
+   capability, then SM count and memory bandwidth): the first of them that has the call's shape;
+2. else the ``default`` entries of the first of those tables that has one;
+3. else :func:`builtin_tile_config`.
+
+Pipeline stages are then lowered where the card's shared memory per block could not hold them
+(:func:`fit_shared_memory`). A cache file that cannot be read or does not pass the checks is skipped with a
+warning. Nothing here imports torch or Triton: the caller describes the card (:class:`CardInfo`).
 
 A tile config is a dict with these keys (every key optional when overriding):
 
@@ -49,10 +60,13 @@ A tile config is a dict with these keys (every key optional when overriding):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import glob
 import json
 import math
 import os
+import warnings
 from typing import Any, Mapping
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -186,12 +200,150 @@ def check_tile_config(cfg: Mapping[str, Any]) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class CardInfo:
+    """What the default tiles are derived from, as ``torch.cuda.get_device_properties`` reports it.
+
+    ``name``: the device name (``torch.cuda.get_device_name``); ``capability``: (major, minor); ``sms``: streaming
+    multiprocessors; ``smem_per_block``: the most shared memory one program may opt into, bytes; ``mem_bandwidth``:
+    peak memory bandwidth in bytes/s from the memory clock and bus width (0.0 where the driver does not say)."""
+
+    name: str
+    capability: tuple[int, int]
+    sms: int
+    smem_per_block: int
+    mem_bandwidth: float = 0.0
+
+    def to_json(self) -> dict:
+        """The ``card`` block of a table file (the name is the file's ``device``)."""
+        return dict(
+            capability=list(self.capability),
+            sms=self.sms,
+            smem_per_block=self.smem_per_block,
+            mem_bandwidth=self.mem_bandwidth,
+        )
+
+    @classmethod
+    def from_json(cls, name: str, card: Mapping[str, Any]) -> "CardInfo":
+        return cls(
+            name,
+            tuple(int(c) for c in card["capability"]),
+            int(card["sms"]),
+            int(card["smem_per_block"]),
+            float(card.get("mem_bandwidth", 0.0)),
+        )
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """The user's folder of tuned tables: ``$XDG_CACHE_HOME/fuse-shared/moe_tiles``, else
+    ``~/.cache/fuse-shared/moe_tiles`` (``env`` defaults to ``os.environ``, read at each call)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fuse-shared", "moe_tiles")
+
+
+def cache_file_name(device_name: str, dtype: str, triton_version: str) -> str:
+    """``moe_<dtype>_<device>_triton-<version>.json``: a table tuned under one Triton is not read by another."""
+    return table_file_name(device_name, dtype)[: -len(".json")] + f"_triton-{triton_version}.json"
+
+
+def _check_table(table: Any, device_name: str | None, dtype: str) -> None:
+    """Raise ``ValueError`` where a table file's document is not a table of ``dtype`` (for ``device_name``)."""
+    if not isinstance(table, dict):
+        raise ValueError("not a JSON object")
+    if device_name is not None and table.get("device") != device_name:
+        raise ValueError(f"its device is {table.get('device')!r}, not {device_name!r}")
+    if table.get("dtype") != dtype:
+        raise ValueError(f"its dtype is {table.get('dtype')!r}, not {dtype!r}")
+    for part in [*table.get("shapes", {}).values(), table.get("default") or {}]:
+        for t, entry in part.items():
+            if not t.isdigit() or int(t) < 1:
+                raise ValueError(f"token count key {t!r} is not a positive integer")
+            check_tile_config(entry)
+
+
 @functools.lru_cache(maxsize=None)
 def _load_table(path: str) -> dict | None:
+    """A shipped table (checked by the tests), or None where there is none."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_user_table(path: str, device_name: str, dtype: str) -> dict | None:
+    """A table of the user's cache folder, or None where there is none or it cannot be used (with a warning: a bad
+    cache file must not stop the model, the shipped tables still apply)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        _check_table(table, device_name, dtype)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        warnings.warn(
+            f"{path}: tuned tile table ignored ({type(e).__name__}: {str(e)[:200]}); "
+            "delete it or run python -m runtime.tune_moe again",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_cards(dtype: str) -> tuple[tuple[CardInfo, str], ...]:
+    """(card, file name) of every shipped table of ``dtype`` that records its card."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(CONFIG_DIR, f"moe_{dtype}_*.json"))):
+        table = _load_table(path)
+        if table and table.get("dtype") == dtype and table.get("card"):
+            out.append((CardInfo.from_json(table["device"], table["card"]), os.path.basename(path)))
+    return tuple(out)
+
+
+def card_distance(a: CardInfo, b: CardInfo) -> tuple[int, float]:
+    """How far card ``b``'s tiles are from suiting card ``a``: (the minor compute capability apart, the sum of
+    |log ratio| of SM counts and of memory bandwidths, the latter only where both are known). Tiles trade
+    programs in flight (SMs) against bytes per program (bandwidth); the architecture decides which MMAs exist."""
+    d = abs(math.log(max(a.sms, 1) / max(b.sms, 1)))
+    if a.mem_bandwidth > 0 and b.mem_bandwidth > 0:
+        d += abs(math.log(a.mem_bandwidth / b.mem_bandwidth))
+    return abs(a.capability[1] - b.capability[1]), d
+
+
+def nearest_cards(card: CardInfo, cards: tuple[tuple[CardInfo, str], ...]) -> list[str]:
+    """File names of ``cards`` (``(CardInfo, file name)``) of ``card``'s architecture (same major compute capability)
+    and another name, nearest first by :func:`card_distance`, ties by file name."""
+    same_arch = [(c, f) for c, f in cards if c.capability[0] == card.capability[0] and c.name != card.name]
+    return [f for c, f in sorted(same_arch, key=lambda cf: (card_distance(card, cf[0]), cf[1]))]
+
+
+def shared_memory_estimate(cfg: Mapping[str, Any], fp8: bool) -> int:
+    """Bytes of shared memory the larger GEMM's software pipeline of ``cfg`` holds: ``stages`` copies of one K step's
+    A tile (``block_m`` rows; FP8 when quantized in its own launch, else what the kernel loads: bf16 x, float32 or
+    bf16 h) and weight tile (``block_n`` rows, twice for paired gate | up; FP8, or the float dtype). An estimate: Triton
+    adds its own epilogue buffers and may share stages."""
+    bk, wbytes = (128, 1) if fp8 else (64, 2)
+    a1 = 1 if fp8 and cfg["quantize_input_first"] else 2
+    n1 = cfg["gemm1_block_n"] * (2 if cfg["gemm1_fused_activation"] else 1)
+    h_fp8 = fp8 and (cfg["quantize_in_epilogue"] or cfg["quantize_hidden_first"])
+    a2 = 1 if h_fp8 else 2 if cfg.get("gemm1_output_dtype") == "bfloat16" else 4
+    g1 = cfg["gemm1_stages"] * bk * (cfg["block_m"] * a1 + n1 * wbytes)
+    g2 = cfg["gemm2_stages"] * bk * (cfg["block_m"] * a2 + cfg["gemm2_block_n"] * wbytes)
+    return max(g1, g2)
+
+
+def fit_shared_memory(cfg: dict, smem_per_block: int, fp8: bool) -> dict:
+    """``cfg`` with each GEMM's stages lowered (never below 2) until :func:`shared_memory_estimate` fits
+    ``smem_per_block`` bytes less 16 KiB for Triton's own buffers; unchanged where it fits (every Hopper table)."""
+    cfg = dict(cfg)
+    budget = smem_per_block - 16 * 1024
+    while shared_memory_estimate(cfg, fp8) > budget and max(cfg["gemm1_stages"], cfg["gemm2_stages"]) > 2:
+        k = "gemm1_stages" if cfg["gemm1_stages"] >= cfg["gemm2_stages"] else "gemm2_stages"
+        cfg[k] -= 1
+    return cfg
 
 
 def _nearest(table: Mapping[str, Any], num_tokens: int) -> dict:
@@ -210,20 +362,48 @@ def tile_config(
     fp8: bool,
     device_name: str | None,
     weight_dtype_name: str = "bfloat16",
+    card: CardInfo | None = None,
+    triton_version: str | None = None,
+    user_dir: str | None = None,
+    own_tables: bool = True,
 ) -> tuple[dict, str]:
-    """The tile config for one call and where it came from (``"table <file> shape"``, ``"table <file>
-    default"`` or ``"builtin"``). ``device_name`` is ``torch.cuda.get_device_name()`` or None (CPU)."""
-    base = builtin_tile_config(num_tokens, fp8)
-    if device_name:
-        name = table_file_name(device_name, dtype_tag(fp8, weight_dtype_name))
+    """The tile config for one call and where it came from: ``"<kind> <file> <shape key>"`` or
+    ``"<kind> <file> default"`` with kind ``cache`` (the user's table), ``table`` (this card's shipped table) or
+    ``nearest`` (another card's, :func:`nearest_cards`), or ``"builtin"``. The module docstring gives the order.
+
+    ``device_name``: ``torch.cuda.get_device_name()`` or None (CPU); ``card``: that device's :class:`CardInfo`
+    (None: no other card's table is taken, no stage is lowered); ``user_dir``: the user's table folder
+    (:func:`cache_dir`), read with ``triton_version``; ``own_tables=False`` skips the user's and this card's tables,
+    giving what a card without a table of its own would run (the benchmarks' "table removed")."""
+    dtype = dtype_tag(fp8, weight_dtype_name)
+    tables: list[tuple[str, str, dict]] = []  # (kind, file name, table), first match wins
+    if device_name and own_tables:
+        if user_dir and triton_version:
+            name = cache_file_name(device_name, dtype, triton_version)
+            table = _load_user_table(os.path.join(user_dir, name), device_name, dtype)
+            if table:
+                tables.append(("cache", name, table))
+        name = table_file_name(device_name, dtype)
         table = _load_table(os.path.join(CONFIG_DIR, name))
         if table:
-            shapes = table.get("shapes", {})
-            key = shape_key(num_slots, hidden_size, intermediate_size, slots_per_token)
-            if key in shapes:
-                base.update(_nearest(shapes[key], num_tokens))
-                return base, f"table {name} {key}"
-            if table.get("default"):
-                base.update(_nearest(table["default"], num_tokens))
-                return base, f"table {name} default"
-    return base, "builtin"
+            tables.append(("table", name, table))
+    if card is not None:
+        for name in nearest_cards(card, _shipped_cards(dtype)):
+            tables.append(("nearest", name, _load_table(os.path.join(CONFIG_DIR, name))))
+    cfg, src = builtin_tile_config(num_tokens, fp8), "builtin"
+    key = shape_key(num_slots, hidden_size, intermediate_size, slots_per_token)
+    found = next(((k, n, t["shapes"][key], key) for k, n, t in tables if key in t.get("shapes", {})), None)
+    found = found or next(((k, n, t["default"], "default") for k, n, t in tables if t.get("default")), None)
+    if found:
+        kind, name, entries, which = found
+        cfg.update(_nearest(entries, num_tokens))
+        src = f"{kind} {name} {which}"
+    if card is not None:
+        cfg = fit_shared_memory(cfg, card.smem_per_block, fp8)
+    return cfg, src
+
+
+def clear_caches() -> None:
+    """Forget the tables read so far (after a tuning run wrote one in this process)."""
+    for f in (_load_table, _load_user_table, _shipped_cards, tile_config):
+        f.cache_clear()

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ._backend import interpreting, next_pow2
 from .fp8 import FP8_DTYPE
-from .moe_tiles import check_tile_config, tile_config as lookup_tile_config
+from .moe_tiles import CardInfo, cache_dir, check_tile_config, tile_config as lookup_tile_config
 
 try:  # programmatic dependent launch (Hopper and later): Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -629,8 +629,17 @@ def _sum_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+def card_info(index: int) -> CardInfo:
+    """The :class:`~runtime.moe_tiles.CardInfo` of CUDA device ``index`` (what its default tiles are derived from)."""
+    p = torch.cuda.get_device_properties(index)
+    clock_khz, bus_bits = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
+    return CardInfo(
+        torch.cuda.get_device_name(index),
+        (p.major, p.minor),
+        p.multi_processor_count,
+        getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 48 * 1024),
+        2.0 * clock_khz * 1e3 * bus_bits / 8,  # double data rate
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -646,28 +655,48 @@ def _compiled_and_hopper(device: torch.device) -> tuple[bool, bool]:
     return compiled, compiled and _is_hopper_or_later(index)
 
 
-def resolve_tile_config(
-    num_tokens: int, experts, slots_per_token: int, device: torch.device, tile_config: dict | None = None
-) -> dict:
-    """The tile config one call of :func:`fused_moe_triton` runs with: the tuned table for this GPU
-    and shape (``runtime/configs/``), else the built-in default, then ``tile_config`` on top.
-    Raises ``ValueError`` for unknown keys or impossible combinations (:func:`moe_tiles.check_tile_config`)."""
-    dev = (
-        _device_name(device.index if device.index is not None else torch.cuda.current_device())
+def _lookup_tiles(num_tokens: int, experts, slots_per_token: int, device: torch.device, own_tables: bool):
+    card = (
+        card_info(device.index if device.index is not None else torch.cuda.current_device())
         if device.type == "cuda"
         else None
     )
-    wname = str(experts.gate_up.dtype).replace("torch.", "")
-    cfg, _ = lookup_tile_config(
+    return lookup_tile_config(
         next_pow2(num_tokens),
         experts.num_expert_slots,
         experts.hidden_size,
         experts.intermediate_size,
         slots_per_token,
         experts.is_fp8,
-        dev,
-        wname,
+        card.name if card else None,
+        str(experts.gate_up.dtype).replace("torch.", ""),
+        card,
+        triton.__version__,
+        cache_dir(),
+        own_tables,
     )
+
+
+def tile_source(num_tokens: int, experts, slots_per_token: int, device: torch.device, own_tables: bool = True) -> str:
+    """Where :func:`resolve_tile_config`'s tiles for this call come from (``"table <file> <shape>"``, ``"nearest
+    ..."``, ``"cache ..."``, ``"builtin"``: :func:`runtime.moe_tiles.tile_config`)."""
+    return _lookup_tiles(num_tokens, experts, slots_per_token, device, own_tables)[1]
+
+
+def resolve_tile_config(
+    num_tokens: int,
+    experts,
+    slots_per_token: int,
+    device: torch.device,
+    tile_config: dict | None = None,
+    own_tables: bool = True,
+) -> dict:
+    """The tile config one call of :func:`fused_moe_triton` runs with: the tuned table for this GPU
+    and shape (the user's cache folder, then ``runtime/configs/``), else the default derived from the card
+    (:func:`runtime.moe_tiles.tile_config`), then ``tile_config`` on top. ``own_tables=False``: the tiles this card
+    would get without a table of its own. Raises ``ValueError`` for unknown keys or impossible combinations
+    (:func:`moe_tiles.check_tile_config`)."""
+    cfg, _ = _lookup_tiles(num_tokens, experts, slots_per_token, device, own_tables)
     cfg = dict(cfg)
     if tile_config:
         check_tile_config(tile_config)

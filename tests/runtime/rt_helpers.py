@@ -11,6 +11,7 @@ import torch
 from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 from runtime.moe import ExpertWeights
 from runtime.moe_reference import swiglu
+from runtime.tune_moe import random_fp8_experts  # noqa: F401 - one home, the tuner's; the GPU tests use it
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,33 +172,6 @@ def write_checkpoint(
     else:
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return truth
-
-
-def random_fp8_experts(NE, H, I, oai=False, device="cuda", seed=0):
-    """Random valid FP8 block weights built straight on the device (no float32 copy of the stack).
-
-    Codes have |value| < 2 (exponent field <= 7, never NaN); block scales are in [0.5, 1.5] / sqrt(fan-in).
-    """
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def codes(*shape):
-        r = torch.randint(0, 128, shape, dtype=torch.uint8, device=device, generator=g)
-        return ((r & 0x3F) | ((r & 0x40) << 1)).view(torch.float8_e4m3fn)
-
-    def scales(*shape, fan_in):
-        return (torch.rand(shape, device=device, generator=g) + 0.5) / math.sqrt(fan_in)
-
-    gi, gh = -(-I // 128), -(-H // 128)
-    kw = {}
-    if oai:
-        kw = dict(
-            gemm1_alpha=torch.full((NE,), 1.702, device=device),
-            gemm1_beta=torch.ones(NE, device=device),
-            gemm1_clamp_limit=torch.full((NE,), 7.0, device=device),
-        )
-    return ExpertWeights(
-        codes(NE, 2 * I, H), codes(NE, H, I), scales(NE, 2 * gi, gh, fan_in=H), scales(NE, gh, gi, fan_in=I), **kw
-    )
 
 
 def awkward_activations(device="cpu", K=320) -> torch.Tensor:
