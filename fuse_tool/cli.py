@@ -200,8 +200,8 @@ _convert_options = [
         type=click.Choice(["fp8", "keep"]),
         default="fp8",
         show_default=True,
-        help="fp8: routed experts as FP8 128x128 blocks; keep: four-bit routed experts (MXFP4, INT4) stay as released, "
-        "byte for byte, beside FP8 shared slots (about half the size; inspect shows both).",
+        help="fp8: routed experts as FP8 128x128 blocks; keep: four-bit routed experts (MXFP4, INT4, NVFP4) stay as "
+        "released, byte for byte, beside FP8 shared slots (about half the size; inspect shows both).",
     ),
     click.option(
         "--other-linear",
