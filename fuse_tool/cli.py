@@ -59,6 +59,17 @@ def _token_shape(ctx, param, value: str) -> tuple[int, int]:
         raise click.BadParameter(e.detail) from None
 
 
+def _device(ctx, param, value: str) -> str:
+    """--device: cpu, cuda or cuda:N that this machine has (runtime.devices.check_device), checked before any work."""
+    from runtime.devices import check_device
+
+    try:
+        check_device(value)
+    except FuseSharedError as e:
+        raise click.BadParameter(e.detail) from None
+    return value
+
+
 class _Bound(click.ParamType):
     """A float option within [lo, hi] (NaN refused; hi may be +inf)."""
 
@@ -126,6 +137,14 @@ def _fail(e: Exception) -> None:
         message = str(e)
     elif isinstance(e, OSError):
         message = f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}"
+    elif isinstance(e, ModuleNotFoundError) and e.name:  # an optional package: the user's setup, not a bug
+        from runtime.integrations.transformers.requires import TRANSFORMERS_EXTRA
+
+        package = e.name.split(".")[0]
+        hint = TRANSFORMERS_EXTRA if package == "transformers" else f"pip install {package}"
+        message = f"needs the Python package {package}, which is not installed: {hint}"
+    elif isinstance(e, ImportError):  # the runtime's own (requires.py) name the extra to install
+        message = str(e)
     else:  # a bug: say so, in one line, rather than show Python's message as if it were ours
         message = f"internal error ({type(e).__name__}: {e}); this is a bug in fuse-shared, please report it with the command you ran"
     click.echo(f"error: {_bounded_message(' '.join(message.split()))}", err=True)
@@ -181,8 +200,8 @@ _convert_options = [
         type=click.Choice(["fp8", "keep"]),
         default="fp8",
         show_default=True,
-        help="fp8: routed experts as FP8 128x128 blocks; keep: four-bit routed experts (MXFP4, INT4) stay as released, "
-        "byte for byte, beside FP8 shared slots (about half the size; inspect shows both).",
+        help="fp8: routed experts as FP8 128x128 blocks; keep: four-bit routed experts (MXFP4, INT4, NVFP4) stay as "
+        "released, byte for byte, beside FP8 shared slots (about half the size; inspect shows both).",
     ),
     click.option(
         "--other-linear",
@@ -242,7 +261,9 @@ def inspect(model, precision, routed_experts, other_linear, scale_fmt, max_shard
 @click.argument("model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @_with_convert_options
-@click.option("--device", default="cpu", show_default=True, help="Where the FP8 math runs: cpu or cuda.")
+@click.option(
+    "--device", default="cpu", show_default=True, callback=_device, help="Where the FP8 math runs: cpu, cuda or cuda:N."
+)
 @click.option("--overwrite", is_flag=True, help="Replace a previous conversion in OUT_DIR.")
 @click.option(
     "--resume",
@@ -361,7 +382,13 @@ def push(out_dir, repo_id, private, revision, commit_message, quiet):
     show_default=True,
     help="--against: compute dtype of both models.",
 )
-@click.option("--device", default="cpu", show_default=True, help="--against: where both models run (cpu or cuda).")
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    callback=_device,
+    help="--against: where both models run (cpu, cuda or cuda:N).",
+)
 @click.option(
     "--backend",
     type=click.Choice(["auto", "torch", "triton"]),

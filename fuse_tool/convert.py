@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConversionError, FuseSharedError
+from .errors import ConversionError, DeviceError, FuseSharedError
 from .plan import ConversionPlan, ConvertOptions, build_plan
 from .source.checkpoint import SourceCheckpoint
 from .write.execute import execute
@@ -101,14 +101,12 @@ def convert_checkpoint(
 
 
 def _check_device(device: str) -> None:
-    if device == "cpu":
-        return
-    import torch
+    from runtime.devices import check_device
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConversionError(f"--device {device}: no CUDA device is available")
-    if not device.startswith("cuda"):
-        raise ConversionError(f"--device must be cpu or cuda, got {device!r}")
+    try:
+        check_device(device)
+    except DeviceError as e:
+        raise ConversionError(f"--device {e.detail}") from None
 
 
 __all__ = ["ConversionResult", "convert_checkpoint", "plan_conversion"]

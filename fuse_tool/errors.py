@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.errors import CheckpointError, FuseSharedError, LayoutError, ModelError, UnsupportedModelError
+from runtime.errors import CheckpointError, DeviceError, FuseSharedError, LayoutError, ModelError, UnsupportedModelError
 
 
 class ConversionError(FuseSharedError):
@@ -20,6 +20,7 @@ class HubError(FuseSharedError):
 __all__ = [
     "CheckpointError",
     "ConversionError",
+    "DeviceError",
     "FuseSharedError",
     "HubError",
     "LayoutError",

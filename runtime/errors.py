@@ -49,3 +49,7 @@ class ModelError(FuseSharedError):
 
 class UnsupportedModelError(ModelError):
     """The model family cannot be fused (no shared expert, or one that is not a weight-1.0 slot)."""
+
+
+class DeviceError(FuseSharedError, ValueError):
+    """A device the user asked for is malformed, of a kind fuse-shared does not run on, or not on this machine."""

@@ -365,3 +365,48 @@ def test_huge_model_type_is_quoted_bounded(src, tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     code, output = run_convert(src, tmp_path / "out")
     assert code == 1 and len(output) < 1200 and "characters cut" in output and "Traceback" not in output, output[:300]
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+@pytest.mark.parametrize(
+    "device,message",
+    [
+        (
+            "cuda",
+            "'cuda': this torch (" + torch.__version__ + ") is built without CUDA: pass cpu, or install a CUDA build",
+        ),
+        ("gpu", "'gpu' is not a device: pass cpu, cuda or cuda:N"),
+    ],
+)
+def test_device_without_cuda_is_one_line_saying_what_to_pass(src, tmp_path, monkeypatch, command, device, message):
+    """``--device cuda`` where torch has no CUDA, or a malformed device: one line naming the option and what to pass,
+    before any work (before: convert's 'no CUDA device is available' for 'cuda:x' too, verify's torch assertion
+    'Torch not compiled with CUDA enabled' after loading)."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    out = tmp_path / "out"
+    args = [str(src), str(out)] if command == "convert" else [str(src), "--against", str(src)]
+    r = CliRunner().invoke(main, [command, *args, "--device", device])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0].startswith(f"error: Invalid value for '--device': {message}"), lines[0]
+    assert not out.exists()
+
+
+def test_a_missing_optional_package_is_not_called_a_bug(capsys):
+    """An ImportError reaching the command line is the user's setup: one line naming what to install."""
+    from fuse_tool.cli import _fail
+
+    for e, want in [
+        (
+            ModuleNotFoundError("No module named 'transformers'", name="transformers"),
+            "pip install 'fuse-shared[verify]'",
+        ),
+        (ModuleNotFoundError("No module named 'triton.language'", name="triton.language"), "pip install triton"),
+        (ImportError("serving needs transformers, which is not installed: pip install 'fuse-shared[verify]'"), None),
+    ]:
+        with pytest.raises(SystemExit) as ex:
+            _fail(e)
+        err = capsys.readouterr().err.strip()
+        assert ex.value.code == 1 and "bug" not in err and len(err.splitlines()) == 1, err
+        assert err == f"error: {e}" if want is None else err.endswith(f"which is not installed: {want}"), err

@@ -328,3 +328,13 @@ def test_model_card_says_the_routed_experts_are_kept(kimi):
     assert "the release's INT4 for the 6 routed experts (byte for byte" in card
     assert "LAYOUT version 3) and FP8" in card
     assert '"routed_format": "int4"' in card and "| routed_experts | keep |" in card
+
+
+def test_convert_help_names_every_four_bit_format_keep_keeps():
+    """``convert --help`` for --routed-experts names each format the layout keeps (it omitted NVFP4, issue 30)."""
+    r = CliRunner().invoke(main, ["convert", "--help"], terminal_width=400)
+    text = " ".join(r.output.split())
+    help_text = text[text.index("--routed-experts") : text.index("--other-linear")]
+    assert set(layout.ROUTED_FORMATS) == {"mxfp4", "int4", "nvfp4"}
+    for fmt in layout.ROUTED_FORMATS:
+        assert fmt.upper() in help_text, (fmt, help_text)

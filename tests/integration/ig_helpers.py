@@ -79,12 +79,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) -> list[str]:
-    """Overwrite shared slot ``E + slot`` of ``layer`` with noise (same dtype, same std), in place.
-
-    The bytes are rewritten where the tensor lies in its shard, so sizes, headers and the
-    manifest's sizes stay as the converter wrote them (only a sha256 would notice): the damage
-    the structural checks cannot see, and ``verify --against`` must.
-    """
+    """Overwrite shared slot ``E + slot`` of ``layer`` with noise (same dtype, same std), in place
+    (:func:`overwrite_tensor`): the damage the structural checks cannot see, and ``verify --against`` must."""
     cfg = json.loads((out_dir / "config.json").read_text())
     E = read_config_block(cfg).num_routed_experts
     index = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"]
@@ -99,22 +95,34 @@ def damage_shared_slot(out_dir: Path, layer: int, slot: int = 0, seed: int = 0) 
 
     targets = dict(tn.slot_tensors(e))
     for name, row in targets.items():
-        path = out_dir / index[name]
-        with safe_open(str(path), "pt") as f:
-            t = f.get_tensor(name).clone()
-        if row is None:
-            t = noise_like(t)
-        else:
+
+        def damage(t, row=row):
+            if row is None:
+                return noise_like(t)
             t[row] = noise_like(t[row])
-        raw = path.read_bytes()
-        n = struct.unpack("<Q", raw[:8])[0]
-        begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
-        data = t.contiguous().view(torch.uint8).numpy().tobytes()
-        assert len(data) == end - begin
-        with open(path, "r+b") as fh:
-            fh.seek(8 + n + begin)
-            fh.write(data)
+            return t
+
+        overwrite_tensor(out_dir, name, damage)
     return list(targets)
+
+
+def overwrite_tensor(folder: Path, name: str, fn) -> None:
+    """Replace tensor ``name`` of the checkpoint in ``folder`` by ``fn(tensor)`` (same shape and dtype), in place.
+
+    The bytes are rewritten where the tensor lies in its shard, so sizes, headers and the manifest's sizes stay as
+    they were (only a sha256 would notice)."""
+    index = folder / "model.safetensors.index.json"
+    shard = folder / (json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors")
+    with safe_open(str(shard), "pt") as f:
+        t = fn(f.get_tensor(name).clone())
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    data = t.contiguous().view(torch.uint8).numpy().tobytes()
+    assert len(data) == end - begin
+    with open(shard, "r+b") as fh:
+        fh.seek(8 + n + begin)
+        fh.write(data)
 
 
 def moe_blocks(model) -> list[str]:

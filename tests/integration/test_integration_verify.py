@@ -12,7 +12,15 @@ from builders import build_checkpoint, to_compressed_tensors_channel, to_fp8_blo
 from fuse_tool.cli import main
 from fuse_tool.convert import convert_checkpoint
 from fuse_tool.plan import ConvertOptions
-from ig_helpers import CASES, build_source, damage_shared_slot, num_main_moe_layers, reference_model, rel, tokens
+from ig_helpers import (
+    CASES,
+    build_source,
+    damage_shared_slot,
+    num_main_moe_layers,
+    overwrite_tensor,
+    reference_model,
+    rel,
+)
 
 FAMS = list(CASES)
 
@@ -99,33 +107,86 @@ def test_verify_usage_errors(converted, sources):
     assert r.exit_code == 1 and "overridden" in r.output
 
 
+def _router_tie(src, out, ids, layer: int, token: int) -> None:
+    """Give ``layer``'s router (source and converted alike) a tie on purpose that the converted forward tips at row
+    ``token`` of ``ids`` and nowhere else.
+
+    Expert 0 wins every token by its bias; the second choice is expert 1 (logit ``w . x``) against expert 2 (logit 0,
+    its bias set to the score of ``w . x = 5e-3``). ``w`` is orthogonal to the source's router input ``x_s`` at
+    ``token`` and points along the converted input's difference there, scaled so that ``w . x_c = 1e-2``: the source
+    picks expert 2 and the converted forward expert 1, each by a score margin of 1.2e-3. ``|w| |x|`` is about 5e3, so
+    float32 computes ``w . x`` within ~1e-4 of its designed value (5e-5 measured), 50 times closer than the threshold
+    5e-3, whatever the machine. Every other token's ``|w . x|`` is O(10):
+    far from the threshold, so it routes the same in both passes."""
+    import torch
+
+    from runtime.integrations.transformers import from_fused_pretrained
+
+    def router_input(model):
+        cap = {}
+        h = model.model.layers[layer].mlp.register_forward_pre_hook(lambda m, a: cap.update(x=a[0]))
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+        h.remove()
+        return cap["x"].reshape(-1, cap["x"].shape[-1]).double()
+
+    xs = router_input(reference_model("deepseek_v3", src))
+    xc = router_input(from_fused_pretrained(out, dtype=torch.float32))
+    d = xc[token] - xs[token]
+    u = d - (d @ xs[token]) / (xs[token] @ xs[token]) * xs[token]
+    w = u * (1e-2 / (u @ u))
+    margin = (xs @ w).abs()
+    assert margin[token] < 1e-9 and margin.sort().values[1] > 1.0, "the tie is alone at its token"
+
+    def gate(t):
+        t[1], t[2] = w.float(), 0.0
+        return t
+
+    def bias(t):
+        t.fill_(-2.0)
+        t[0], t[1], t[2] = 2.0, 0.0, torch.sigmoid(torch.tensor(5e-3, dtype=torch.float64)).item() - 0.5
+        return t
+
+    for folder in (src, out):
+        overwrite_tensor(folder, f"model.layers.{layer}.mlp.gate.weight", gate)
+        overwrite_tensor(folder, f"model.layers.{layer}.mlp.gate.e_score_correction_bias", bias)
+
+
 def test_verify_float32_route_flip_is_not_a_failure(tmp_path):
-    """A float32 EXAONE-MoE whose layer-2 router holds a one-ulp tie (token 95: experts 3 and 5 score 0.54985893 and
-    0.54985905): the fused block adds its shared experts in another order, layer 2's input moves by ~1e-7 and the
-    converted forward picks the other expert. Transformers' own forward on the fused model's input picks it too (the
-    loader is right), so the flipped token and those after it are left out of the logits check, which still holds
-    every other token to 1e-5; damage outside the layers (the final norm) still fails."""
+    """A route flip built on purpose, so it happens on every machine: the converted layer 1's shared slot is scaled by
+    1 + 1e-5 (layer 1's MoE output moves by ~6e-6 relative, inside the exact bound, standing in for float32 summation
+    order), which moves layer 2's router input by ~1e-6; layer 2's router holds a tie at token 52 (sequence 1,
+    position 20) that this tips (:func:`_router_tie`). The converted forward routes that token differently from
+    pass 1, and transformers' own forward on the fused model's input does too (the loader is right), so the flipped
+    token and those after it in its sequence are left out of the logits check, which still holds the other 116 tokens
+    to 1e-5; damage outside the layers (the final norm) still fails."""
+    import json
+
     import torch
     from safetensors.torch import load_file, save_file
 
-    from fuse_tool.verify.numerics import format_result, verify_against
+    from fuse_tool.verify.numerics import deterministic_tokens, format_result, verify_against
     from runtime.integrations.transformers import from_fused_pretrained
 
-    src = build_checkpoint("exaone_moe", tmp_path / "src", dtype=torch.float32, **CASES["exaone_moe"])
+    src = build_checkpoint("deepseek_v3", tmp_path / "src", dtype=torch.float32)
     out = tmp_path / "out"
     convert_checkpoint(src, out, ConvertOptions(precision="source"), progress=False)
+    overwrite_tensor(out, "model.layers.1.mlp.experts.8.down_proj.weight", lambda t: t * (1 + 1e-5))
+    ids = deterministic_tokens(json.loads((src / "config.json").read_text()), 4, 32, 0)  # verify's tokens
+    seq, pos = 1, 20
+    _router_tie(src, out, ids, layer=2, token=seq * 32 + pos)
+
     r = verify_against(out, src)
-    assert r.passed and (r.route_flips, r.tokens_compared) == (1, 127), format_result(r)
+    assert r.passed and (r.route_flips, r.tokens_compared) == (1, 128 - (32 - pos)), format_result(r)
     assert r.logits_rel <= 1e-5 and r.top1 == 1.0
     assert "route flips: 1 " in format_result(r)
 
-    ids = tokens()
     with torch.no_grad():
-        want = reference_model("exaone_moe", src)(input_ids=ids, use_cache=False).logits
+        want = reference_model("deepseek_v3", src)(input_ids=ids, use_cache=False).logits
         got = from_fused_pretrained(out, dtype=torch.float32)(input_ids=ids, use_cache=False).logits
-    flipped = torch.zeros(ids.shape, dtype=torch.bool)
-    flipped[2, 31] = True  # token 95 of the 4x32
-    assert rel(got[~flipped], want[~flipped]) <= 1e-5 and rel(got[flipped], want[flipped]) > 1e-3
+    after = torch.zeros(ids.shape, dtype=torch.bool)
+    after[seq, pos:] = True
+    assert rel(got[~after], want[~after]) <= 1e-5 and rel(got[seq, pos], want[seq, pos]) > 1e-3
 
     shard = next(p for p in out.glob("*.safetensors") if "model.norm.weight" in load_file(p))
     t = load_file(shard)

@@ -348,18 +348,18 @@ def test_verify_against_without_transformers_names_the_extra(monkeypatch, conver
     code, stdout, stderr = run_cli("verify", converted_out, "--against", tiny_source, "--quiet")
     assert code == 1 and stdout == "", (code, stdout, stderr)
     assert stderr.strip() == (
-        "error: --against needs transformers >= 5.22, which is not installed: pip install 'fuse-shared[verify]'"
+        "error: --against needs transformers >= 5.25, which is not installed: pip install 'fuse-shared[verify]'"
     ), stderr
 
 
 def test_verify_against_with_old_transformers_names_the_extra(monkeypatch, converted_out, tiny_source):
     import transformers
 
-    monkeypatch.setattr(transformers, "__version__", "5.20.1")
+    monkeypatch.setattr(transformers, "__version__", "5.24.9")
     code, _, stderr = run_cli("verify", converted_out, "--against", tiny_source, "--quiet")
     assert code == 1
     assert (
-        stderr.strip() == "error: --against needs transformers >= 5.22, found 5.20.1: pip install 'fuse-shared[verify]'"
+        stderr.strip() == "error: --against needs transformers >= 5.25, found 5.24.9: pip install 'fuse-shared[verify]'"
     ), stderr
 
 
@@ -369,6 +369,9 @@ def test_verify_extra_is_declared():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     assert "transformers>=5.25" in extras["verify"] and "transformers>=5.25" in extras["test"]
+    from fuse_tool.verify.numerics import TRANSFORMERS_MIN
+
+    assert TRANSFORMERS_MIN == (5, 25), "verify's own check asks for the extra's floor"
     assert not any(d.startswith("transformers") for d in project["dependencies"])
 
 

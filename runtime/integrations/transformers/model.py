@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ...checkpoint import GENERATION_CONFIG_NAME
+from ...devices import check_device
 from ...fp8_linear import FP8BlockLinear
 from ...formats.base import recognise
 from ...formats.fp8_block import FP8Block, read_block_scales
@@ -75,7 +76,7 @@ class StreamedModel:
             raise ValueError(f"kind must be 'fused' or 'source', got {kind!r}")
         import_transformers("loading a checkpoint into transformers (from_fused_pretrained, StreamedModel)")
         self.path, self.kind, self.backend = os.fspath(path), kind, backend
-        self.device = torch.device(device)
+        self.device = check_device(device)  # a missing GPU in one line, not torch's assertion mid-load
         self.keep_fp8, self.expert_parallel = keep_fp8, expert_parallel
         self.reader = ShardReader(self.path)
         self.family = transformers_classes_for(self.reader.config)
