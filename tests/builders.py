@@ -359,6 +359,14 @@ NEW_FAMILIES = {
         ),
         "LagunaForCausalLM",
     ),
+    # Laguna with a softcapped router (moe_router_logit_softcapping 0.4: tiny random logits are about N(0, 0.5), so the
+    # tanh bites and changes both the choice and the weights).
+    "laguna_softcap": (
+        lambda T, moe, I, E, W, L, over: NEW_FAMILIES["laguna"][0](
+            T, moe, I, E, W, L, {"moe_router_logit_softcapping": 0.4, **over}
+        ),
+        "LagunaForCausalLM",
+    ),
     # EXAONE-MoE: DeepSeek-V3's router (2 groups by top-2 sum), bias stored as mlp.e_score_correction_bias, layer 0 dense.
     "exaone_moe": (
         lambda T, moe, I, E, W, L, over: T.ExaoneMoeConfig(

@@ -278,7 +278,6 @@ def test_shared_mlp_with_biases_is_refused(tmp_path, family, flag):
 @pytest.mark.parametrize(
     "family,fields,reason",
     [
-        ("laguna", {"moe_router_logit_softcapping": 30.0}, "tanh"),
         ("laguna", {"moe_apply_router_weight_on_input": True}, "scales the expert input"),
         ("exaone_moe", {"is_moe_layer": [False, False, True]}, "transformers builds MoE blocks in layers [1, 2]"),
         ("axk2", {"n_group": 2, "topk_group": 1}, "score of 0.0, not -inf"),

@@ -88,6 +88,16 @@ CASES = {
     "laguna": dict(
         kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True), v2={}
     ),  # renormalize_eps 0 is a version 2 feature
+    # Laguna with moe_router_logit_softcapping 0.4: the cap is LAYOUT v5's routing.logit_softcap.
+    "laguna_softcap": dict(
+        kw=dict(experts=6, shared_width=48),
+        E=6,
+        I=32,
+        W=48,
+        routing=("sigmoid", 2, 1, 1, True, 2.5, True),
+        v2=dict(renormalize_eps=0.0, logit_softcap=0.4),
+        version=5,
+    ),
     # EXAONE-MoE: DeepSeek-V3's router, bias at mlp.e_score_correction_bias.
     "exaone_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # A.X-K2 Light: sigmoid + bias without groups, renormalized, rsf 2.5.
@@ -218,8 +228,8 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
             r.routed_scaling_factor,
             r.has_bias,
         ) == case["routing"]
-        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == (
-            2 if "v2" in case else 1
+        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == case.get(
+            "version", 2 if "v2" in case else 1
         )
     assert cfg["quantization_config"]["quant_method"] == QUANT_METHOD
     assert all(a.startswith(ARCHITECTURE_PREFIX) for a in cfg.get("architectures", []))

@@ -42,6 +42,7 @@ CASES = {
     "deepseek_v32": dict(experts=6),  # DSA indexer in every attention layer: loads with DeepseekV32ForCausalLM
     "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
     "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
+    "laguna_softcap": dict(experts=6, shared_width=48),  # moe_router_logit_softcapping 0.4 (LAYOUT v5 logit_softcap)
     "exaone_moe": dict(experts=6),  # DeepSeek-V3 router, bias beside the router, sliding and global layers
     "axk2": dict(experts=6),  # per-expert release names; indexer, attention gate and gated norms copied
     "minicpm5_moe": dict(experts=6),  # DeepSeek-V3 router; q_proj stored for the module q_gate_proj
