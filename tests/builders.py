@@ -367,6 +367,41 @@ NEW_FAMILIES = {
         ),
         "LagunaForCausalLM",
     ),
+    # Kolibri 1 / 1.1: top-k of logits + bias, weights the sigmoid of the chosen logits (plain-sum renormalized); a bias
+    # of 0.5 (against logits of about N(0, 0.5)) moves the choice; the bias sits beside the block (moe.router.expert_bias).
+    # Kolibri 1.1: layer 0 dense (mlp_only_layers), sliding layers only (no indexed attention at this size).
+    "kolibri1": (
+        lambda T, moe, I, E, W, L, over: T.Kolibri1Config(
+            **moe,
+            head_dim=32,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 48,
+            norm_topk_prob=True,
+            sliding_window=8,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "Kolibri1ForCausalLM",
+    ),
+    "kolibri1_1": (
+        lambda T, moe, I, E, W, L, over: T.Kolibri1_1Config(
+            **moe,
+            head_dim=32,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 2 * I,
+            norm_topk_prob=False,
+            sliding_window=8,
+            layer_types=["sliding_attention"] * L,
+            mlp_only_layers=[0],
+            mlp_only_intermediate_size=3 * I,
+            index_num_heads=1,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "Kolibri1_1ForCausalLM",
+    ),
     # EXAONE-MoE: DeepSeek-V3's router (2 groups by top-2 sum), bias stored as mlp.e_score_correction_bias, layer 0 dense.
     "exaone_moe": (
         lambda T, moe, I, E, W, L, over: T.ExaoneMoeConfig(
@@ -657,7 +692,9 @@ def randomize_(model, seed: int = 0) -> None:
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif "e_score_correction_bias" in name or "expert_bias" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                # Kolibri adds its bias to the logits (not the scores): a larger one, to move the choice there too
+                scale = 0.5 if type(model).__name__.startswith("Kolibri") else 0.05
+                p.copy_(scale * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
 

@@ -98,6 +98,26 @@ CASES = {
         v2=dict(renormalize_eps=0.0, logit_softcap=0.4),
         version=5,
     ),
+    # Kolibri 1 / 1.1: top-k of logits + bias (LAYOUT v5 select_on "logits"), no rsf; renormalized by the plain sum
+    # (Kolibri 1 here, norm_topk_prob) or not at all (Kolibri 1.1 here); shared widths 48 and 64 over I = 32.
+    "kolibri1": dict(
+        kw=dict(experts=6, shared_width=48),
+        E=6,
+        I=32,
+        W=48,
+        routing=("sigmoid", 2, 1, 1, True, 1.0, True),
+        v2=dict(renormalize_eps=0.0, select_on="logits"),
+        version=5,
+    ),
+    "kolibri1_1": dict(
+        kw=dict(experts=6),
+        E=6,
+        I=32,
+        W=64,
+        routing=("sigmoid", 2, 1, 1, False, 1.0, True),
+        v2=dict(select_on="logits"),
+        version=5,
+    ),
     # EXAONE-MoE: DeepSeek-V3's router, bias at mlp.e_score_correction_bias.
     "exaone_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # A.X-K2 Light: sigmoid + bias without groups, renormalized, rsf 2.5.

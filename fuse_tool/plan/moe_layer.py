@@ -352,11 +352,11 @@ def plan_moe_layer(
             (str(gate_info.file), gate_info.offset),
         )
     )
-    has_bias = any([_plan_bias(inputs, parts, f"{P}.{b}", g) for b in names.bias])
+    has_bias = any([_plan_bias(inputs, parts, b, g) for b in names.bias_tensors(P)])
     modality_biases = tuple(b for b in names.modality_biases if _plan_bias(inputs, parts, f"{P}.{b}", g))
     if modality_biases and not has_bias:
         raise inputs.error(
-            f"is the selection bias of another token modality, but layer {layer} has no {P}.{names.bias[0]} (the "
+            f"is the selection bias of another token modality, but layer {layer} has no {names.bias_tensors(P)[0]} (the "
             "text tokens' bias it stands beside)",
             f"{P}.{modality_biases[0]}",
         )

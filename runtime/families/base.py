@@ -34,7 +34,8 @@ class MoENames:
 
     ``block_names``: the MoE block's module name inside a layer (the first that holds experts
     wins; ``""``: the decoder layer itself is the block, Mistral-native ``layers.L.{experts,gate,shared_experts}``);
-    ``router``, ``bias`` and ``shared``: names inside the block (``shared_in_layer``: the shared MLP is the block's
+    ``router``, ``bias`` and ``shared``: names inside the block (``layer_bias``: selection-bias names beside the block in
+    the decoder layer, tried after ``bias``, Kolibri's ``moe.router.expert_bias``; ``shared_in_layer``: the shared MLP is the block's
     sibling in the decoder layer, GraniteMoE-Shared ``layers.L.shared_mlp``, Step-3.7 ``layers.L.share_expert``).
     Routed experts are found under ``experts`` in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``,
     ``experts.e.{w1,w3,w2}``, stacked, ``layout.STACKED_FORMS``, or, with ``experts=""``, stacked gate, up and down
@@ -49,6 +50,7 @@ class MoENames:
     bias: tuple[str, ...] = ("gate.e_score_correction_bias", "e_score_correction_bias")
     shared: str = "shared_experts"
     shared_in_layer: bool = False
+    layer_bias: tuple[str, ...] = ()
     experts: str = "experts"  # the routed experts' module inside the block; "" where they are the block's own tensors
     shared_projections: tuple[
         tuple[str, str, str], ...
@@ -72,6 +74,15 @@ class MoENames:
     def block(self, layer_root: str, block_name: str) -> str:
         """The MoE block's prefix in the layer at ``layer_root`` (the layer itself for the block name ``""``)."""
         return f"{layer_root}.{block_name}" if block_name else layer_root
+
+    def bias_tensors(self, block_prefix: str) -> tuple[str, ...]:
+        """The selection-bias candidates of the block at ``block_prefix``: ``bias`` inside it, then ``layer_bias`` in
+        its decoder layer."""
+        root = next(
+            (block_prefix[: -len(b) - 1] for b in self.block_names if b and block_prefix.endswith("." + b)),
+            block_prefix,
+        )
+        return tuple(f"{block_prefix}.{b}" for b in self.bias) + tuple(f"{root}.{b}" for b in self.layer_bias)
 
     def shared_prefix(self, block_prefix: str, layer_root: str) -> str:
         """Where the shared MLP of the block at ``block_prefix`` lives."""
@@ -292,7 +303,7 @@ def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[
     (the layout's default names for a model_type no family claims)."""
     family = REGISTRY.get(model_type_of(config)) if isinstance(model_type_of(config), str) else None
     names = family.names_for(config) if family else MoENames()
-    return f"{block_prefix}.{names.router}", tuple(f"{block_prefix}.{b}" for b in names.bias)
+    return f"{block_prefix}.{names.router}", names.bias_tensors(block_prefix)
 
 
 def wrapped_text_family(config: Mapping) -> type[Family] | None:

@@ -43,11 +43,6 @@ _NOT_YET = {
         "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated "
         "shared MLP would fuse)",
     ),
-    ("kolibri1", "kolibri1_1"): (
-        "Kolibri 1 / 1.1",
-        "its router picks the top-k of logits + bias and weights them by the sigmoid of the picked "
-        "logits, a choice rule the layout's routing cannot express (it adds the bias to the sigmoid scores)",
-    ),
     ("granitemoehybrid",): (
         "GraniteMoE-Hybrid",
         "its layers without routed experts (num_local_experts 0) run the shared MLP alone, and no "

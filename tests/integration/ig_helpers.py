@@ -43,6 +43,8 @@ CASES = {
     "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
     "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
     "laguna_softcap": dict(experts=6, shared_width=48),  # moe_router_logit_softcapping 0.4 (LAYOUT v5 logit_softcap)
+    "kolibri1": dict(experts=6, shared_width=48),  # top-k of logits + bias (LAYOUT v5 select_on), bias beside the block
+    "kolibri1_1": dict(experts=6),  # the same router without renormalization; layer 0 dense
     "exaone_moe": dict(experts=6),  # DeepSeek-V3 router, bias beside the router, sliding and global layers
     "axk2": dict(experts=6),  # per-expert release names; indexer, attention gate and gated norms copied
     "minicpm5_moe": dict(experts=6),  # DeepSeek-V3 router; q_proj stored for the module q_gate_proj
