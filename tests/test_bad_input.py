@@ -363,3 +363,48 @@ def test_huge_model_type_is_quoted_bounded(src, tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     code, output = run_convert(src, tmp_path / "out")
     assert code == 1 and len(output) < 1200 and "characters cut" in output and "Traceback" not in output, output[:300]
+
+
+# Kimi-K3's config as released (model_type kimi_k3 around a Kimi-Linear text model; the fields the refusal reads, from
+# public reconciliations of the official config.json): routed experts at routed_expert_hidden_size 3584 of a 7168
+# hidden size, and routed experts compressed-tensors mxfp4-pack-quantized, a format no module here reads.
+KIMI_K3 = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "weights": {"group_size": 32, "num_bits": 4}}},
+    },
+    "text_config": {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "hidden_size": 7168,
+        "num_hidden_layers": 93,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584,
+        "latent_moe_use_norm": True,
+        "first_k_dense_replace": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.5,
+        "num_expert_group": 1,
+        "topk_group": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k3", "some_kimi_k3_like_wrapper"])
+def test_kimi_k3_is_refused_for_its_latent_experts_not_its_format(src, tmp_path, model_type):
+    """Before, Kimi-K3 was described as Kimi-Linear and then refused for 'mxfp4-pack-quantized', which says nothing of
+    why it cannot be fused: its routed experts run at 3584 of a 7168 hidden size. The structure is named, under its own
+    family or, for a wrapper no family claims, under the rule every family goes through."""
+    (src / "config.json").write_text(json.dumps({**KIMI_K3, "model_type": model_type}))
+    code, output = run_convert(src, tmp_path / "out")
+    assert_refused(code, output, tmp_path / "out", "routed_expert_hidden_size = 3584", "narrower than the hidden size")
+    assert "mxfp4" not in output and "not supported" not in output
+    if model_type == "kimi_k3":
+        assert "model_type 'kimi_k3' (Kimi-K3) cannot be converted" in output

@@ -378,21 +378,39 @@ def check_hidden_size(config: Mapping, arch: MoEArchitecture, router_name: str, 
         )
 
 
-def refuse_latent_experts(config: Mapping) -> None:
-    """Any family: routed experts that run in a latent space narrower than the hidden size (``moe_latent_size``,
-    NemotronH style: a down-projection before the experts and an up-projection after) cannot share slots with a
-    shared expert that runs at the hidden size, so such a model is refused whatever its family."""
+# Config fields that give the width routed experts run at when it is not the hidden size: NemotronH's moe_latent_size,
+# Kimi-K3's routed_expert_hidden_size (its LatentMoE: routed_expert_down_proj before the experts, up_proj after).
+LATENT_WIDTH_FIELDS = ("moe_latent_size", "routed_expert_hidden_size")
+
+
+def latent_experts(config: Mapping) -> tuple[str, str, str] | None:
+    """``(reason, where, field)`` when the config (or its ``text_config``) makes the routed experts run in a latent space
+    narrower than the hidden size (:data:`LATENT_WIDTH_FIELDS`), else None."""
     for cfg, where in ((config, "config.json"), (config.get("text_config"), "config.json text_config")):
-        if not isinstance(cfg, Mapping) or cfg.get("moe_latent_size") is None:
+        if not isinstance(cfg, Mapping):
             continue
-        latent, hidden = cfg.get("moe_latent_size"), cfg.get("hidden_size")
-        if not (isinstance(latent, int) and isinstance(hidden, int) and latent >= hidden):
-            raise UnsupportedModelError(
-                f"its routed experts run in a latent space (moe_latent_size = {latent!r}) narrower than the hidden size "
+        for key in LATENT_WIDTH_FIELDS:
+            latent, hidden = cfg.get(key), cfg.get("hidden_size")
+            if latent is None or (isinstance(latent, int) and isinstance(hidden, int) and latent >= hidden):
+                continue
+            return (
+                f"its routed experts run in a latent space ({key} = {latent!r}) narrower than the hidden size "
                 f"({hidden!r}), projected in and out around them, while the shared expert runs at the hidden size: "
                 "they cannot be slots of one expert set",
-                **_where(where, "moe_latent_size"),
+                where,
+                key,
             )
+    return None
+
+
+def refuse_latent_experts(config: Mapping) -> None:
+    """Any family: routed experts that run in a latent space narrower than the hidden size (:func:`latent_experts`)
+    cannot share slots with a shared expert that runs at the hidden size, so such a model is refused whatever its
+    family, and before its weight format is read (the refusal names the structural obstacle, not the format)."""
+    found = latent_experts(config)
+    if found is not None:
+        reason, where, key = found
+        raise UnsupportedModelError(reason, **_where(where, key))
 
 
 def refuse_shared_mlp_bias(config: Mapping, field: str, model_type: str, family: str) -> None:
