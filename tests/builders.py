@@ -303,6 +303,37 @@ NEW_FAMILIES = {
         ),
         "HYV4ForCausalLM",
     ),
+    # Hunyuan 4 VL: Hunyuan 4's text model (same clamp) in text_config beside a one-layer ViT (release names vit.*).
+    "hy_v4_vl": (
+        lambda T, moe, I, E, W, L, over: T.HYV4VLConfig(
+            text_config=dict(
+                **moe,
+                **MLA,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                index_n_heads=2,
+                index_head_dim=16,
+                index_topk=4,
+                swiglu_limit=0.3,
+                hc_mult=2,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                out_hidden_size=moe["hidden_size"],
+                patch_size=2,
+                max_image_size=8,
+            ),
+        ),
+        "HYV4VLForConditionalGeneration",
+    ),
     # DeepSeek-V3.2: V3's MoE with a DSA indexer in every attention layer (its own transformers class).
     "deepseek_v32": (
         lambda T, moe, I, E, W, L, over: T.DeepseekV32Config(

@@ -109,6 +109,7 @@ def test_glm4v_compressed_tensors_source(tmp_path):
 VISION = {
     "glm4v_moe": ("model.visual.",),
     "glm5_next": ("model.visual.",),
+    "hy_v4_vl": ("vit.",),
     "step3p7": ("vision_model.", "vit_large_projector."),
 }
 

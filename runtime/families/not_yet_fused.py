@@ -33,10 +33,6 @@ _NOT_YET = {
         "text and vision tokens go to separate routed expert sets (one moe_intermediate_size per "
         "modality) that share one shared MLP: one fused expert set per modality is not a layout the runtime has",
     ),
-    ("hy_v4_vl",): (
-        "Hunyuan 4 VL",
-        "no family module maps Hunyuan 4's MoE under the VL wrapper's names and classes yet",
-    ),
     ("lara_mini",): (
         "Lara-Mini",
         "its checkpoints store the linear-attention input projections as one in_proj of unequal parts "

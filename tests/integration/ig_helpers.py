@@ -39,6 +39,7 @@ CASES = {
     "mistral4": dict(experts=6),  # 3 groups by their top-2 sum, 2 kept
     "mistral_large4": dict(experts=6),  # Mistral-native names, Pixtral vision tower (q/k permuted at load)
     "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not
+    "hy_v4_vl": dict(experts=6),  # Hunyuan 4 under the VL wrapper: text at model.layers, vision tower at vit.
     "deepseek_v32": dict(experts=6),  # DSA indexer in every attention layer: loads with DeepseekV32ForCausalLM
     "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
     "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
