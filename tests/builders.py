@@ -334,6 +334,84 @@ NEW_FAMILIES = {
         ),
         "HYV4VLForConditionalGeneration",
     ),
+    # DeepSeek-OCR 2 / Unlimited-OCR: DeepSeek-V2's MoE (softmax, never renormalized, rsf) with multi-head attention,
+    # layer 0 dense, under a two-block SAM encoder and a one-layer vision encoder (Qwen2 / CLIP-style).
+    "deepseek_ocr2": (
+        lambda T, moe, I, E, W, L, over: T.DeepseekOcr2Config(
+            text_config=dict(
+                **moe,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                routed_scaling_factor=1.5,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                sam_config=dict(
+                    hidden_size=32,
+                    output_channels=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=32,
+                    patch_size=8,
+                    window_size=2,
+                    global_attn_indexes=[1],
+                    downsample_channels=[32, 64],
+                ),
+                encoder_config=dict(
+                    hidden_size=moe["hidden_size"],
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    vocab_size=16,
+                ),
+            ),
+        ),
+        "DeepseekOcr2ForConditionalGeneration",
+    ),
+    "unlimited_ocr": (
+        lambda T, moe, I, E, W, L, over: T.UnlimitedOcrConfig(
+            text_config=dict(
+                **moe,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                routed_scaling_factor=1.5,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                sliding_window=8,
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                sam_config=dict(
+                    hidden_size=32,
+                    output_channels=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=32,
+                    patch_size=8,
+                    window_size=2,
+                    global_attn_indexes=[1],
+                    downsample_channels=[32, 64],
+                    mlp_dim=64,
+                ),
+                encoder_config=dict(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    image_size=16,
+                    patch_size=4,
+                ),
+            ),
+        ),
+        "UnlimitedOcrForConditionalGeneration",
+    ),
     # DeepSeek-V3.2: V3's MoE with a DSA indexer in every attention layer (its own transformers class).
     "deepseek_v32": (
         lambda T, moe, I, E, W, L, over: T.DeepseekV32Config(

@@ -83,6 +83,9 @@ CASES = {
     "hy_v4_vl": dict(
         kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)
     ),
+    # DeepSeek-OCR 2 / Unlimited-OCR: DeepSeek-V2's router (softmax, no bias, never renormalized, rsf).
+    "deepseek_ocr2": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, False, 1.5, False)),
+    "unlimited_ocr": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, False, 1.5, False)),
     # DeepSeek-V3.2: V3's routing; the DSA indexer copied (weights_proj unquantized), loaded with DeepseekV32ForCausalLM.
     "deepseek_v32": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # Solar Open: DeepSeek-V3's router with 3 groups of 2 (top-2 sum, 2 kept), every layer MoE.

@@ -110,6 +110,8 @@ VISION = {
     "glm4v_moe": ("model.visual.",),
     "glm5_next": ("model.visual.",),
     "hy_v4_vl": ("vit.",),
+    "deepseek_ocr2": ("model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator"),
+    "unlimited_ocr": ("model.sam_model.", "model.vision_model.", "model.projector.", "model.image_newline"),
     "step3p7": ("vision_model.", "vit_large_projector."),
 }
 

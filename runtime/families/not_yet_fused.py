@@ -19,10 +19,6 @@ _NOT_YET = {
         "its MoE block RMS-normalizes the sum of the routed and shared outputs (post_mlp_layernorm) inside "
         "the block a fused layer replaces, and the fused block has no output norm",
     ),
-    ("deepseek_ocr2", "unlimited_ocr"): (
-        "DeepSeek-OCR 2 / Unlimited-OCR",
-        "no family module maps the DeepSeek-V2-style text MoE under its OCR wrapper (SAM and vision encoders) yet",
-    ),
     ("dots3_note", "dots3_note_text"): (
         "dots.3 Note",
         "its vision tower has routed experts of its own (no shared expert) beside the text MoE, and no "
