@@ -83,6 +83,8 @@ CASES = {
     "hy_v4_vl": dict(
         kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)
     ),
+    # dots.3 Note: DeepSeek-V3's router with 2 groups; its shared width is its own (64 over I = 32: two slots).
+    "dots3_note": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # DeepSeek-OCR 2 / Unlimited-OCR: DeepSeek-V2's router (softmax, no bias, never renormalized, rsf).
     "deepseek_ocr2": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, False, 1.5, False)),
     "unlimited_ocr": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, False, 1.5, False)),

@@ -110,6 +110,7 @@ VISION = {
     "glm4v_moe": ("model.visual.",),
     "glm5_next": ("model.visual.",),
     "hy_v4_vl": ("vit.",),
+    "dots3_note": ("vision_encoder.", "audio_encoder."),
     "deepseek_ocr2": ("model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator"),
     "unlimited_ocr": ("model.sam_model.", "model.vision_model.", "model.projector.", "model.image_newline"),
     "step3p7": ("vision_model.", "vit_large_projector."),
@@ -350,3 +351,21 @@ def test_ernie_moe_layers_follow_transformers():
         config = cfg.to_dict()
         config["moe_layer_end_index"] = end  # a release config may say -1 (transformers resolves it to the last layer)
         assert describe_model(config).moe_layers == want, (start, end, interval)
+
+
+def test_dots3_note_with_its_text_fields_at_the_top_level(tmp_path):
+    """dots.3 Note's published config.json keeps the text model's fields at the top level (transformers' Dots3NoteConfig
+    builds text_config from them); such a config converts to the same experts as the nested one save_pretrained
+    writes, and verifies against its source."""
+    src_dir = build_checkpoint("dots3_note", tmp_path / "src", experts=6)
+    cfg = json.loads((src_dir / "config.json").read_text())
+    flat = {k: v for k, v in cfg.items() if k != "text_config"}
+    flat.update({k: v for k, v in cfg["text_config"].items() if k not in ("model_type", "architectures")})
+    (src_dir / "config.json").write_text(json.dumps(flat))
+    arch = describe_model(flat)
+    assert arch.config_key is None and arch.moe_layers == (1, 2) and arch.shared_width == 64
+    out_dir = tmp_path / "out"
+    convert_checkpoint(src_dir, out_dir, progress=False)
+    assert "fused_shared_experts" in json.loads((out_dir / "config.json").read_text())
+    r = verify_against(out_dir, src_dir)
+    assert r.passed, r.failures

@@ -19,11 +19,6 @@ _NOT_YET = {
         "its MoE block RMS-normalizes the sum of the routed and shared outputs (post_mlp_layernorm) inside "
         "the block a fused layer replaces, and the fused block has no output norm",
     ),
-    ("dots3_note", "dots3_note_text"): (
-        "dots.3 Note",
-        "its vision tower has routed experts of its own (no shared expert) beside the text MoE, and no "
-        "family module maps the wrapper yet",
-    ),
     ("ernie4_5_vl_moe",): (
         "ERNIE-4.5-VL MoE",
         "text and vision tokens go to separate routed expert sets (one moe_intermediate_size per "
