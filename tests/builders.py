@@ -237,6 +237,23 @@ NEW_FAMILIES = {
         ),
         "GraniteMoeSharedForCausalLM",
     ),
+    # GraniteMoE-Hybrid: GraniteMoE-Shared's MoE in Mamba-2 and attention layers (one of each kind, then Mamba).
+    "granitemoehybrid": (
+        lambda T, moe, I, E, W, L, over: T.GraniteMoeHybridConfig(
+            **moe,
+            intermediate_size=I,
+            num_local_experts=E,
+            shared_intermediate_size=W or 48,
+            residual_multiplier=0.7,
+            layer_types=(["linear_attention", "full_attention"] * L)[:L],
+            mamba_n_heads=4,
+            mamba_d_head="auto",
+            mamba_d_state=16,
+            mamba_chunk_size=16,
+            **over,
+        ),
+        "GraniteMoeHybridForCausalLM",
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, 3 groups of 2 scored by their top-2 sum, 2 kept (groups matter for K = 2).
     "mistral4": (
         lambda T, moe, I, E, W, L, over: T.Mistral4Config(

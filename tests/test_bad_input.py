@@ -201,6 +201,8 @@ def test_refused_model_types(src, tmp_path, model_type, reason):
         ("cohere2_moe", {}, "no shared expert in this config"),  # transformers' default num_shared_experts 0
         ("cohere2_moe", {"num_shared_experts": 1}, "averaged"),  # the default combination strategy halves both
         ("granitemoe_swa", {}, "no shared expert in this config"),
+        # a dense Granite 4.0: no layer has routed experts, every layer runs its shared MLP alone
+        ("granitemoehybrid", {"num_local_experts": 0}, "num_local_experts is 0, so no layer has routed experts"),
     ],
 )
 def test_config_dependent_refusals(src, tmp_path, model_type, fields, reason):

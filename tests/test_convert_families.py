@@ -59,6 +59,9 @@ CASES = {
     "granitemoeshared": dict(
         kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
     ),
+    "granitemoehybrid": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, groups by their top-2 sum (LAYOUT v2 group_score).
     "mistral4": dict(
         kw=dict(experts=6),

@@ -30,11 +30,6 @@ _NOT_YET = {
         "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated "
         "shared MLP would fuse)",
     ),
-    ("granitemoehybrid",): (
-        "GraniteMoE-Hybrid",
-        "its layers without routed experts (num_local_experts 0) run the shared MLP alone, and no "
-        "family module maps its Mamba-hybrid classes yet",
-    ),
     ("step3p5",): (
         "Step-3.5 (Step-3.7's text model)",
         "transformers has it only as Step-3.7's text config, with no model class "

@@ -31,6 +31,15 @@ def _fp32_patterns(model, dtype: torch.dtype) -> list[str]:
     return pats
 
 
+class _NoSharedMLP(torch.nn.Module):
+    """Stands for a shared MLP whose slots are in the layer's fused block: adds nothing (zeros of its input's shape).
+    Decoder layers that run their shared MLP unconditionally (GraniteMoE-Hybrid) call it; those that skip a None one
+    (GraniteMoE-Shared) add exact zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
 def _set_tensor(model, name: str, value: torch.Tensor) -> None:
     path, _, leaf = name.rpartition(".")
     mod = model.get_submodule(path) if path else model
@@ -104,7 +113,7 @@ class StreamedModel:
             if not hasattr(mod, "experts"):
                 raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
             if self.family.shared_module:  # its shared MLP is in the fused block's slots; the layer runs none beside it
-                setattr(self.layers[layer], self.family.shared_module, None)
+                setattr(self.layers[layer], self.family.shared_module, _NoSharedMLP())
         if max_memory is not None and device_map != "auto":
             raise ValueError("max_memory is for device_map='auto'")
         if device_map == "auto":

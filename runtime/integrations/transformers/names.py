@@ -44,7 +44,10 @@ def build_config(config: Mapping[str, Any]):
     d.pop("model_type", None)
     if fam.text_config_key and isinstance(d.get(fam.text_config_key), dict):
         d[fam.text_config_key].pop("quantization_config", None)
-    return config_cls.from_dict(d)
+    # config.json spells inf and NaN as {"__float__": "Infinity"} (GraniteMoE-Hybrid's time_step_limit [0, inf]);
+    # from_pretrained decodes them before from_dict, so this does too
+    decode = getattr(config_cls, "_decode_special_floats", None)
+    return config_cls.from_dict(decode(d) if decode else d)
 
 
 def text_config_of(config):
