@@ -254,6 +254,27 @@ NEW_FAMILIES = {
         ),
         "GraniteMoeHybridForCausalLM",
     ),
+    # Lara-Mini: softmax top-k renormalized by the plain sum, every layer MoE, shared width 48 over I = 32; gated delta
+    # net layers whose fused in_proj [q|k|v|z|b|a] has unequal parts (128, 64, 4, 4 rows here).
+    "lara_mini": (
+        lambda T, moe, I, E, W, L, over: T.LaraMiniConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 48,
+            norm_topk_prob=True,
+            layer_types=(["linear_attention", "full_attention"] * L)[:L],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "LaraMiniForCausalLM",
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, 3 groups of 2 scored by their top-2 sum, 2 kept (groups matter for K = 2).
     "mistral4": (
         lambda T, moe, I, E, W, L, over: T.Mistral4Config(

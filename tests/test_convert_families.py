@@ -62,6 +62,10 @@ CASES = {
     "granitemoehybrid": dict(
         kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
     ),
+    # Lara-Mini: softmax top-k, plain-sum renormalization (eps 0), every layer MoE; shared width 48 over I = 32.
+    "lara_mini": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False), v2={}
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, groups by their top-2 sum (LAYOUT v2 group_score).
     "mistral4": dict(
         kw=dict(experts=6),

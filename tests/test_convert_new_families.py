@@ -132,7 +132,7 @@ def test_vision_tower_copied_unchanged(family, tmp_path):
     assert "lm_head" in cfg["quantization_config"]["modules_to_not_convert"]
 
 
-@pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear", "glm5_next"])
+@pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear", "glm5_next", "lara_mini"])
 @pytest.mark.parametrize("other_linear", ["keep", "fp8"])
 def test_hybrid_attention_copied(family, other_linear, tmp_path):
     """Linear-attention layers (short convolutions, decay parameters) are copied byte for byte; with

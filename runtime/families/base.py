@@ -109,8 +109,8 @@ class TransformersClasses:
     suffixes)`` pairs of module tensors stored in parts and concatenated along dim 0 in that order (after renaming),
     or ``(module suffix, on-disk suffixes, dim)`` along another dim (Step-3.7's stacked gate and up, dim 1),
     besides the shared MLP's ``gate_up_proj`` that every family may store as ``gate_proj`` + ``up_proj``.
-    ``splits``: ``(on-disk suffix, module suffixes)``: one tensor stored for several, cut into equal parts along dim 0
-    (a vision tower's fused ``in_proj_weight``). ``rope_permute``: ``(module name pattern, config attribute path of the
+    ``splits``: ``(on-disk suffix, module suffixes)``: one tensor stored for several, cut along dim 0 into the module
+    tensors' sizes, in order (a vision tower's fused ``in_proj_weight``; Lara-Mini's unequal ``[q|k|v|z|b|a]``). ``rope_permute``: ``(module name pattern, config attribute path of the
     head count)``: rows stored interleaved per rotary pair that the module wants as halves (transformers' PermuteForRope).
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so

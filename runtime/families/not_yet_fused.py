@@ -24,12 +24,6 @@ _NOT_YET = {
         "text and vision tokens go to separate routed expert sets (one moe_intermediate_size per "
         "modality) that share one shared MLP: one fused expert set per modality is not a layout the runtime has",
     ),
-    ("lara_mini",): (
-        "Lara-Mini",
-        "its checkpoints store the linear-attention input projections as one in_proj of unequal parts "
-        "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated "
-        "shared MLP would fuse)",
-    ),
     ("step3p5",): (
         "Step-3.5 (Step-3.7's text model)",
         "transformers has it only as Step-3.7's text config, with no model class "

@@ -37,6 +37,7 @@ CASES = {
     "ernie4_5_moe": dict(experts=7),  # softmax + [1, E] bias, max(sum, 1e-12) denominator
     "granitemoeshared": dict(experts=6, shared_width=48),  # shared width 48 over I = 32: the second slot zero-padded
     "granitemoehybrid": dict(experts=6, shared_width=48),  # GraniteMoE-Shared's MoE between Mamba-2 layers (copied)
+    "lara_mini": dict(experts=6, shared_width=48),  # gated delta net layers' unequal fused in_proj split at load
     "mistral4": dict(experts=6),  # 3 groups by their top-2 sum, 2 kept
     "mistral_large4": dict(experts=6),  # Mistral-native names, Pixtral vision tower (q/k permuted at load)
     "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not

@@ -220,7 +220,12 @@ class StreamedModel:
         elif r.op == "cat":
             t = torch.cat([get(n) for n in r.sources], r.dim)
         elif r.op == "chunk":
-            t = torch.chunk(get(r.sources[0]), r.count, dim=0)[r.index].contiguous()
+            src = get(r.sources[0])
+            if src.shape[0] != sum(r.rows):
+                raise LayoutError(
+                    f"{r.sources[0]} has {src.shape[0]} rows, but the modules it is split into have {list(r.rows)}"
+                )
+            t = torch.split(src, list(r.rows), dim=0)[r.index].contiguous()
         elif r.op == "stack_gate_up":
             s = r.sources
             t = torch.stack([torch.cat([get(s[i]), get(s[i + 1])], 0) for i in range(0, len(s), 2)])
