@@ -372,6 +372,31 @@ NEW_FAMILIES = {
         ),
         "HYV4VLForConditionalGeneration",
     ),
+    # Aria: softmax of the top-k logits, routed experts stacked transposed (fc1 [E, H, 2I], fc2 [E, I, H]), two shared
+    # widths (64 over I = 32), every layer MoE; an Idefics3 vision tower and a cross-attention projector.
+    "aria": (
+        lambda T, moe, I, E, W, L, over: T.AriaConfig(
+            text_config=dict(
+                **moe,
+                intermediate_size=I,
+                moe_num_experts=E,
+                moe_topk=moe["num_experts_per_tok"],
+                moe_num_shared_experts=(W or 2 * I) // I,
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                patch_size=2,
+                image_size=8,
+            ),
+            projector_patch_to_query_dict={16: 4},
+        ),
+        "AriaForConditionalGeneration",
+    ),
     # dots.3 Note: DeepSeek-V3's router (2 groups by top-2 sum), a shared MLP of its own width (64 over I = 32), layer 0
     # dense; the vision encoder's own MoE (4 routed experts, no shared) and the audio encoder are copied.
     "dots3_note": (

@@ -90,6 +90,9 @@ CASES = {
     "hy_v4_vl": dict(
         kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)
     ),
+    # Aria: softmax of the top-k logits (= renormalized softmax), no bias, no rsf; transposed experts written in the
+    # layout's stacked form.
+    "aria": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, False)),
     # dots.3 Note: DeepSeek-V3's router with 2 groups; its shared width is its own (64 over I = 32: two slots).
     "dots3_note": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # DeepSeek-OCR 2 / Unlimited-OCR: DeepSeek-V2's router (softmax, no bias, never renormalized, rsf).
@@ -190,6 +193,10 @@ def routed_source(src: dict, block: str, x: str, e: int):
             gu = src[gu_name][e].float()
             half = gu.shape[0] // 2
             return gu[:half], gu[half:], src[dn_name][e].float()
+    if f"{x}.fc1.weight" in src:  # stacked transposed, [E, H, 2I] and [E, I, H] (Aria)
+        gu, dn = src[f"{x}.fc1.weight"][e].float().t(), src[f"{x}.fc2.weight"][e].float().t()
+        half = gu.shape[0] // 2
+        return gu[:half], gu[half:], dn
     if f"{x}.gate_proj.weight" in src:  # stacked, gate and up apart (Step-3.7)
         return tuple(src[f"{x}.{p}.weight"][e].float() for p in ("gate_proj", "up_proj", "down_proj"))
     names = PER_EXPERT_NAMES["w13" if f"{x}.0.w1.weight" in src else "proj"]

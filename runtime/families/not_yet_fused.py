@@ -9,11 +9,6 @@ from .base import RefusedFamily, register
 
 # model types -> (display name, what is not handled yet)
 _NOT_YET = {
-    ("aria", "aria_text"): (
-        "Aria",
-        "its routed experts are always SiLU-gated while its shared MLP follows hidden_act, and no family "
-        "module maps Aria's grouped-GEMM experts and vision wrapper yet",
-    ),
     ("axk1",): (
         "A.X-K1",
         "its MoE block RMS-normalizes the sum of the routed and shared outputs (post_mlp_layernorm) inside "

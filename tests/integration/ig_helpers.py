@@ -41,6 +41,7 @@ CASES = {
     "mistral4": dict(experts=6),  # 3 groups by their top-2 sum, 2 kept
     "mistral_large4": dict(experts=6),  # Mistral-native names, Pixtral vision tower (q/k permuted at load)
     "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not
+    "aria": dict(experts=6),  # experts stored transposed (fc1 / fc2), written in the layout's stacked form
     "dots3_note": dict(experts=6),  # vision encoder with routed experts of its own (copied), audio encoder
     "deepseek_ocr2": dict(experts=6),  # DeepSeek-V2 MoE at model.layers under SAM and Qwen2 encoders
     "unlimited_ocr": dict(experts=6),  # the same under SAM and a CLIP-style encoder (qkv_proj split at load)
