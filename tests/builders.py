@@ -45,6 +45,40 @@ def _vision(**kw):
 # Families of 2026, one entry each: (tiny config from (T, moe kwargs, inter, experts, shared_width, layers, overrides), model class name).
 # Odd geometry: E = 6 or 7 (not a power of two), two shared slots where the family allows it, non-default rsf.
 NO_SPECIAL_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def _hy_v4_text(moe, I, E, W, over):  # noqa: E741
+    """Hunyuan 4's tiny text config (also the text model of Hunyuan 4 VL): swiglu_limit 0.3 bites on the routed
+    experts, two hyper-connection streams."""
+    return dict(
+        **moe,
+        **MLA,
+        intermediate_size=3 * I,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        n_shared_experts=(W or 2 * I) // I,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        swiglu_limit=0.3,
+        hc_mult=2,
+        **NO_SPECIAL_TOKENS,
+        **over,
+    )
+
+
+# The OCR wrappers' tiny SAM image encoder (two blocks, one of them global).
+_SAM = dict(
+    hidden_size=32,
+    output_channels=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+    window_size=2,
+    global_attn_indexes=[1],
+    downsample_channels=[32, 64],
+)
 NEW_FAMILIES = {
     "dots1": (
         lambda T, moe, I, E, W, L, over: T.Dots1Config(
@@ -324,41 +358,18 @@ NEW_FAMILIES = {
     ),
     # Hunyuan 4: swiglu_limit 0.3 bites on the routed experts; the shared MLP is not clamped. Two hyper-connection streams.
     "hy_v4": (
-        lambda T, moe, I, E, W, L, over: T.HYV4Config(
-            **moe,
-            **MLA,
-            intermediate_size=3 * I,
-            moe_intermediate_size=I,
-            n_routed_experts=E,
-            n_shared_experts=(W or 2 * I) // I,
-            index_n_heads=2,
-            index_head_dim=16,
-            index_topk=4,
-            swiglu_limit=0.3,
-            hc_mult=2,
-            **NO_SPECIAL_TOKENS,
-            **over,
-        ),
+        lambda T, moe, I, E, W, L, over: T.HYV4Config(**_hy_v4_text(moe, I, E, W, over)),
         "HYV4ForCausalLM",
     ),
     # Hunyuan 4 VL: Hunyuan 4's text model (same clamp) in text_config beside a one-layer ViT (release names vit.*).
     "hy_v4_vl": (
         lambda T, moe, I, E, W, L, over: T.HYV4VLConfig(
-            text_config=dict(
-                **moe,
-                **MLA,
-                intermediate_size=3 * I,
-                moe_intermediate_size=I,
-                n_routed_experts=E,
-                n_shared_experts=(W or 2 * I) // I,
-                index_n_heads=2,
-                index_head_dim=16,
-                index_topk=4,
-                swiglu_limit=0.3,
-                hc_mult=2,
-                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
-                **NO_SPECIAL_TOKENS,
-                **over,
+            text_config=_hy_v4_text(
+                moe,
+                I,
+                E,
+                W,
+                dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]), **over),
             ),
             vision_config=dict(
                 hidden_size=32,
@@ -462,17 +473,7 @@ NEW_FAMILIES = {
                 **over,
             ),
             vision_config=dict(
-                sam_config=dict(
-                    hidden_size=32,
-                    output_channels=16,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    image_size=32,
-                    patch_size=8,
-                    window_size=2,
-                    global_attn_indexes=[1],
-                    downsample_channels=[32, 64],
-                ),
+                sam_config=_SAM,
                 encoder_config=dict(
                     hidden_size=moe["hidden_size"],
                     intermediate_size=64,
@@ -500,18 +501,7 @@ NEW_FAMILIES = {
                 **over,
             ),
             vision_config=dict(
-                sam_config=dict(
-                    hidden_size=32,
-                    output_channels=16,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    image_size=32,
-                    patch_size=8,
-                    window_size=2,
-                    global_attn_indexes=[1],
-                    downsample_channels=[32, 64],
-                    mlp_dim=64,
-                ),
+                sam_config=dict(_SAM, mlp_dim=64),
                 encoder_config=dict(
                     hidden_size=32,
                     intermediate_size=64,
