@@ -176,7 +176,7 @@ def test_unknown_tensor_in_a_moe_block_is_refused(src, tmp_path):
         ("gpt_oss", "no shared expert"),
         (
             "mixtral",
-            "not supported; supported: afmoe, axk2, bailing_hybrid, cohere2_moe, deepseek_v2, deepseek_v3, deepseek_v32",
+            "not supported; supported: afmoe, aria, aria_text, axk2, bailing_hybrid, cohere2_moe, deepseek_ocr2, deepseek_v2",
         ),
         # transformers 5.25's shared-expert families that are not fused (issue 22): each names what stands in the way.
         ("qwen3_omni_moe", "per-token sigmoid gate"),
