@@ -1,4 +1,4 @@
-"""The fused-shared checkpoint layout, versions 1 to 4 (``docs/layout.md``).
+"""The fused-shared checkpoint layout, versions 1 to 5 (``docs/layout.md``).
 
 This module is the single definition of the contract between the converter
 (``fuse_tool``) and the runtime: tensor names, the ``fused_shared_experts``
@@ -11,7 +11,9 @@ version-1 writer wrote; one that uses any is written as version 2; one whose rou
 four-bit (``routed_format``, :data:`ROUTED_FORMATS`) as version 3, which readers of versions 1 and 2
 refuse by its number; one with MoE layers of their own geometry (``layer_geometry``, :class:`LayerGeometry`) or
 per-modality selection biases (``routing.modality_biases``) as version 4, which readers of versions 1 to 3 refuse by
-its number (see the ``v4_features`` methods). All four are read.
+its number (see the ``v4_features`` methods); one whose router caps its logits (``routing.logit_softcap``) or chooses on
+the logits rather than the scores (``routing.select_on``) as version 5, which readers of versions 1 to 4 refuse by its
+number (:meth:`RoutingSpec.v5_features`). All five are read.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-LAYOUT_VERSION = 4  # the newest version this module reads and writes
-LAYOUT_VERSIONS = (1, 2, 3, 4)
+LAYOUT_VERSION = 5  # the newest version this module reads and writes
+LAYOUT_VERSIONS = (1, 2, 3, 4, 5)
 CONFIG_KEY = "fused_shared_experts"
 WEIGHT_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
@@ -34,6 +36,8 @@ ARCHITECTURE_PREFIX = "FusedShared"  # architectures: "FusedShared" + the source
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 GROUP_SCORES = ("top2_sum", "max")  # group score: sum of the group's two best choice scores, or its best
 RENORMALIZE_FORMS = ("add", "max")  # w / (sum + eps), or w / max(sum, eps)
+# (v5) What the choice adds the bias to: the scores s (c = s + b) or the logits z (c = z + b, Kolibri); weights are s.
+SELECT_ON = ("scores", "logits")
 DEFAULT_RENORMALIZE_EPS = 1e-20
 ACTIVATIONS = ("swiglu", "swiglu_oai", "swiglu_post_clamp")
 
@@ -64,6 +68,7 @@ _V1_ACTIVATIONS = ("swiglu", "swiglu_oai")
 _ROUTING_V1_KEYS = ("scoring", "top_k", "n_group", "topk_group", "renormalize", "routed_scaling_factor", "has_bias")
 _ROUTING_V2_KEYS = ("group_score", "renormalize_form", "renormalize_eps", "hash_layers")
 _ROUTING_V4_KEYS = ("modality_biases",)
+_ROUTING_V5_KEYS = ("logit_softcap", "select_on")
 _ROUTING_V2_ORDER = (
     "scoring",
     "top_k",
@@ -196,6 +201,11 @@ class RoutingSpec:
       of tokens of other modalities: row ``m`` (1, 2, ...) of the ``[M, E]`` bias stack a token of modality ``m``
       chooses with; row 0, modality 0 (text), is the layer's own bias. DeepSeek-V4.1: ``("gate.bias_vl",)``, tokens
       inside an image span. Needs ``has_bias``.
+    - ``logit_softcap`` (v5; 0.0 = none): ``c > 0`` replaces every logit ``z`` by ``c * tanh(z / c)`` before anything
+      else (scores, choice and weights all read the capped logits; Laguna's ``moe_router_logit_softcapping``).
+    - ``select_on`` (v5; ``"scores"``): what the selection bias is added to for the choice: ``"scores"`` is
+      ``c = s + b``, ``"logits"`` is ``c = z + b`` (Kolibri 1 / 1.1: top-k of logits + bias, weights the sigmoid of the
+      chosen logits). Groups, when any, are scored on that ``c``; the weights are the scores ``s`` either way.
 
     A constructed spec always has ``group_score`` set (None resolves to the implied rule).
     Raises :class:`LayoutError` naming the field and value for anything out of range.
@@ -213,6 +223,8 @@ class RoutingSpec:
     renormalize_eps: float = DEFAULT_RENORMALIZE_EPS
     hash_layers: tuple[int, ...] = ()
     modality_biases: tuple[str, ...] = ()
+    logit_softcap: float = 0.0
+    select_on: str = "scores"
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -239,6 +251,8 @@ class RoutingSpec:
                 f"routing.modality_biases {list(self.modality_biases)} without a selection bias (has_bias false): "
                 "row 0 of the bias stack is the layer's own bias"
             )
+        put(self, "logit_softcap", check_float("routing.logit_softcap", self.logit_softcap, nonneg=True))
+        check_choice("routing.select_on", self.select_on, SELECT_ON)
 
     def v2_features(self) -> list[str]:
         """What in this spec version 1 cannot express (empty: it can be written as version 1)."""
@@ -259,14 +273,25 @@ class RoutingSpec:
         """What in this spec versions 1 to 3 cannot express (empty: the lowest of those that holds it)."""
         return [f"routing.modality_biases {list(self.modality_biases)}"] if self.modality_biases else []
 
+    def v5_features(self) -> list[str]:
+        """What in this spec versions 1 to 4 cannot express (empty: the lowest of those that holds it)."""
+        out = []
+        if self.logit_softcap:
+            out.append(f"routing.logit_softcap {self.logit_softcap!r}")
+        if self.select_on != "scores":
+            out.append(f"routing.select_on {self.select_on!r}")
+        return out
+
     def to_dict(self, version: int | None = None) -> dict[str, Any]:
         """The ``routing`` JSON object. ``version`` None: the lowest that can hold this spec.
 
         Version 1 gives exactly the seven keys a version-1 writer wrote; versions 2 and 3 spell every field but
-        ``modality_biases``, which version 4 adds.
+        ``modality_biases``, which version 4 adds, and ``logit_softcap`` and ``select_on``, which version 5 adds.
         """
         if version is None:
-            version = 4 if self.v4_features() else 2 if self.v2_features() else 1
+            version = 5 if self.v5_features() else 4 if self.v4_features() else 2 if self.v2_features() else 1
+        if version < 5 and self.v5_features():
+            raise LayoutError(f"routing needs LAYOUT version 5 for {', '.join(self.v5_features())}")
         if version < 4 and self.v4_features():
             raise LayoutError(f"routing needs LAYOUT version 4 for {', '.join(self.v4_features())}")
         d = {
@@ -286,6 +311,8 @@ class RoutingSpec:
         d["hash_layers"] = list(self.hash_layers)
         if version >= 4:
             d["modality_biases"] = list(self.modality_biases)
+        if version >= 5:
+            d.update(logit_softcap=self.logit_softcap, select_on=self.select_on)
         return d
 
     @classmethod
@@ -295,11 +322,14 @@ class RoutingSpec:
         if not isinstance(d, Mapping):
             raise LayoutError(f"routing must be a JSON object, got {d!r}")
         allowed = (
-            _ROUTING_V1_KEYS + (_ROUTING_V2_KEYS if version >= 2 else ()) + (_ROUTING_V4_KEYS if version >= 4 else ())
+            _ROUTING_V1_KEYS
+            + (_ROUTING_V2_KEYS if version >= 2 else ())
+            + (_ROUTING_V4_KEYS if version >= 4 else ())
+            + (_ROUTING_V5_KEYS if version >= 5 else ())
         )
         unknown = [k for k in d if k not in allowed]
         if unknown:
-            for keys, since in ((_ROUTING_V2_KEYS, 2), (_ROUTING_V4_KEYS, 4)):
+            for keys, since in ((_ROUTING_V2_KEYS, 2), (_ROUTING_V4_KEYS, 4), (_ROUTING_V5_KEYS, 5)):
                 late = [k for k in unknown if k in keys]
                 if late:
                     raise LayoutError(
@@ -322,6 +352,8 @@ class RoutingSpec:
             renormalize_eps=d.get("renormalize_eps", DEFAULT_RENORMALIZE_EPS),
             hash_layers=d.get("hash_layers", ()),
             modality_biases=d.get("modality_biases", ()),
+            logit_softcap=d.get("logit_softcap", 0.0),
+            select_on=d.get("select_on", "scores"),
         )
 
 
@@ -415,7 +447,7 @@ class FusedSharedExperts:
 
     ``version`` None (the default) resolves to the lowest version that holds the block
     (1 unless a v2 feature is used, see :meth:`v2_features`; 3 with a ``routed_format``; 4 with a
-    :meth:`v4_features` feature); an explicit version below what a feature needs, or one not in
+    :meth:`v4_features` feature; 5 with a :meth:`RoutingSpec.v5_features` feature); an explicit version below what a feature needs, or one not in
     :data:`LAYOUT_VERSIONS`, is a :class:`LayoutError`. Every field is checked, and
     across fields: ``top_k <= E``, ``n_group`` divides E, the kept groups hold at least
     ``top_k`` experts (per ``layer_geometry`` entry too), ``hash_layers`` and ``layer_geometry`` layers are MoE
@@ -492,9 +524,9 @@ class FusedSharedExperts:
             raise LayoutError(f"routing.hash_layers {stray} are not in moe_layers")
         self._check_routed_format()
         self._check_layer_geometry()
-        needs, needs_v4 = self.v2_features(), self.v4_features()
+        needs, needs_v4, needs_v5 = self.v2_features(), self.v4_features(), self.routing.v5_features()
         if self.version is None:
-            put(self, "version", 4 if needs_v4 else 3 if self.routed_format else 2 if needs else 1)
+            put(self, "version", 5 if needs_v5 else 4 if needs_v4 else 3 if self.routed_format else 2 if needs else 1)
         elif self.version == 1 and needs:
             raise LayoutError(f"{CONFIG_KEY} says version 1 but uses LAYOUT version 2 features: {', '.join(needs)}")
         elif self.version < 3 and self.routed_format:
@@ -505,6 +537,10 @@ class FusedSharedExperts:
         elif self.version < 4 and needs_v4:
             raise LayoutError(
                 f"{CONFIG_KEY} says version {self.version} but uses LAYOUT version 4 features: {', '.join(needs_v4)}"
+            )
+        elif self.version < 5 and needs_v5:
+            raise LayoutError(
+                f"{CONFIG_KEY} says version {self.version} but uses LAYOUT version 5 features: {', '.join(needs_v5)}"
             )
 
     def _check_layer_geometry(self) -> None:
@@ -608,8 +644,8 @@ class FusedSharedExperts:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FusedSharedExperts":
-        """Parse a block of version 1 (also when ``version`` is absent), 2, 3 or 4 (version-3 or -4 keys in an older
-        block are errors: such a block would be misread by the readers its number admits)."""
+        """Parse a block of version 1 (also when ``version`` is absent), 2, 3, 4 or 5 (keys of a later version in an
+        older block are errors: such a block would be misread by the readers its number admits)."""
         if not isinstance(d, Mapping):
             raise LayoutError(f"{CONFIG_KEY} must be a JSON object, got {d!r}")
         version = d.get("version", 1)

@@ -27,6 +27,7 @@ from .layout import (
     GROUP_SCORES,
     RENORMALIZE_FORMS,
     SCORING_FUNCS,
+    SELECT_ON,
     FusedSharedExperts,
     LayoutError,
     find_config_block,
@@ -56,6 +57,10 @@ class RoutingConfig:
         renormalize_form: ``"add"`` (``w / (sum + eps)``) or ``"max"`` (``w / max(sum, eps)``).
         renormalize_eps: eps of the form, finite >= 0 (default 1e-20).
         hash_routed: this layer takes its K ids from ``tid2eid[token_id]`` (no bias, no groups).
+        logit_softcap: 0.0 (none) or ``c > 0``: every logit ``z`` becomes ``c * tanh(z / c)`` before scoring
+            (Laguna's ``moe_router_logit_softcapping``).
+        select_on: ``"scores"`` (choice ``s + bias``) or ``"logits"`` (choice ``z + bias``, Kolibri); the weights are
+            the scores either way.
 
     Raises:
         ValueError (:class:`~runtime.layout.LayoutError`) naming the argument and its value.
@@ -73,6 +78,8 @@ class RoutingConfig:
     renormalize_form: str = "add"
     renormalize_eps: float = DEFAULT_RENORMALIZE_EPS
     hash_routed: bool = False
+    logit_softcap: float = 0.0
+    select_on: str = "scores"
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -102,6 +109,8 @@ class RoutingConfig:
         check_choice("renormalize_form", self.renormalize_form, RENORMALIZE_FORMS)
         put(self, "renormalize_eps", check_float("renormalize_eps", self.renormalize_eps, nonneg=True))
         check_bool("hash_routed", self.hash_routed)
+        put(self, "logit_softcap", check_float("logit_softcap", self.logit_softcap, nonneg=True))
+        check_choice("select_on", self.select_on, SELECT_ON)
 
     @property
     def slots_per_token(self) -> int:
@@ -167,6 +176,8 @@ class RoutingConfig:
             "routed_scaling_factor",
             "renormalize_form",
             "renormalize_eps",
+            "logit_softcap",
+            "select_on",
         )
         return cls(
             num_experts=block.num_routed_experts,
@@ -320,8 +331,9 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids and weights of every token: K routed slots, then S shared slots (LAYOUT section 5).
 
-    Score-routed layers: ``s = score(logits)``, choice ``c = s + bias`` (``s + bias[modality[t]]`` with a bias
-    stack), group-limited top-K of ``c`` (ties to the lowest index), weights from the unbiased ``s`` (renormalized
+    Score-routed layers: ``s = score(logits)`` (of the softcapped logits ``cap * tanh(logits / cap)`` where
+    ``cfg.logit_softcap`` is set), choice ``c = s + bias`` (``s + bias[modality[t]]`` with a bias stack; the logits in
+    place of ``s`` with ``cfg.select_on == "logits"``), group-limited top-K of ``c`` (ties to the lowest index), weights from the unbiased ``s`` (renormalized
     when ``cfg.renormalize``) times rsf. Hash-routed layers (``cfg.hash_routed``): the K ids are
     ``tid2eid[token_ids[t]]``; weights are the same unbiased scores of those ids, always
     renormalized, times rsf. Then ids ``E..E+S-1`` with weight exactly 1.0.

@@ -23,6 +23,12 @@ def scores(z: torch.Tensor, scoring: str) -> torch.Tensor:
     return torch.sigmoid(z)
 
 
+def softcap(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """Float32 logits ``z`` ``[T, E]`` capped as ``cap * tanh(z / cap)`` (LAYOUT v5 ``routing.logit_softcap``), in the
+    order transformers' Laguna router computes it; ``cap`` 0 returns ``z`` unchanged."""
+    return torch.tanh(z / cap) * cap if cap else z
+
+
 def _group_mask(c: torch.Tensor, G: int, topk_group: int, top2: bool) -> torch.Tensor:
     """``c`` with the experts of all but the ``topk_group`` best groups set to -inf."""
     T, E = c.shape
@@ -65,7 +71,7 @@ def route_reference(logits, bias, cfg, num_valid_tokens=None, token_ids=None, ti
     ``modality``)."""
     T, E = logits.shape
     K, S, G = cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group
-    z = logits.to(torch.float32)
+    z = softcap(logits.to(torch.float32), cfg.logit_softcap)
     s = scores(z, cfg.scoring)
     row_ok = None
     if cfg.hash_routed:
@@ -75,7 +81,8 @@ def route_reference(logits, bias, cfg, num_valid_tokens=None, token_ids=None, ti
             b, row_ok = _bias_rows(bias, modality)
         else:
             b = bias.to(torch.float32) if bias is not None else None
-        c = s + b if b is not None else s
+        basis = z if cfg.select_on == "logits" else s  # (v5) Kolibri chooses on logits + bias
+        c = basis + b if b is not None else basis
         if G > 1:
             c = _group_mask(c, G, cfg.topk_group, cfg.group_top2(bias is not None))
         idx = _stable_topk_indices(c, K)

@@ -3,7 +3,9 @@
 Scores are sigmoid, softmax or sqrt(softplus); groups are ranked by their top-2 sum or their max;
 weights are renormalized as ``w / (sum + eps)`` or ``w / max(sum, eps)``. A hash-routed layer
 (``HASH``) reads its K ids from the token table instead of selecting, in the same launch. With a stack of selection
-biases (``HAS_MODALITY``, DeepSeek-V4.1's text and image biases) each row adds the bias row its modality names.
+biases (``HAS_MODALITY``, DeepSeek-V4.1's text and image biases) each row adds the bias row its modality names. Logits
+may be softcapped first (``SOFTCAP``: ``cap * tanh(z / cap)``, Laguna), and the bias may be added to the logits rather
+than the scores for the choice (``CHOICE_LOGITS``, Kolibri); the weights are the scores either way.
 
 One program per token row. The ``E`` experts are laid out as a ``[GP, GSP]`` tile
 (groups x experts per group, both padded to powers of two and masked), so any ``E <= 512``
@@ -54,6 +56,22 @@ def _scores(z, SCORING: tl.constexpr):
 
 
 @triton.jit
+def _softcap(z, cap, SOFTCAP: tl.constexpr):
+    """``cap * tanh(z / cap)`` where ``SOFTCAP``, else ``z``. tanh(x) = sign(x) * m / (m + 2) with m = expm1(2|x|),
+    expm1(a) = (u - 1) * a / log(u) for u = exp(a) (exact to a few ulps for tiny a, where u - 1 alone would lose the
+    digits); 2|x| is clamped at 40, past which tanh is 1 in float32."""
+    if SOFTCAP:
+        a = tl.minimum(2.0 * tl.abs(z / cap), 40.0)
+        u = tl.exp(a)
+        d = u - 1.0
+        m = tl.where(d == 0.0, a, d * (a / tl.where(d == 0.0, 1.0, tl.log(u))))
+        t = m / (m + 2.0)
+        return tl.where(z < 0, -t, t) * cap
+    else:
+        return z
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -73,6 +91,7 @@ def _route_kernel(
     vocab,
     rsf,
     eps,
+    cap,
     E: tl.constexpr,
     GS: tl.constexpr,
     G: tl.constexpr,
@@ -92,6 +111,8 @@ def _route_kernel(
     SELECT: tl.constexpr = 0,
     TGP: tl.constexpr = 1,
     KP: tl.constexpr = 1,
+    SOFTCAP: tl.constexpr = False,
+    CHOICE_LOGITS: tl.constexpr = False,
 ):
     # SCORING: 0 sigmoid, 1 softmax, 2 sqrtsoftplus. RENORM: 0 none, 1 w / (sum + eps), 2 w / max(sum, eps).
     row = tl.program_id(0).to(tl.int64)
@@ -111,7 +132,7 @@ def _route_kernel(
         offs_j = tl.arange(0, GSP)
         valid = (offs_g[:, None] < G) & (offs_j[None, :] < GS)
         e_idx = offs_g[:, None] * GS + offs_j[None, :]
-        z = tl.load(row_ptr + e_idx * stride_le, mask=valid, other=0.0).to(tl.float32)
+        z = _softcap(tl.load(row_ptr + e_idx * stride_le, mask=valid, other=0.0).to(tl.float32), cap, SOFTCAP)
         if SCORING == 1:
             zm = tl.where(valid, z, float("-inf"))
             zmax = tl.max(tl.max(zm, axis=1), axis=0)
@@ -132,7 +153,9 @@ def _route_kernel(
         # Selection on packed int64 keys: (order-preserving int32 of the float) << 32 | (1023 - index),
         # so one max reduction yields the largest value and, among equal values, the lowest index.
         NEG: tl.constexpr = -9223372036854775807 - 1
-        if SCORING == 1:
+        if CHOICE_LOGITS:
+            s = z  # (v5) Kolibri: the choice adds the bias to the logits; the weights below are still the scores
+        elif SCORING == 1:
             s = p / denom
         else:
             s = _scores(z, SCORING)
@@ -201,7 +224,7 @@ def _route_kernel(
                 packed = tl.where(packed == pk, NEG, packed)
                 ids = tl.where(offs_k == k, (1023 - (pk & 1023)).to(tl.int32), ids)
     # Weights from the unbiased scores of the chosen experts, recomputed with the same operations.
-    zk = tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32)
+    zk = _softcap(tl.load(row_ptr + ids * stride_le, mask=offs_k < K, other=0.0).to(tl.float32), cap, SOFTCAP)
     if SCORING == 1:
         w = tl.exp(zk - zmax) / denom
     else:
@@ -242,6 +265,8 @@ def _launch_config(
     renorm: int,
     hash_routed: bool,
     few_tokens: bool,
+    softcap: bool = False,
+    choice_logits: bool = False,
 ):
     """Kernel meta-parameters, keyed by everything that changes them (E+S included)."""
     if hash_routed:  # no selection: bias and groups play no part
@@ -281,6 +306,8 @@ def _launch_config(
         SELECT=select,
         TGP=next_pow2(topk_group),
         KP=next_pow2(K),
+        SOFTCAP=softcap,
+        CHOICE_LOGITS=choice_logits and not hash_routed,
     )
 
 
@@ -333,6 +360,8 @@ def route_triton(
         renorm,
         hashed,
         T <= 64,
+        cfg.logit_softcap > 0,
+        cfg.select_on == "logits",
     )
     if launch:
         if set(launch) - {"SELECT", "num_warps"} or launch.get("SELECT", 0) not in select_modes(
@@ -368,6 +397,7 @@ def route_triton(
         tid2eid.shape[0] if hashed else 0,
         float(cfg.routed_scaling_factor),
         float(cfg.renormalize_eps),
+        float(cfg.logit_softcap) or 1.0,
         HAS_NVALID=num_valid_tokens is not None,
         HAS_MODALITY=by_modality,
         **meta,

@@ -45,6 +45,40 @@ def _vision(**kw):
 # Families of 2026, one entry each: (tiny config from (T, moe kwargs, inter, experts, shared_width, layers, overrides), model class name).
 # Odd geometry: E = 6 or 7 (not a power of two), two shared slots where the family allows it, non-default rsf.
 NO_SPECIAL_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def _hy_v4_text(moe, I, E, W, over):  # noqa: E741
+    """Hunyuan 4's tiny text config (also the text model of Hunyuan 4 VL): swiglu_limit 0.3 bites on the routed
+    experts, two hyper-connection streams."""
+    return dict(
+        **moe,
+        **MLA,
+        intermediate_size=3 * I,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        n_shared_experts=(W or 2 * I) // I,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        swiglu_limit=0.3,
+        hc_mult=2,
+        **NO_SPECIAL_TOKENS,
+        **over,
+    )
+
+
+# The OCR wrappers' tiny SAM image encoder (two blocks, one of them global).
+_SAM = dict(
+    hidden_size=32,
+    output_channels=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+    window_size=2,
+    global_attn_indexes=[1],
+    downsample_channels=[32, 64],
+)
 NEW_FAMILIES = {
     "dots1": (
         lambda T, moe, I, E, W, L, over: T.Dots1Config(
@@ -237,6 +271,44 @@ NEW_FAMILIES = {
         ),
         "GraniteMoeSharedForCausalLM",
     ),
+    # GraniteMoE-Hybrid: GraniteMoE-Shared's MoE in Mamba-2 and attention layers (one of each kind, then Mamba).
+    "granitemoehybrid": (
+        lambda T, moe, I, E, W, L, over: T.GraniteMoeHybridConfig(
+            **moe,
+            intermediate_size=I,
+            num_local_experts=E,
+            shared_intermediate_size=W or 48,
+            residual_multiplier=0.7,
+            layer_types=(["linear_attention", "full_attention"] * L)[:L],
+            mamba_n_heads=4,
+            mamba_d_head="auto",
+            mamba_d_state=16,
+            mamba_chunk_size=16,
+            **over,
+        ),
+        "GraniteMoeHybridForCausalLM",
+    ),
+    # Lara-Mini: softmax top-k renormalized by the plain sum, every layer MoE, shared width 48 over I = 32; gated delta
+    # net layers whose fused in_proj [q|k|v|z|b|a] has unequal parts (128, 64, 4, 4 rows here).
+    "lara_mini": (
+        lambda T, moe, I, E, W, L, over: T.LaraMiniConfig(
+            **moe,
+            head_dim=32,
+            intermediate_size=3 * I,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 48,
+            norm_topk_prob=True,
+            layer_types=(["linear_attention", "full_attention"] * L)[:L],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "LaraMiniForCausalLM",
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, 3 groups of 2 scored by their top-2 sum, 2 kept (groups matter for K = 2).
     "mistral4": (
         lambda T, moe, I, E, W, L, over: T.Mistral4Config(
@@ -286,22 +358,161 @@ NEW_FAMILIES = {
     ),
     # Hunyuan 4: swiglu_limit 0.3 bites on the routed experts; the shared MLP is not clamped. Two hyper-connection streams.
     "hy_v4": (
-        lambda T, moe, I, E, W, L, over: T.HYV4Config(
-            **moe,
-            **MLA,
-            intermediate_size=3 * I,
-            moe_intermediate_size=I,
-            n_routed_experts=E,
-            n_shared_experts=(W or 2 * I) // I,
-            index_n_heads=2,
-            index_head_dim=16,
-            index_topk=4,
-            swiglu_limit=0.3,
-            hc_mult=2,
-            **NO_SPECIAL_TOKENS,
-            **over,
-        ),
+        lambda T, moe, I, E, W, L, over: T.HYV4Config(**_hy_v4_text(moe, I, E, W, over)),
         "HYV4ForCausalLM",
+    ),
+    # Hunyuan 4 VL: Hunyuan 4's text model (same clamp) in text_config beside a one-layer ViT (release names vit.*).
+    "hy_v4_vl": (
+        lambda T, moe, I, E, W, L, over: T.HYV4VLConfig(
+            text_config=_hy_v4_text(
+                moe,
+                I,
+                E,
+                W,
+                dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]), **over),
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                out_hidden_size=moe["hidden_size"],
+                patch_size=2,
+                max_image_size=8,
+            ),
+        ),
+        "HYV4VLForConditionalGeneration",
+    ),
+    # Aria: softmax of the top-k logits, routed experts stacked transposed (fc1 [E, H, 2I], fc2 [E, I, H]), two shared
+    # widths (64 over I = 32), every layer MoE; an Idefics3 vision tower and a cross-attention projector.
+    "aria": (
+        lambda T, moe, I, E, W, L, over: T.AriaConfig(
+            text_config=dict(
+                **moe,
+                intermediate_size=I,
+                moe_num_experts=E,
+                moe_topk=moe["num_experts_per_tok"],
+                moe_num_shared_experts=(W or 2 * I) // I,
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                patch_size=2,
+                image_size=8,
+            ),
+            projector_patch_to_query_dict={16: 4},
+        ),
+        "AriaForConditionalGeneration",
+    ),
+    # dots.3 Note: DeepSeek-V3's router (2 groups by top-2 sum), a shared MLP of its own width (64 over I = 32), layer 0
+    # dense; the vision encoder's own MoE (4 routed experts, no shared) and the audio encoder are copied.
+    "dots3_note": (
+        lambda T, moe, I, E, W, L, over: T.Dots3NoteConfig(
+            text_config=dict(
+                **moe,
+                **MLA,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=1,
+                shared_experts_intermediate_size=W or 2 * I,
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=2.5,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                index_n_heads=2,
+                index_head_dim=16,
+                index_topk=4,
+                head_dim=32,
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                patch_size=2,
+                moe_intermediate_size=16,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                mlp_layer_types=["dense", "sparse"],
+                adapter_in_dim=32,
+                adapter_out_dim=moe["hidden_size"],
+            ),
+            audio_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                feature_size=16,
+                downsample_hidden_size=8,
+                adapter_input_size=32,
+                adapter_out_dim=moe["hidden_size"],
+            ),
+        ),
+        "Dots3NoteForConditionalGeneration",
+    ),
+    # DeepSeek-OCR 2 / Unlimited-OCR: DeepSeek-V2's MoE (softmax, never renormalized, rsf) with multi-head attention,
+    # layer 0 dense, under a two-block SAM encoder and a one-layer vision encoder (Qwen2 / CLIP-style).
+    "deepseek_ocr2": (
+        lambda T, moe, I, E, W, L, over: T.DeepseekOcr2Config(
+            text_config=dict(
+                **moe,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                routed_scaling_factor=1.5,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                sam_config=_SAM,
+                encoder_config=dict(
+                    hidden_size=moe["hidden_size"],
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    vocab_size=16,
+                ),
+            ),
+        ),
+        "DeepseekOcr2ForConditionalGeneration",
+    ),
+    "unlimited_ocr": (
+        lambda T, moe, I, E, W, L, over: T.UnlimitedOcrConfig(
+            text_config=dict(
+                **moe,
+                intermediate_size=3 * I,
+                moe_intermediate_size=I,
+                n_routed_experts=E,
+                n_shared_experts=(W or 2 * I) // I,
+                routed_scaling_factor=1.5,
+                mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                sliding_window=8,
+                **NO_SPECIAL_TOKENS,
+                **over,
+            ),
+            vision_config=dict(
+                sam_config=dict(_SAM, mlp_dim=64),
+                encoder_config=dict(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    image_size=16,
+                    patch_size=4,
+                ),
+            ),
+        ),
+        "UnlimitedOcrForConditionalGeneration",
     ),
     # DeepSeek-V3.2: V3's MoE with a DSA indexer in every attention layer (its own transformers class).
     "deepseek_v32": (
@@ -358,6 +569,49 @@ NEW_FAMILIES = {
             **over,
         ),
         "LagunaForCausalLM",
+    ),
+    # Laguna with a softcapped router (moe_router_logit_softcapping 0.4: tiny random logits are about N(0, 0.5), so the
+    # tanh bites and changes both the choice and the weights).
+    "laguna_softcap": (
+        lambda T, moe, I, E, W, L, over: NEW_FAMILIES["laguna"][0](
+            T, moe, I, E, W, L, {"moe_router_logit_softcapping": 0.4, **over}
+        ),
+        "LagunaForCausalLM",
+    ),
+    # Kolibri 1 / 1.1: top-k of logits + bias, weights the sigmoid of the chosen logits (plain-sum renormalized); a bias
+    # of 0.5 (against logits of about N(0, 0.5)) moves the choice; the bias sits beside the block (moe.router.expert_bias).
+    # Kolibri 1.1: layer 0 dense (mlp_only_layers), sliding layers only (no indexed attention at this size).
+    "kolibri1": (
+        lambda T, moe, I, E, W, L, over: T.Kolibri1Config(
+            **moe,
+            head_dim=32,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 48,
+            norm_topk_prob=True,
+            sliding_window=8,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "Kolibri1ForCausalLM",
+    ),
+    "kolibri1_1": (
+        lambda T, moe, I, E, W, L, over: T.Kolibri1_1Config(
+            **moe,
+            head_dim=32,
+            moe_intermediate_size=I,
+            num_experts=E,
+            shared_expert_intermediate_size=W or 2 * I,
+            norm_topk_prob=False,
+            sliding_window=8,
+            layer_types=["sliding_attention"] * L,
+            mlp_only_layers=[0],
+            mlp_only_intermediate_size=3 * I,
+            index_num_heads=1,
+            **NO_SPECIAL_TOKENS,
+            **over,
+        ),
+        "Kolibri1_1ForCausalLM",
     ),
     # EXAONE-MoE: DeepSeek-V3's router (2 groups by top-2 sum), bias stored as mlp.e_score_correction_bias, layer 0 dense.
     "exaone_moe": (
@@ -649,7 +903,9 @@ def randomize_(model, seed: int = 0) -> None:
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif "e_score_correction_bias" in name or "expert_bias" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                # Kolibri adds its bias to the logits (not the scores): a larger one, to move the choice there too
+                scale = 0.5 if type(model).__name__.startswith("Kolibri") else 0.05
+                p.copy_(scale * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
 

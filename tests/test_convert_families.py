@@ -59,6 +59,13 @@ CASES = {
     "granitemoeshared": dict(
         kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
     ),
+    "granitemoehybrid": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False)
+    ),
+    # Lara-Mini: softmax top-k, plain-sum renormalization (eps 0), every layer MoE; shared width 48 over I = 32.
+    "lara_mini": dict(
+        kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("softmax", 2, 1, 1, True, 1.0, False), v2={}
+    ),
     # Mistral Small 4 / Large 3: softmax, no bias, groups by their top-2 sum (LAYOUT v2 group_score).
     "mistral4": dict(
         kw=dict(experts=6),
@@ -80,6 +87,17 @@ CASES = {
     "hy_v4": dict(
         kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)
     ),
+    "hy_v4_vl": dict(
+        kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 1, 1, True, 2.827, True), limit=(0.3, math.inf)
+    ),
+    # Aria: softmax of the top-k logits (= renormalized softmax), no bias, no rsf; transposed experts written in the
+    # layout's stacked form.
+    "aria": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, True, 1.0, False)),
+    # dots.3 Note: DeepSeek-V3's router with 2 groups; its shared width is its own (64 over I = 32: two slots).
+    "dots3_note": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
+    # DeepSeek-OCR 2 / Unlimited-OCR: DeepSeek-V2's router (softmax, no bias, never renormalized, rsf).
+    "deepseek_ocr2": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, False, 1.5, False)),
+    "unlimited_ocr": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("softmax", 2, 1, 1, False, 1.5, False)),
     # DeepSeek-V3.2: V3's routing; the DSA indexer copied (weights_proj unquantized), loaded with DeepseekV32ForCausalLM.
     "deepseek_v32": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # Solar Open: DeepSeek-V3's router with 3 groups of 2 (top-2 sum, 2 kept), every layer MoE.
@@ -88,6 +106,36 @@ CASES = {
     "laguna": dict(
         kw=dict(experts=6, shared_width=48), E=6, I=32, W=48, routing=("sigmoid", 2, 1, 1, True, 2.5, True), v2={}
     ),  # renormalize_eps 0 is a version 2 feature
+    # Laguna with moe_router_logit_softcapping 0.4: the cap is LAYOUT v5's routing.logit_softcap.
+    "laguna_softcap": dict(
+        kw=dict(experts=6, shared_width=48),
+        E=6,
+        I=32,
+        W=48,
+        routing=("sigmoid", 2, 1, 1, True, 2.5, True),
+        v2=dict(renormalize_eps=0.0, logit_softcap=0.4),
+        version=5,
+    ),
+    # Kolibri 1 / 1.1: top-k of logits + bias (LAYOUT v5 select_on "logits"), no rsf; renormalized by the plain sum
+    # (Kolibri 1 here, norm_topk_prob) or not at all (Kolibri 1.1 here); shared widths 48 and 64 over I = 32.
+    "kolibri1": dict(
+        kw=dict(experts=6, shared_width=48),
+        E=6,
+        I=32,
+        W=48,
+        routing=("sigmoid", 2, 1, 1, True, 1.0, True),
+        v2=dict(renormalize_eps=0.0, select_on="logits"),
+        version=5,
+    ),
+    "kolibri1_1": dict(
+        kw=dict(experts=6),
+        E=6,
+        I=32,
+        W=64,
+        routing=("sigmoid", 2, 1, 1, False, 1.0, True),
+        v2=dict(select_on="logits"),
+        version=5,
+    ),
     # EXAONE-MoE: DeepSeek-V3's router, bias at mlp.e_score_correction_bias.
     "exaone_moe": dict(kw=dict(experts=6), E=6, I=32, W=64, routing=("sigmoid", 2, 2, 1, True, 2.5, True)),
     # A.X-K2 Light: sigmoid + bias without groups, renormalized, rsf 2.5.
@@ -145,6 +193,10 @@ def routed_source(src: dict, block: str, x: str, e: int):
             gu = src[gu_name][e].float()
             half = gu.shape[0] // 2
             return gu[:half], gu[half:], src[dn_name][e].float()
+    if f"{x}.fc1.weight" in src:  # stacked transposed, [E, H, 2I] and [E, I, H] (Aria)
+        gu, dn = src[f"{x}.fc1.weight"][e].float().t(), src[f"{x}.fc2.weight"][e].float().t()
+        half = gu.shape[0] // 2
+        return gu[:half], gu[half:], dn
     if f"{x}.gate_proj.weight" in src:  # stacked, gate and up apart (Step-3.7)
         return tuple(src[f"{x}.{p}.weight"][e].float() for p in ("gate_proj", "up_proj", "down_proj"))
     names = PER_EXPERT_NAMES["w13" if f"{x}.0.w1.weight" in src else "proj"]
@@ -218,8 +270,8 @@ def test_family_converts_to_layout(family, precision, sources, tmp_path):
             r.routed_scaling_factor,
             r.has_bias,
         ) == case["routing"]
-        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == (
-            2 if "v2" in case else 1
+        assert all(getattr(r, k) == v for k, v in case.get("v2", {}).items()) and block.version == case.get(
+            "version", 2 if "v2" in case else 1
         )
     assert cfg["quantization_config"]["quant_method"] == QUANT_METHOD
     assert all(a.startswith(ARCHITECTURE_PREFIX) for a in cfg.get("architectures", []))

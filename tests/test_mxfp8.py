@@ -76,3 +76,60 @@ def test_converted_end_to_end_with_the_summary(tmp_path):
         assert differs == (report.tensors[n].inexact_blocks > 0), n
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out2"), "--dry-run"])
     assert r.exit_code == 0 and "mxfp8" in r.output, r.output
+
+
+def test_minimax_m3_vl_released_as_mxfp8_converts_and_verifies(tmp_path):
+    """A tiny MiniMax-M3 VL model (transformers' classes, the release's names) stored as MiniMax-M3-MXFP8 is: the
+    decoder's attention, dense MLP, routed and shared experts MXFP8, a top-level quantization_config beside the
+    text_config whose ignored_layers name the unquantized modules without the wrapper's prefix. It converts (it was
+    refused: quant_method 'mxfp8' is not supported), every block the summary calls exact equals the MXFP8 values, the
+    unquantized modules are copied byte for byte, and verify --against the MXFP8 source passes its FP8 bounds."""
+    import json
+    import re
+
+    from fuse_tool.verify.numerics import verify_against
+
+    src = build_checkpoint("minimax_m3_vl", tmp_path / "src")  # W = I, one shared slot, as in the release
+    t = load_all(src)
+    quantized = re.compile(
+        r"^language_model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+        r"block_sparse_moe\.(experts\.\d+\.w[123]|shared_experts\.(gate|up|down)_proj))\.weight$"
+    )
+    names = [n for n in t if quantized.match(n)]
+    assert any(".experts." in n for n in names) and any(".shared_experts." in n for n in names)
+    assert any(".self_attn.q_proj." in n for n in names) and any(".mlp.down_proj." in n for n in names)
+    for n in names:
+        t[n], t[n + "_scale_inv"] = quantize_mxfp8(t[n].float())
+    rewrite(src, t)
+    cfg = json.loads((src / "config.json").read_text())
+    kept = sorted({n[: -len(".weight")] for n in t if n.endswith(".weight") and n not in names and t[n].dim() == 2})
+    ignored = [re.sub(r"^language_model\.", "", n) for n in kept if n.startswith("language_model.")]
+    assert "model.embed_tokens" in ignored and "lm_head" in ignored
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [1, 32],
+        "ignored_layers": ignored + ["vision_tower", "multi_modal_projector", "patch_merge_mlp"],
+    }
+    (src / "config.json").write_text(json.dumps(cfg))
+
+    result = convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert "mxfp8" in result.plan.source_quantization
+    report = result.measurements["mxfp8"]
+    own = {n for n in names if ".shared_experts." not in n}  # the shared MLP is measured as its slot, experts.8
+    assert set(report.tensors) == own | {n for n in report.tensors if ".experts.8." in n} and len(report.tensors) > len(
+        own
+    )
+    out, source = load_all(tmp_path / "out"), ShardReader(src)
+    reader = ShardReader(tmp_path / "out")
+    for n in own:
+        assert out[n].dtype == torch.float8_e4m3fn and out[n + "_scale_inv"].dtype == torch.float32, n
+        same = torch.equal(reader.read_float(n, torch.float32, "cpu"), source.read_float(n, torch.float32, "cpu"))
+        assert same == (report.tensors[n].inexact_blocks == 0), n
+    for n in (m + ".weight" for m in kept):
+        if n.endswith(".block_sparse_moe.gate.weight"):  # routers are written float32 (an exact upcast)
+            assert out[n].dtype == torch.float32 and torch.equal(out[n], t[n].float()), n
+        else:
+            assert out[n].dtype == t[n].dtype and torch.equal(out[n], t[n]), n
+    r = verify_against(tmp_path / "out", src)
+    assert r.passed, r.failures

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from click.testing import CliRunner
 
@@ -211,3 +213,63 @@ def test_four_bit_release_kept_plans_at_most_1_02x_the_source(name, skeleton_roo
     assert all(lp.routed_kept for lp in keep.layers)
     if FOUR_BIT[name]:
         assert plan_conversion(path).total_size == sizes["fp8"]
+
+
+def test_minimax_m3_mxfp8_release_plans(skeleton_root, tmp_path):
+    """MiniMax-M3-MXFP8 as the release ships it (inventory derived from the BF16 one, tests/skeletons.py): its top-level
+    quantization_config {quant_method "mxfp8", weight_block_size [1, 32], ignored_layers in the text model's namespace}
+    beside the VL wrapper's text_config is read (it was refused as an unsupported quant_method), every MXFP8 weight
+    becomes FP8 128x128 blocks with float32 scales, and what the release left unquantized is copied as it was."""
+    from skeletons import derived_inventory
+
+    path = build_skeleton("minimax-m3-mxfp8", skeleton_root / "minimax-m3-mxfp8")
+    plan = plan_conversion(path)
+    inventory = {n: (d, s) for n, d, s in derived_inventory("minimax-m3-mxfp8")}
+    mx = [n for n, (d, _) in inventory.items() if d == "F8_E4M3"]
+    assert len(mx) == 57 * 128 * 3 + 57 * 3 + 60 * 4 + 3 * 3
+    size = sum(math.prod(s) * (2 if d == "BF16" else 4 if d == "F32" else 1) for d, s in inventory.values())
+    assert round(size / 1e9) == 444, "the derivation gives the release's size (444 GB on the cards built from it)"
+    assert "mxfp8" in plan.source_quantization and {lp.source_format for lp in plan.layers} == {"mxfp8"}
+    assert [lp.layer for lp in plan.layers] == list(range(3, 60)) and plan.block.num_fused_shared_experts == 1
+    out = {t.name: t for s in plan.shards for t in s.tensors}
+    q = "language_model.model.layers.7.self_attn.q_proj.weight"
+    for name in (q, "language_model.model.layers.0.mlp.down_proj.weight"):
+        assert out[name].dtype == "F8_E4M3" and out[name + "_scale_inv"].dtype == "F32"
+        assert out[name + "_scale_inv"].shape == tuple(-(-d // 128) for d in inventory[name][1])
+    slot = "language_model.model.layers.59.block_sparse_moe.experts.128.w2.weight"  # the shared slot
+    assert out[slot].shape == (6144, 3072) and out[slot + "_scale_inv"].shape == (48, 24)
+    for name in (
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.layers.3.self_attn.index_q_proj.weight",
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+    ):
+        assert out[name].dtype == "BF16" and name + "_scale_inv" not in out, name
+    assert out["language_model.model.layers.3.block_sparse_moe.gate.weight"].dtype == "F32"
+    r = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out"), "--dry-run"])
+    assert r.exit_code == 0 and "nothing written" in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        # an ignored_layers entry names its module modulo the wrapper's prefix: this one is stored MXFP8
+        (
+            lambda qc: qc["ignored_layers"].append("model.layers.7.self_attn.q_proj"),
+            ("ignored_layers lists 'model.layers.7.self_attn.q_proj'", "language_model.model.layers.7.self_attn"),
+        ),
+        (lambda qc: qc.update(weight_block_size=[128, 128]), ("weight_block_size", "1 x 32")),
+        (lambda qc: qc.update(activation_scheme="static"), ("activation_scheme", "dynamic")),
+    ],
+)
+def test_minimax_m3_mxfp8_config_that_contradicts_the_release_is_refused(change, fragments, skeleton_root, tmp_path):
+    import json
+
+    path = build_skeleton("minimax-m3-mxfp8", tmp_path / "m3")
+    cfg = json.loads((path / "config.json").read_text())
+    change(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out"), "--dry-run"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    for f in fragments:
+        assert f in r.output, (f, r.output)

@@ -23,10 +23,14 @@ from runtime.layout import (
 from runtime.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FP8_DTYPE_CODE
 
 from .context import PlanInputs, PlanParts
-from .source_weights import half, projection_task, source_weight
+from .source_weights import half, projection_task, source_weight, transposed
 from .tasks import CastTask, ConstantTask, CopyTask, Cut, Group, LayerPlan, OutputTensor, SourceWeight, Target
 
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
+# Routed experts stacked transposed, relative to the experts' prefix (Aria's grouped-GEMM layout): gate_up ``[E, H, 2I]``
+# (gate columns first) and down ``[E, I, H]``. The layout has no transposed form: they are written in its stacked form
+# ``experts.gate_up_proj`` ``[E+S, 2I, H]`` / ``experts.down_proj`` ``[E+S, H, I]`` (LAYOUT section 2).
+TRANSPOSED_STACKED = ("fc1.weight", "fc2.weight")
 # A shared MLP stored as one concatenated gate-up tensor (gate rows first) and its down projection.
 SHARED_CONCAT_FORMS = (("gate_up_proj.weight", "down_proj.weight"), ("input_linear.weight", "output_linear.weight"))
 
@@ -49,9 +53,12 @@ def _expert_tensor_of(rest: str, names) -> bool:
 def _first_expert_tensors(P: str, X: str) -> tuple[str, ...]:
     """Weights of which one is stored (``runtime.formats.has_weight``) in a MoE block at ``P`` with experts at ``X``:
     expert 0's gate, or a stacked gate(_up)."""
-    return (f"{X}.0.gate_proj.weight", f"{X}.0.w1.weight", f"{X}.{STACKED_SPLIT_NAMES[0]}") + tuple(
-        stacked_names(P, f)[0] for f in STACKED_FORMS
-    )
+    return (
+        f"{X}.0.gate_proj.weight",
+        f"{X}.0.w1.weight",
+        f"{X}.{STACKED_SPLIT_NAMES[0]}",
+        f"{X}.{TRANSPOSED_STACKED[0]}",
+    ) + tuple(stacked_names(P, f)[0] for f in STACKED_FORMS)
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,15 @@ def _routed_experts(
             gu = source_weight(inputs, parts, gu_name, expect=(E, 2 * I, H))
             dn = source_weight(inputs, parts, dn_name, expect=(E, H, I))
             return "stacked", form, [(half(a, 0, I), half(a, 1, I), d) for a, d in zip(gu, dn)]
+    gu_t, dn_t = (f"{X}.{n}" for n in TRANSPOSED_STACKED)
+    if gu_t in inputs.tensors:
+        gu = source_weight(inputs, parts, gu_t, expect=(E, H, 2 * I))
+        dn = source_weight(inputs, parts, dn_t, expect=(E, I, H))
+        experts = [
+            (transposed(a, 0, I, "gate"), transposed(a, I, I, "up"), transposed(d, 0, H, "down"))
+            for a, d in zip(gu, dn)
+        ]
+        return "stacked", "experts", experts
     if f"{X}.{STACKED_SPLIT_NAMES[0]}" in inputs.tensors and f"{X}.0.gate_proj.weight" not in inputs.tensors:
         gate, up, down = (
             source_weight(inputs, parts, f"{X}.{n}", expect=shape)
@@ -352,11 +368,11 @@ def plan_moe_layer(
             (str(gate_info.file), gate_info.offset),
         )
     )
-    has_bias = any([_plan_bias(inputs, parts, f"{P}.{b}", g) for b in names.bias])
+    has_bias = any([_plan_bias(inputs, parts, b, g) for b in names.bias_tensors(P)])
     modality_biases = tuple(b for b in names.modality_biases if _plan_bias(inputs, parts, f"{P}.{b}", g))
     if modality_biases and not has_bias:
         raise inputs.error(
-            f"is the selection bias of another token modality, but layer {layer} has no {P}.{names.bias[0]} (the "
+            f"is the selection bias of another token modality, but layer {layer} has no {names.bias_tensors(P)[0]} (the "
             "text tokens' bias it stands beside)",
             f"{P}.{modality_biases[0]}",
         )

@@ -89,6 +89,20 @@ def half(sw: SourceWeight, which: int, width: int) -> SourceWeight:
     return replace(sw, label=f"{sw.label}.{'gate' if which == 0 else 'up'}", weight=rows, scale=scale)
 
 
+def transposed(sw: SourceWeight, c0: int, width: int, label: str) -> SourceWeight:
+    """Stored columns ``[c0, c0 + width)`` of a plain float source weight stored ``[in, out]`` (Aria's ``fc1`` /
+    ``fc2`` experts) as the ``[width, in]`` weight they hold."""
+    w = sw.weight
+    if sw.scale is not None:
+        raise ConversionError(
+            f"is stored transposed ([in, out]) and quantized ({sw.fmt}); only float weights are read transposed",
+            file=w.info.file,
+            tensor=w.info.name,
+        )
+    view = Matrix(w.info, w.offset, width, w.rows, transposed_from=(c0, w.cols))
+    return replace(sw, label=f"{sw.label}.{label}", weight=view)
+
+
 def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: bool) -> str:
     """``copy`` (bytes unchanged), ``region`` (whole blocks copied, zero padding added), ``quantize`` (read as float32
     rows and quantized), or ``convert`` (a whole weight converted by its format)."""
@@ -108,7 +122,10 @@ def projection_mode(inputs: PlanInputs, sw: SourceWeight, cut: Cut, out_fp8: boo
     if not out_fp8:
         if sw.scale is not None:
             raise inputs.error("is FP8 but the output precision is the source's float dtype", w.info.name)
-        return "copy" if cut.is_whole(w.rows, w.cols) else "region"
+        # a transposed view's rows are not contiguous bytes of the source: read (and transposed) by rows, never copied
+        return "copy" if cut.is_whole(w.rows, w.cols) and w.transposed_from is None else "region"
+    if w.transposed_from is not None:
+        return "quantize"
     if fmt.keeps_blocks and (inputs.scale_fmt == "float" or inputs.source_scale_fmt == inputs.scale_fmt):
         if cut.is_whole(w.rows, w.cols):
             return "copy"

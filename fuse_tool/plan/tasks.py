@@ -19,12 +19,18 @@ from .options import ConvertOptions
 
 @dataclass(frozen=True)
 class Matrix:
-    """A row-major 2-D view into a source tensor: ``rows x cols`` elements from byte ``offset``."""
+    """A row-major 2-D view into a source tensor: ``rows x cols`` elements from byte ``offset``.
+
+    ``transposed_from`` ``(c0, stored_cols)``: the view is the transpose of stored columns ``[c0, c0 + rows)`` of a
+    row-major ``[cols, stored_cols]`` matrix at ``offset`` (Aria's experts, stored ``[in, out]``); its rows are read
+    by reading that whole matrix, never as contiguous bytes.
+    """
 
     info: TensorInfo
     offset: int
     rows: int
     cols: int
+    transposed_from: tuple[int, int] | None = None
 
     @property
     def dtype(self) -> str:

@@ -85,7 +85,14 @@ def read_matrix_rows_as(info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _read_rows(m: Matrix, r0: int, r1: int) -> torch.Tensor:
-    """Rows ``[r0, r1)`` of a source matrix, in its own dtype (F8_E8M0 codes as uint8, which torch's loader lacks)."""
+    """Rows ``[r0, r1)`` of a source matrix, in its own dtype (F8_E8M0 codes as uint8, which torch's loader lacks); of
+    a transposed view, the stored matrix is read whole and the rows cut from its columns."""
+    if m.transposed_from is not None:
+        c0, stored_cols = m.transposed_from
+        stored = bytes_to_tensor(
+            read_bytes(m.info, m.offset, m.cols * stored_cols * DTYPE_SIZES[m.dtype]), m.dtype, (m.cols, stored_cols)
+        )
+        return stored[:, c0 + r0 : c0 + r1].t().contiguous()
     buf = read_bytes(m.info, m.offset + r0 * m.row_bytes, (r1 - r0) * m.row_bytes)
     return bytes_to_tensor(buf, "U8" if m.dtype == E8M0_DTYPE_CODE else m.dtype, (r1 - r0, m.cols))
 
@@ -339,6 +346,8 @@ def _quantize_strip(
 def _read_rows_into(m: Matrix, r0: int, r1: int, slot: int) -> torch.Tensor:
     """Rows ``[r0, r1)`` of a source matrix in its own dtype, read into this thread's reusable buffer ``slot``
     (fresh pages for every chunk cost more than the read)."""
+    if m.transposed_from is not None:
+        return _read_rows(m, r0, r1)
     n = (r1 - r0) * m.row_bytes
     bufs = getattr(_workers, "reads", None)
     if bufs is None:

@@ -34,7 +34,8 @@ class MoENames:
 
     ``block_names``: the MoE block's module name inside a layer (the first that holds experts
     wins; ``""``: the decoder layer itself is the block, Mistral-native ``layers.L.{experts,gate,shared_experts}``);
-    ``router``, ``bias`` and ``shared``: names inside the block (``shared_in_layer``: the shared MLP is the block's
+    ``router``, ``bias`` and ``shared``: names inside the block (``layer_bias``: selection-bias names beside the block in
+    the decoder layer, tried after ``bias``, Kolibri's ``moe.router.expert_bias``; ``shared_in_layer``: the shared MLP is the block's
     sibling in the decoder layer, GraniteMoE-Shared ``layers.L.shared_mlp``, Step-3.7 ``layers.L.share_expert``).
     Routed experts are found under ``experts`` in one of the layout's storage forms (``experts.e.{gate,up,down}_proj``,
     ``experts.e.{w1,w3,w2}``, stacked, ``layout.STACKED_FORMS``, or, with ``experts=""``, stacked gate, up and down
@@ -49,6 +50,7 @@ class MoENames:
     bias: tuple[str, ...] = ("gate.e_score_correction_bias", "e_score_correction_bias")
     shared: str = "shared_experts"
     shared_in_layer: bool = False
+    layer_bias: tuple[str, ...] = ()
     experts: str = "experts"  # the routed experts' module inside the block; "" where they are the block's own tensors
     shared_projections: tuple[
         tuple[str, str, str], ...
@@ -72,6 +74,15 @@ class MoENames:
     def block(self, layer_root: str, block_name: str) -> str:
         """The MoE block's prefix in the layer at ``layer_root`` (the layer itself for the block name ``""``)."""
         return f"{layer_root}.{block_name}" if block_name else layer_root
+
+    def bias_tensors(self, block_prefix: str) -> tuple[str, ...]:
+        """The selection-bias candidates of the block at ``block_prefix``: ``bias`` inside it, then ``layer_bias`` in
+        its decoder layer."""
+        root = next(
+            (block_prefix[: -len(b) - 1] for b in self.block_names if b and block_prefix.endswith("." + b)),
+            block_prefix,
+        )
+        return tuple(f"{block_prefix}.{b}" for b in self.bias) + tuple(f"{root}.{b}" for b in self.layer_bias)
 
     def shared_prefix(self, block_prefix: str, layer_root: str) -> str:
         """Where the shared MLP of the block at ``block_prefix`` lives."""
@@ -98,8 +109,8 @@ class TransformersClasses:
     suffixes)`` pairs of module tensors stored in parts and concatenated along dim 0 in that order (after renaming),
     or ``(module suffix, on-disk suffixes, dim)`` along another dim (Step-3.7's stacked gate and up, dim 1),
     besides the shared MLP's ``gate_up_proj`` that every family may store as ``gate_proj`` + ``up_proj``.
-    ``splits``: ``(on-disk suffix, module suffixes)``: one tensor stored for several, cut into equal parts along dim 0
-    (a vision tower's fused ``in_proj_weight``). ``rope_permute``: ``(module name pattern, config attribute path of the
+    ``splits``: ``(on-disk suffix, module suffixes)``: one tensor stored for several, cut along dim 0 into the module
+    tensors' sizes, in order (a vision tower's fused ``in_proj_weight``; Lara-Mini's unequal ``[q|k|v|z|b|a]``). ``rope_permute``: ``(module name pattern, config attribute path of the
     head count)``: rows stored interleaved per rotary pair that the module wants as halves (transformers' PermuteForRope).
     ``mtp_moe_prefix``: for MTP blocks stored under their own prefix (DeepSeek-V4 ``"mtp.{n}.ffn."``),
     the on-disk prefix of MTP block ``n``'s MoE; transformers has no module for these blocks, so
@@ -292,7 +303,7 @@ def router_tensor_names(config: Mapping, block_prefix: str) -> tuple[str, tuple[
     (the layout's default names for a model_type no family claims)."""
     family = REGISTRY.get(model_type_of(config)) if isinstance(model_type_of(config), str) else None
     names = family.names_for(config) if family else MoENames()
-    return f"{block_prefix}.{names.router}", tuple(f"{block_prefix}.{b}" for b in names.bias)
+    return f"{block_prefix}.{names.router}", names.bias_tensors(block_prefix)
 
 
 def wrapped_text_family(config: Mapping) -> type[Family] | None:
@@ -367,21 +378,39 @@ def check_hidden_size(config: Mapping, arch: MoEArchitecture, router_name: str, 
         )
 
 
-def refuse_latent_experts(config: Mapping) -> None:
-    """Any family: routed experts that run in a latent space narrower than the hidden size (``moe_latent_size``,
-    NemotronH style: a down-projection before the experts and an up-projection after) cannot share slots with a
-    shared expert that runs at the hidden size, so such a model is refused whatever its family."""
+# Config fields that give the width routed experts run at when it is not the hidden size: NemotronH's moe_latent_size,
+# Kimi-K3's routed_expert_hidden_size (its LatentMoE: routed_expert_down_proj before the experts, up_proj after).
+LATENT_WIDTH_FIELDS = ("moe_latent_size", "routed_expert_hidden_size")
+
+
+def latent_experts(config: Mapping) -> tuple[str, str, str] | None:
+    """``(reason, where, field)`` when the config (or its ``text_config``) makes the routed experts run in a latent space
+    narrower than the hidden size (:data:`LATENT_WIDTH_FIELDS`), else None."""
     for cfg, where in ((config, "config.json"), (config.get("text_config"), "config.json text_config")):
-        if not isinstance(cfg, Mapping) or cfg.get("moe_latent_size") is None:
+        if not isinstance(cfg, Mapping):
             continue
-        latent, hidden = cfg.get("moe_latent_size"), cfg.get("hidden_size")
-        if not (isinstance(latent, int) and isinstance(hidden, int) and latent >= hidden):
-            raise UnsupportedModelError(
-                f"its routed experts run in a latent space (moe_latent_size = {latent!r}) narrower than the hidden size "
+        for key in LATENT_WIDTH_FIELDS:
+            latent, hidden = cfg.get(key), cfg.get("hidden_size")
+            if latent is None or (isinstance(latent, int) and isinstance(hidden, int) and latent >= hidden):
+                continue
+            return (
+                f"its routed experts run in a latent space ({key} = {latent!r}) narrower than the hidden size "
                 f"({hidden!r}), projected in and out around them, while the shared expert runs at the hidden size: "
                 "they cannot be slots of one expert set",
-                **_where(where, "moe_latent_size"),
+                where,
+                key,
             )
+    return None
+
+
+def refuse_latent_experts(config: Mapping) -> None:
+    """Any family: routed experts that run in a latent space narrower than the hidden size (:func:`latent_experts`)
+    cannot share slots with a shared expert that runs at the hidden size, so such a model is refused whatever its
+    family, and before its weight format is read (the refusal names the structural obstacle, not the format)."""
+    found = latent_experts(config)
+    if found is not None:
+        reason, where, key = found
+        raise UnsupportedModelError(reason, **_where(where, key))
 
 
 def refuse_shared_mlp_bias(config: Mapping, field: str, model_type: str, family: str) -> None:

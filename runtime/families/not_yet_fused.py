@@ -9,49 +9,15 @@ from .base import RefusedFamily, register
 
 # model types -> (display name, what is not handled yet)
 _NOT_YET = {
-    ("aria", "aria_text"): (
-        "Aria",
-        "its routed experts are always SiLU-gated while its shared MLP follows hidden_act, and no family "
-        "module maps Aria's grouped-GEMM experts and vision wrapper yet",
-    ),
     ("axk1",): (
         "A.X-K1",
         "its MoE block RMS-normalizes the sum of the routed and shared outputs (post_mlp_layernorm) inside "
         "the block a fused layer replaces, and the fused block has no output norm",
     ),
-    ("deepseek_ocr2", "unlimited_ocr"): (
-        "DeepSeek-OCR 2 / Unlimited-OCR",
-        "no family module maps the DeepSeek-V2-style text MoE under its OCR wrapper (SAM and vision encoders) yet",
-    ),
-    ("dots3_note", "dots3_note_text"): (
-        "dots.3 Note",
-        "its vision tower has routed experts of its own (no shared expert) beside the text MoE, and no "
-        "family module maps the wrapper yet",
-    ),
     ("ernie4_5_vl_moe",): (
         "ERNIE-4.5-VL MoE",
         "text and vision tokens go to separate routed expert sets (one moe_intermediate_size per "
         "modality) that share one shared MLP: one fused expert set per modality is not a layout the runtime has",
-    ),
-    ("hy_v4_vl",): (
-        "Hunyuan 4 VL",
-        "no family module maps Hunyuan 4's MoE under the VL wrapper's names and classes yet",
-    ),
-    ("lara_mini",): (
-        "Lara-Mini",
-        "its checkpoints store the linear-attention input projections as one in_proj of unequal parts "
-        "[q|k|v|z|b|a], which the transformers loader here cannot split yet (its softmax top-k router and ungated "
-        "shared MLP would fuse)",
-    ),
-    ("kolibri1", "kolibri1_1"): (
-        "Kolibri 1 / 1.1",
-        "its router picks the top-k of logits + bias and weights them by the sigmoid of the picked "
-        "logits, a choice rule the layout's routing cannot express (it adds the bias to the sigmoid scores)",
-    ),
-    ("granitemoehybrid",): (
-        "GraniteMoE-Hybrid",
-        "its layers without routed experts (num_local_experts 0) run the shared MLP alone, and no "
-        "family module maps its Mamba-hybrid classes yet",
     ),
     ("step3p5",): (
         "Step-3.5 (Step-3.7's text model)",

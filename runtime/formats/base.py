@@ -170,6 +170,10 @@ class WeightFormat:
         raises ``ModelError`` naming the field this format cannot read."""
         return None
 
+    def check_declared(self, qc: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) -> None:
+        """Check what the quantization_config ``qc`` declaring this format says of the tensors against their headers
+        (an ignore list against the weights stored so); raises :class:`FormatError` naming the entry."""
+
     def group_size(self, config: Mapping[str, Any]) -> int | None:
         """Inputs per scale, as the config declares them, for a grouped format (None for others)."""
         return None
@@ -284,6 +288,7 @@ def declared_format(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]
         )
     for f in REGISTRY:
         if (words := f.declared(qc, config)) is not None:
+            f.check_declared(qc, tensors)
             return f, words
     what = f"quantization_config.quant_method {method!r}" + (
         f" with format {qc['format']!r}" if qc.get("format") else ""

@@ -6,12 +6,19 @@ largest value, so no code grows past 448): each value's code is its source code 
 two, so it stays e4m3 exactly unless the shift pushes bits below e4m3's smallest step (``2^-9``), as LAYOUT section 4
 says of MXFP4. That can happen only where a group's scale is below ``B`` (the rule: every group scale of a block at
 least ``B`` makes it exact); each piece measures its blocks (:class:`~runtime.formats.base.BlockExactness`): how many
-moved, and by how much in units of ``B``."""
+moved, and by how much in units of ``B``.
+
+A release declares it as MiniMax-M3-MXFP8 does: ``quantization_config`` ``{"quant_method": "mxfp8",
+"activation_scheme": "dynamic", "weight_block_size": [1, 32], "ignored_layers": [...]}`` (top level, beside a wrapper's
+``text_config``). ``ignored_layers`` names the modules left unquantized in the text model's own namespace
+(``model.embed_tokens`` for the tensor ``language_model.model.embed_tokens.weight``): an entry names every module whose
+path is it or ends with ``.`` + it, and a module it names must not be stored MXFP8."""
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import ModelError
 from ..fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..layout import WEIGHT_BLOCK, scale_name
 from ..mxfp4 import MX_GROUP, e8m0_to_float
@@ -24,6 +31,7 @@ from .base import (
     WeightFormat,
     e8m0_scale,
     group_scale_inv,
+    quantization_config_field,
     register,
 )
 
@@ -66,6 +74,49 @@ class MXFP8(WeightFormat):
     description = "mxfp8 (e4m3 codes, E8M0 scales per 32 inputs)"
     whole_only = True
     measurement = BlockExactness
+    declared_as = "mxfp8 (weight_block_size [1, 32])"
+
+    def declared(self, qc, config):
+        if qc.get("quant_method") != "mxfp8":
+            return None
+        where = quantization_config_field(config)[1]
+        if list(qc.get("weight_block_size") or [1, MX_GROUP]) != [1, MX_GROUP]:
+            raise ModelError(
+                f"is {qc.get('weight_block_size')!r}: MXFP8 has one scale per 1 x {MX_GROUP} inputs "
+                f"(weight_block_size [1, {MX_GROUP}])",
+                file="config.json",
+                field=f"{where}.weight_block_size",
+            )
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ModelError(
+                f"is {qc.get('activation_scheme')!r}: only dynamic activation scales are read (the fused "
+                "checkpoint quantizes activations per 1x128 group at run time)",
+                file="config.json",
+                field=f"{where}.activation_scheme",
+            )
+        ignored = qc.get("ignored_layers", [])
+        if not isinstance(ignored, list) or not all(isinstance(n, str) and n for n in ignored):
+            raise ModelError(
+                f"is {ignored!r}, expected a list of module names", file="config.json", field=f"{where}.ignored_layers"
+            )
+        return f"mxfp8 (e4m3, E8M0 scales per 1x{MX_GROUP})"
+
+    def check_declared(self, qc, tensors):
+        ignored = set(qc.get("ignored_layers", []))
+        if not ignored:
+            return
+        for name in tensors:
+            if not name.endswith(".weight") or not self.matches(tensors, name):
+                continue
+            module = name[: -len(".weight")]
+            parts = module.split(".")
+            hit = next((n for n in (".".join(parts[i:]) for i in range(len(parts))) if n in ignored), None)
+            if hit is not None:
+                raise FormatError(
+                    f"quantization_config.ignored_layers lists {hit!r}, but {name} is stored MXFP8 (e4m3 with a "
+                    f"1x{MX_GROUP} E8M0 weight_scale_inv): the config and the tensors disagree on what was quantized",
+                    name,
+                )
 
     def matches(self, tensors, name):
         info = tensors.get(name)

@@ -36,12 +36,22 @@ CASES = {
     "glm5_next": dict(experts=6),  # swiglu_limit 0.3: the clamps bite
     "ernie4_5_moe": dict(experts=7),  # softmax + [1, E] bias, max(sum, 1e-12) denominator
     "granitemoeshared": dict(experts=6, shared_width=48),  # shared width 48 over I = 32: the second slot zero-padded
+    "granitemoehybrid": dict(experts=6, shared_width=48),  # GraniteMoE-Shared's MoE between Mamba-2 layers (copied)
+    "lara_mini": dict(experts=6, shared_width=48),  # gated delta net layers' unequal fused in_proj split at load
     "mistral4": dict(experts=6),  # 3 groups by their top-2 sum, 2 kept
     "mistral_large4": dict(experts=6),  # Mistral-native names, Pixtral vision tower (q/k permuted at load)
     "hy_v4": dict(experts=6),  # routed experts clamped at 0.3, the shared MLP not
+    "aria": dict(experts=6),  # experts stored transposed (fc1 / fc2), written in the layout's stacked form
+    "dots3_note": dict(experts=6),  # vision encoder with routed experts of its own (copied), audio encoder
+    "deepseek_ocr2": dict(experts=6),  # DeepSeek-V2 MoE at model.layers under SAM and Qwen2 encoders
+    "unlimited_ocr": dict(experts=6),  # the same under SAM and a CLIP-style encoder (qkv_proj split at load)
+    "hy_v4_vl": dict(experts=6),  # Hunyuan 4 under the VL wrapper: text at model.layers, vision tower at vit.
     "deepseek_v32": dict(experts=6),  # DSA indexer in every attention layer: loads with DeepseekV32ForCausalLM
     "solar_open": dict(experts=6),  # DeepSeek-V3 router, 3 groups of 2, every layer MoE
     "laguna": dict(experts=6, shared_width=48),  # bias under mlp.experts, singular shared_expert, padded second slot
+    "laguna_softcap": dict(experts=6, shared_width=48),  # moe_router_logit_softcapping 0.4 (LAYOUT v5 logit_softcap)
+    "kolibri1": dict(experts=6, shared_width=48),  # top-k of logits + bias (LAYOUT v5 select_on), bias beside the block
+    "kolibri1_1": dict(experts=6),  # the same router without renormalization; layer 0 dense
     "exaone_moe": dict(experts=6),  # DeepSeek-V3 router, bias beside the router, sliding and global layers
     "axk2": dict(experts=6),  # per-expert release names; indexer, attention gate and gated norms copied
     "minicpm5_moe": dict(experts=6),  # DeepSeek-V3 router; q_proj stored for the module q_gate_proj

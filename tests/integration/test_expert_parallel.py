@@ -1,5 +1,6 @@
 """Expert parallelism over torch.distributed (gloo, 2 and 4 processes) on tiny converted checkpoints:
-DeepSeek-V3, DeepSeek-V4 with a hash-routed layer, MiniMax-M3 with two shared slots. Logits equal the
+DeepSeek-V3, DeepSeek-V4 with a hash-routed layer, MiniMax-M3 with two shared slots, Laguna with a softcapped router
+(LAYOUT v5: every rank routes with the cap). Logits equal the
 one-process model within float32 rounding; a rank without its shared replica gets them wrong."""
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str, i
 
 @pytest.fixture(scope="module")
 def models(converted, tmp_path_factory):
-    """(name, converted folder, vocab) for the three kinds: S = 1, V4 hash layers, MiniMax S = 2."""
+    """(name, converted folder, vocab) for the four kinds: S = 1, V4 hash layers, MiniMax S = 2, a softcapped router."""
+    from builders import build_checkpoint
     from v4_checkpoint import VOCAB, build_v4_checkpoint
 
     root = tmp_path_factory.mktemp("ep-v4")
@@ -73,6 +75,10 @@ def models(converted, tmp_path_factory):
         ("deepseek_v4", v4, VOCAB),
         ("minimax_m3_text", converted("minimax_m3_text", "source"), 96),
     ]
+    capped = root / "laguna-softcap"  # 8 routed experts: they split over 2 and 4 ranks
+    convert_checkpoint(build_checkpoint("laguna_softcap", root / "laguna-src", experts=8), capped, progress=False)
+    assert json.loads((capped / "config.json").read_text())["fused_shared_experts"]["routing"]["logit_softcap"] == 0.4
+    cases.append(("laguna_softcap", capped, 96))
     block = json.loads((Path(cases[2][1]) / "config.json").read_text())["fused_shared_experts"]
     assert block["num_fused_shared_experts"] == 2
     assert json.loads((v4 / "config.json").read_text())["fused_shared_experts"]["routing"]["hash_layers"]

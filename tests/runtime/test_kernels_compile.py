@@ -111,3 +111,79 @@ def test_mixed_gemm_kernel_compiles_for_hopper():
         pytest.skip("this Triton build has no ptxas: " + next(str(r) for r in results.values() if "ptxas" in str(r)))
     failed = {v: r for v, r in results.items() if r is not True}
     assert not failed, failed  # True: compiled, and to Hopper MMAs (warp_group_dot), not a fallback
+
+
+# The routing kernel: LAYOUT v5's softcap and choice on logits beside every scoring and selection scheme.
+# (E, K, S, n_group, topk_group, scoring, has_bias, few_tokens, softcap, choice_logits)
+ROUTE_VARIANTS = [
+    (256, 8, 1, 1, 1, "sigmoid", True, True, True, False),  # Laguna-like, bitonic top-k
+    (256, 8, 1, 1, 1, "sigmoid", True, False, True, False),  # serial steps
+    (384, 6, 1, 1, 1, "sigmoid", True, True, False, True),  # Kolibri 1
+    (384, 6, 1, 1, 1, "sigmoid", True, False, True, True),
+    (96, 6, 1, 4, 2, "softmax", True, True, True, True),  # groups on logits + bias, softmax weights
+    (64, 4, 1, 1, 1, "sqrtsoftplus", True, False, True, False),
+]
+
+
+def compile_route(E, K, S, G, TG, scoring, has_bias, few, softcap, choice_logits) -> str:
+    """TTGIR of the routing kernel compiled for sm_90a with the launcher's meta-parameters for that geometry."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from runtime.routing_triton import _launch_config, _route_kernel
+
+    meta = dict(_launch_config(E, S, K, G, TG, scoring, has_bias, has_bias, 1, False, few, softcap, choice_logits))
+    num_warps = meta.pop("num_warps")
+    consts = dict(meta, HAS_NVALID=True, HAS_MODALITY=False)
+    params = list(inspect.signature(_route_kernel.fn).parameters)
+    pointers = dict(
+        logits_ptr="*fp32",
+        bias_ptr="*fp32",
+        ids_ptr="*i32",
+        w_ptr="*fp32",
+        nvalid_ptr="*i32",
+        tok_ptr="*i32",
+        table_ptr="*i32",
+        mod_ptr="*i32",
+    )
+    floats = ("rsf", "eps", "cap")
+    signature = {p: "constexpr" if p in consts else pointers.get(p, "fp32" if p in floats else "i32") for p in params}
+    source = ASTSource(
+        _route_kernel,
+        signature,
+        constexprs={(params.index(n),): v for n, v in consts.items()},
+        attrs={(params.index(p),): [["tt.divisibility", 16]] for p in pointers},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)).asm["ttgir"]
+
+
+def _route_child() -> None:
+    results = {}
+    for variant in ROUTE_VARIANTS:
+        try:
+            results[str(variant)] = bool(compile_route(*variant))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test with it
+            results[str(variant)] = f"{type(e).__name__}: {str(e)[-600:]}"
+    print(json.dumps(results))
+
+
+def test_routing_kernel_compiles_for_hopper_with_softcap_and_logit_choice():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", "import test_kernels_compile as t; t._route_child()"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    if any("ptxas" in str(r) for r in results.values()):
+        pytest.skip("this Triton build has no ptxas: " + next(str(r) for r in results.values() if "ptxas" in str(r)))
+    failed = {v: r for v, r in results.items() if r is not True}
+    assert not failed, failed

@@ -1,4 +1,4 @@
-"""The config block of LAYOUT versions 1 to 4: what is written for which features, round trips,
+"""The config block of LAYOUT versions 1 to 5: what is written for which features, round trips,
 and the field checks (each message names the field and the value)."""
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def test_routing_field_checks(routing, match):
 @pytest.mark.parametrize(
     "field,value,match",
     [
-        ("version", 5, "version 5 is not supported"),
+        ("version", 6, "version 6 is not supported"),
         ("version", "1", "version '1' is not supported"),
         ("num_routed_experts", 0, "num_routed_experts must be >= 1, got 0"),
         ("num_routed_experts", 256.5, "num_routed_experts must be an integer, got 256.5"),
@@ -560,3 +560,65 @@ def test_v4_field_checks(kw, message):
     d.update(kw)
     with pytest.raises(LayoutError, match=message):
         FusedSharedExperts.from_dict(d)
+
+
+# ----------------------------------------------------------------------------- version 5: softcapped and logit-chosen routers
+
+
+def test_v5_features_write_version_5_and_round_trip():
+    """A softcap (Laguna) or a choice on the logits (Kolibri) needs version 5: written with both keys, read back equal;
+    a block without either stays at the version its other features need."""
+    for spec in (
+        RoutingSpec("sigmoid", 8, renormalize_eps=0.0, routed_scaling_factor=2.5, logit_softcap=30.0),
+        RoutingSpec("sigmoid", 8, renormalize=False, select_on="logits"),
+        RoutingSpec("sigmoid", 8, logit_softcap=15.0, select_on="logits", modality_biases=("gate.bias_vl",)),
+    ):
+        b = block(spec)
+        assert b.version == 5 and spec.v5_features()
+        d = json.loads(json.dumps(b.to_dict()))
+        assert d["version"] == 5 and set(d["routing"]) >= {"logit_softcap", "select_on", "modality_biases"}
+        assert FusedSharedExperts.from_dict(d) == b
+    assert block(RoutingSpec("sigmoid", 8, renormalize_eps=0.0)).version == 2
+    assert "select_on" not in block(RoutingSpec("sigmoid", 8, renormalize_eps=0.0)).to_dict()["routing"]
+
+
+def test_routing_config_from_a_v5_block():
+    b = block(RoutingSpec("sigmoid", 8, logit_softcap=30.0, select_on="logits"))
+    cfg = RoutingConfig.from_config(b.to_dict())
+    assert (cfg.logit_softcap, cfg.select_on) == (30.0, "logits")
+    plain = RoutingConfig.from_config(block(RoutingSpec("sigmoid", 8, 8, 4)).to_dict())
+    assert (plain.logit_softcap, plain.select_on) == (0.0, "scores")
+
+
+def test_a_version_4_reader_refuses_a_version_5_block(monkeypatch):
+    """A reader that knows versions 1 to 4 refuses the block by its number, so a softcapped router is never run
+    uncapped, nor a logit choice run on the scores."""
+    import runtime.layout as layout
+
+    d = block(RoutingSpec("sigmoid", 8, logit_softcap=30.0)).to_dict()
+    monkeypatch.setattr(layout, "LAYOUT_VERSIONS", (1, 2, 3, 4))
+    with pytest.raises(LayoutError, match="version 5 is not supported"):
+        FusedSharedExperts.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "version, extra, message",
+    [
+        (4, {"logit_softcap": 30.0}, "routing.logit_softcap is a LAYOUT version 5 field, but the block says version 4"),
+        (2, {"select_on": "logits"}, "routing.select_on is a LAYOUT version 5 field, but the block says version 2"),
+        (5, {"logit_softcap": -1.0}, "routing.logit_softcap must be >= 0, got -1.0"),
+        (5, {"logit_softcap": float("inf")}, "routing.logit_softcap must be finite"),
+        (5, {"select_on": "bias"}, r"routing.select_on must be one of \('scores', 'logits'\), got 'bias'"),
+    ],
+)
+def test_v5_field_checks(version, extra, message):
+    d = block(RoutingSpec("sigmoid", 8, renormalize_eps=0.0)).to_dict()  # a version 2 block
+    d["version"] = version
+    d["routing"].update(extra)
+    with pytest.raises(LayoutError, match=message):
+        FusedSharedExperts.from_dict(d)
+
+
+def test_an_explicit_older_version_with_a_v5_feature_is_refused():
+    with pytest.raises(LayoutError, match="says version 4 but uses LAYOUT version 5 features: routing.select_on"):
+        block(RoutingSpec("sigmoid", 8, select_on="logits"), version=4)

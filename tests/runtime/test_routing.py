@@ -1,7 +1,9 @@
 """Routing: the PyTorch reference against a naive per-row computation, and the Triton kernel
 (interpreter on CPU) against the reference: ties, E not a power of two, n_group > 1, S = 0/1/2,
-the three scorings, both group rules, both renormalization forms, hash-routed layers."""
+the three scorings, both group rules, both renormalization forms, hash-routed layers, softcapped logits and the choice
+on logits (LAYOUT v5)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -40,7 +42,10 @@ def naive_route(logits, bias, cfg):
     E, K, S, G = cfg.num_experts, cfg.top_k, cfg.num_fused_shared_experts, cfg.n_group
     top2 = cfg.group_score == "top2_sum" if cfg.group_score else bias is not None
     ids, ws = [], []
+    cap = cfg.logit_softcap
     for row, z in enumerate(logits.double().tolist()):
+        if cap:
+            z = [cap * math.tanh(v / cap) for v in z]
         if cfg.scoring == "softmax":
             m = max(z)
             p = [math.exp(v - m) for v in z]
@@ -49,7 +54,8 @@ def naive_route(logits, bias, cfg):
             s = [math.sqrt(_softplus(v)) for v in z]
         else:
             s = [1 / (1 + math.exp(-v)) for v in z]
-        c = [s[e] + (float(bias[e]) if bias is not None else 0.0) for e in range(E)]
+        basis = z if cfg.select_on == "logits" else s
+        c = [basis[e] + (float(bias[e]) if bias is not None else 0.0) for e in range(E)]
         allowed = set(range(E))
         if G > 1:
             gs = E // G
@@ -378,6 +384,8 @@ def test_route_argument_errors():
         (dict(num_experts=20, top_k=3, renormalize_eps=-1.0), "renormalize_eps must be >= 0"),
         (dict(num_experts=20, top_k=3, renormalize="yes"), "renormalize must be true or false"),
         (dict(num_experts=20, top_k=3, num_fused_shared_experts=-1), "num_fused_shared_experts must be >= 0"),
+        (dict(num_experts=20, top_k=3, logit_softcap=-2.0), "logit_softcap must be >= 0, got -2.0"),
+        (dict(num_experts=20, top_k=3, select_on="bias"), "select_on must be one of"),
     ],
 )
 def test_config_validation_messages(kwargs, match):
@@ -538,3 +546,79 @@ def test_hash_layers_ignore_the_bias_stack_and_modality(backend):
     for modality in (None, torch.tensor([0, 1, 1, 0, 9])):
         got = route(logits, stack, cfg, backend=backend, token_ids=tok, tid2eid=table, modality=modality)
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+# ----------------------------------------------------------------------------- LAYOUT v5: softcap, choice on logits
+
+V5_CASES = [
+    # E, K, S, scoring, n_group, topk_group, logit_softcap, select_on, bias scale
+    (256, 8, 1, "sigmoid", 1, 1, 1.5, "scores", 0.05),  # Laguna, a cap that bites on randn logits
+    (128, 8, 2, "sigmoid", 1, 1, 0.5, "scores", 0.05),
+    (384, 6, 1, "sigmoid", 1, 1, 0.0, "logits", 1.0),  # Kolibri 1: top-6 of 384 on logits + bias
+    (20, 3, 2, "sigmoid", 4, 2, 0.0, "logits", 1.0),  # groups scored on logits + bias
+    (96, 6, 1, "softmax", 1, 1, 2.0, "logits", 1.0),
+    (64, 4, 1, "sqrtsoftplus", 1, 1, 3.0, "scores", 0.05),
+]
+V5_ID = lambda c: f"E{c[0]}K{c[1]}S{c[2]}{c[3]}G{c[4]}cap{c[6]:g}{c[7]}"  # noqa: E731
+
+
+def _v5(case, renormalize=True, rsf=2.5):
+    E, K, S, scoring, G, TG, cap, on, scale = case
+    cfg = RoutingConfig(E, K, S, scoring, G, TG, renormalize, rsf, logit_softcap=cap, select_on=on)
+    g = torch.Generator().manual_seed(E + K)
+    return cfg, torch.randn(7, E, generator=g) * 2, torch.randn(E, generator=g) * scale
+
+
+@pytest.mark.parametrize("case", V5_CASES, ids=V5_ID)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softcap_and_logit_choice_reference_matches_naive(case, renormalize):
+    cfg, logits, bias = _v5(case, renormalize)
+    ids, w = route(logits, bias, cfg, backend="torch")
+    nid, nw = naive_route(logits, bias, cfg)
+    assert torch.equal(ids, nid)
+    torch.testing.assert_close(w.double(), nw, rtol=1e-5, atol=1e-7)
+    # neither field is a no-op on these inputs: without it the choice or the weights differ
+    plain = dataclasses.replace(cfg, logit_softcap=0.0, select_on="scores")
+    p_ids, p_w = route(logits, bias, plain, backend="torch")
+    assert not (torch.equal(p_ids, ids) and torch.equal(p_w, w))
+
+
+@needs_triton
+@pytest.mark.parametrize("case", V5_CASES, ids=V5_ID)
+@pytest.mark.parametrize("T", [1, 7])
+def test_softcap_and_logit_choice_triton_matches_reference(case, T):
+    from runtime.routing_triton import route_triton, select_modes
+
+    cfg, logits, bias = _v5(case)
+    logits = logits[:T]
+    ref_ids, ref_w = route(logits, bias, cfg, backend="torch")
+    for mode in select_modes(cfg.n_group, cfg.top_k, cfg.num_fused_shared_experts):
+        ids, w = route_triton(logits, bias, cfg, launch=dict(SELECT=mode))
+        assert torch.equal(ids, ref_ids), mode
+        torch.testing.assert_close(w, ref_w, rtol=2e-6, atol=1e-7)
+
+
+@needs_triton
+def test_triton_softcap_is_tanh_to_a_few_ulps():
+    """The kernel's tanh (expm1 by Kahan's trick) against torch's, from tiny logits to saturated ones."""
+    z = torch.cat([torch.logspace(-30, 2, 120), -torch.logspace(-30, 2, 120), torch.tensor([0.0, 1e4, -1e4])])
+    cfg = RoutingConfig(z.numel(), 1, 0, "sigmoid", logit_softcap=1.0, select_on="logits", renormalize=False)
+    from runtime.routing_reference import softcap
+
+    want = softcap(z[None], 1.0)
+    # top-1 on logits picks the largest capped logit; its weight is sigmoid(capped): read each value back one by one
+    for i in range(z.numel()):
+        row = torch.full((1, z.numel()), -1e30)
+        row[0, i] = z[i]
+        _, w = route(row, None, cfg, backend="triton")
+        torch.testing.assert_close(w[0, 0], torch.sigmoid(want[0, i]), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hash_layers_weigh_softcapped_scores(backend):
+    cfg = RoutingConfig(20, 3, 1, "sigmoid", routed_scaling_factor=1.5, hash_routed=True, logit_softcap=1.0)
+    logits, table, tok = _hash_inputs(20, 3, 5, 50, seed=1)
+    ids, w = route(logits, None, cfg, backend=backend, token_ids=tok, tid2eid=table)
+    nid, nw = naive_hash(torch.tanh(logits.double()), table, tok, cfg)
+    assert torch.equal(ids, nid)
+    torch.testing.assert_close(w.double(), nw, rtol=1e-5, atol=1e-7)

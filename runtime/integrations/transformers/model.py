@@ -35,6 +35,15 @@ def _fp32_patterns(model, dtype: torch.dtype) -> list[str]:
     return pats
 
 
+class _NoSharedMLP(torch.nn.Module):
+    """Stands for a shared MLP whose slots are in the layer's fused block: adds nothing (zeros of its input's shape).
+    Decoder layers that run their shared MLP unconditionally (GraniteMoE-Hybrid) call it; those that skip a None one
+    (GraniteMoE-Shared) add exact zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
 def _set_tensor(model, name: str, value: torch.Tensor) -> None:
     path, _, leaf = name.rpartition(".")
     mod = model.get_submodule(path) if path else model
@@ -108,7 +117,7 @@ class StreamedModel:
             if not hasattr(mod, "experts"):
                 raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
             if self.family.shared_module:  # its shared MLP is in the fused block's slots; the layer runs none beside it
-                setattr(self.layers[layer], self.family.shared_module, None)
+                setattr(self.layers[layer], self.family.shared_module, _NoSharedMLP())
         if max_memory is not None and device_map != "auto":
             raise ValueError("max_memory is for device_map='auto'")
         if device_map == "auto":
@@ -215,7 +224,12 @@ class StreamedModel:
         elif r.op == "cat":
             t = torch.cat([get(n) for n in r.sources], r.dim)
         elif r.op == "chunk":
-            t = torch.chunk(get(r.sources[0]), r.count, dim=0)[r.index].contiguous()
+            src = get(r.sources[0])
+            if src.shape[0] != sum(r.rows):
+                raise LayoutError(
+                    f"{r.sources[0]} has {src.shape[0]} rows, but the modules it is split into have {list(r.rows)}"
+                )
+            t = torch.split(src, list(r.rows), dim=0)[r.index].contiguous()
         elif r.op == "stack_gate_up":
             s = r.sources
             t = torch.stack([torch.cat([get(s[i]), get(s[i + 1])], 0) for i in range(0, len(s), 2)])

@@ -44,7 +44,10 @@ def build_config(config: Mapping[str, Any]):
     d.pop("model_type", None)
     if fam.text_config_key and isinstance(d.get(fam.text_config_key), dict):
         d[fam.text_config_key].pop("quantization_config", None)
-    return config_cls.from_dict(d)
+    # config.json spells inf and NaN as {"__float__": "Infinity"} (GraniteMoE-Hybrid's time_step_limit [0, inf]);
+    # from_pretrained decodes them before from_dict, so this does too
+    decode = getattr(config_cls, "_decode_special_floats", None)
+    return config_cls.from_dict(decode(d) if decode else d)
 
 
 def text_config_of(config):
@@ -73,7 +76,7 @@ class Recipe:
 
     ``op``: ``"copy"`` (``sources[0]``), ``"cat"`` (the parts in order along ``dim``: gate then up, or a family's ``concats``),
     ``"stack_gate_up"`` (``sources`` = gate_0, up_0, gate_1, up_1, ...), ``"stack"``, ``"chunk"`` (part ``index`` of
-    ``count`` equal parts of ``sources[0]`` along dim 0, a family's ``splits``). ``rope_heads``: rows permuted from
+    ``sources[0]`` cut along dim 0 into parts of ``rows`` rows, the module tensors' own sizes, a family's ``splits``). ``rope_heads``: rows permuted from
     interleaved rotary pairs to halves over that many heads (a family's ``rope_permute``).
     """
 
@@ -81,7 +84,7 @@ class Recipe:
     sources: list[str]
     dim: int = 0
     index: int = 0
-    count: int = 1
+    rows: tuple[int, ...] = ()
     rope_heads: int | None = None
 
 
@@ -118,7 +121,8 @@ def plan_tensors(
     nothing fills and any checkpoint tensor that fits nowhere.
     """
     names = set(checkpoint_names)
-    expected = set(model.state_dict().keys())
+    state = model.state_dict()
+    expected = set(state.keys())
     fused = dict(fused or {})
     fused_paths: dict[int, str] = {}
     extra: list[int] = []
@@ -168,8 +172,9 @@ def plan_tensors(
             ((m_name[: -len(src)], t) for src, t in family.splits if m_name.endswith("." + src)), (None, ())
         )
         if cut is not None and all(cut + t in expected for t in targets):
+            rows = tuple(int(state[cut + t].shape[0]) for t in targets)  # equal or not (Lara-Mini's in_proj)
             for i, t in enumerate(targets):
-                recipes[cut + t] = Recipe("chunk", [name], index=i, count=len(targets))
+                recipes[cut + t] = Recipe("chunk", [name], index=i, rows=rows)
             continue
         m = _PER_EXPERT.match(m_name)
         if m:
