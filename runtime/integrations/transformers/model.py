@@ -42,6 +42,28 @@ def _set_tensor(model, name: str, value: torch.Tensor) -> None:
         raise LayoutError(f"{name}: not a parameter or buffer of {type(mod).__name__}")
 
 
+def kept_fp8_weight(plan: TensorPlan, reader: ShardReader, model, name: str) -> tuple[str, str] | None:
+    """``(source, scale)`` when module tensor ``name`` is a plain linear's weight copied from one 2-D FP8 weight with a
+    128x128 block scale grid (float32 ``_scale_inv`` or DeepSeek-V4's E8M0 ``.scale``), which the loaders can keep as
+    FP8 (:class:`runtime.fp8_linear.FP8BlockLinear`); else None (the weight is dequantized at load)."""
+    r = plan.recipes.get(name)
+    if r is None or r.op != "copy" or r.rope_heads is not None or not name.endswith(".weight"):
+        return None
+    src = r.sources[0]
+    fmt = recognise(reader.tensors, src)
+    if fmt is None or fmt.name != FP8Block.name or len(reader.tensors[src].shape) != 2:
+        return None
+    path = name[: -len(".weight")]
+    # a plain nn.Linear only (or one this loader made FP8 before): subclasses with their own forward (DeepSeek-V4's
+    # grouped o_a_proj) use the weight otherwise, and keep it dequantized
+    if type(model.get_submodule(path)) not in (torch.nn.Linear, FP8BlockLinear):
+        return None
+    rows, cols = reader.tensors[src].shape
+    grid = (-(-rows // 128), -(-cols // 128))
+    scale = fmt.stored(reader.tensors, src).scale
+    return (src, scale.name) if scale is not None and tuple(scale.shape) == grid else None
+
+
 class StreamedModel:
     """A transformers model on the meta device whose weights load (and unload) a layer at a time.
 
@@ -131,24 +153,8 @@ class StreamedModel:
             raise
 
     def _fp8_block_weight(self, name: str) -> tuple[str, str] | None:
-        """``(source, scale)`` when ``name`` is a linear's weight copied from one FP8 weight with a 128x128 block scale
-        grid (float32 ``_scale_inv`` or V4's E8M0 ``.scale``) that ``keep_fp8`` keeps as FP8; else None."""
-        r = self.plan.recipes.get(name)
-        if not self.keep_fp8 or r is None or r.op != "copy" or r.rope_heads is not None or not name.endswith(".weight"):
-            return None
-        src, rd = r.sources[0], self.reader
-        fmt = recognise(rd.tensors, src)
-        if fmt is None or fmt.name != FP8Block.name or len(rd.tensors[src].shape) != 2:
-            return None
-        path = name[: -len(".weight")]
-        # a plain nn.Linear only (or one this loader made FP8 before): subclasses with their own forward (DeepSeek-V4's
-        # grouped o_a_proj) use the weight otherwise, and keep it dequantized
-        if type(self.model.get_submodule(path)) not in (torch.nn.Linear, FP8BlockLinear):
-            return None
-        rows, cols = rd.tensors[src].shape
-        grid = (-(-rows // 128), -(-cols // 128))
-        scale = fmt.stored(rd.tensors, src).scale
-        return (src, scale.name) if scale is not None and tuple(scale.shape) == grid else None
+        """``(source, scale)`` when ``keep_fp8`` keeps module weight ``name`` as FP8 (:func:`kept_fp8_weight`)."""
+        return kept_fp8_weight(self.plan, self.reader, self.model, name) if self.keep_fp8 else None
 
     def placement_units(self) -> list[tuple[str, int]]:
         """``(module path, bytes once loaded)`` of every unit :func:`.placement.auto_device_map` places, in the
