@@ -10,10 +10,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from ...checkpoint import read_config
 from ...fp8_linear import FP8BlockLinear
 from ...formats.base import recognise
 from ...formats.fp8_block import FP8Block, read_block_scales
-from ...layout import LayoutError, converted_moe_layers, read_config_block
+from ...layout import QUANT_METHOD, LayoutError, converted_moe_layers, read_config_block
 from ...moe import FusedSharedMoE
 from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .placement import DeviceMap, align_inputs, auto_device_map, default_max_memory
@@ -100,10 +101,7 @@ class StreamedModel:
         self.family = transformers_classes_for(self.reader.config)
         self.config = build_config(self.reader.config)
         self.text_config = text_config_of(self.config)
-        if dtype is None:
-            dtype = getattr(self.text_config, "dtype", None) or getattr(self.config, "dtype", None) or torch.bfloat16
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.dtype = dtype
+        self.dtype = dtype or default_dtype(self.config)
         _, model_cls = self.family.classes()
         with torch.device("meta"):
             self.model = model_cls._from_config(self.config, dtype=dtype)
@@ -385,30 +383,78 @@ def from_fused_pretrained(
     keep_fp8: bool = False,
     expert_parallel: Any = False,
 ):
-    """Build the source architecture's transformers model from a converted checkpoint folder.
+    """The source architecture's transformers model from a converted checkpoint folder, in eval mode.
 
-    Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts
-    are cast to ``dtype``); every other weight is loaded from the shards (FP8 ones dequantized
-    into ``dtype``, or kept FP8 in :class:`runtime.fp8_linear.FP8BlockLinear` with ``keep_fp8=True``). ``dtype``
-    defaults to the config's. ``device_map`` / ``max_memory`` place modules over devices as in transformers
-    (:class:`StreamedModel`), each tensor read from its shard straight to its device; ``expert_parallel=True`` keeps
-    this rank's share of every MoE block (:mod:`runtime.expert_parallel`). Returns an eval-mode model
-    ready for ``generate()``, with the folder's generation_config.json when it has one.
+    Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts are in ``dtype``); every
+    other FP8 weight is dequantized into ``dtype``, or kept FP8 in :class:`runtime.fp8_linear.FP8BlockLinear` with
+    ``keep_fp8=True``. ``dtype`` defaults to the config's. ``backend`` (``"torch"``, ``"triton"``, None: Triton on
+    CUDA) is set on every fused block. The folder's generation_config.json is read when it has one.
+
+    This is stock ``from_pretrained`` of the family's transformers class (:mod:`.quantizer`: the ``fuse_shared``
+    quantization method, the ``keep_fp8`` choice passed as its ``quantization_config.keep_fp8``), with the config built
+    by :func:`.names.build_config` so that model types transformers does not name (``kimi_k2``, ``minimax_m3``) load
+    too; ``device`` other than the CPU is its ``device_map={"": device}`` (accelerate installed). Where stock loading
+    does not do what is asked, the project's streaming loader (:class:`StreamedModel`) does it, needing no accelerate:
+    ``device_map`` / ``max_memory`` (its own placement: ``"auto"`` fills ``max_memory``'s devices in order by
+    checkpoint bytes, a map must name every module, disk offload is refused; for accelerate's placement and disk
+    offload call ``AutoModelForCausalLM.from_pretrained(path, device_map=...)`` after ``import runtime``),
+    ``expert_parallel=True`` (this rank's share of every MoE block kept as each layer loads,
+    :mod:`runtime.expert_parallel`), a non-CPU ``device`` without accelerate, and routed slots kept four-bit
+    (LAYOUT v3, ``convert --routed-experts keep``).
     """
-    sm = StreamedModel(
-        path,
-        kind="fused",
-        dtype=dtype,
-        device=device,
-        backend=backend,
-        device_map=device_map,
-        max_memory=max_memory,
-        keep_fp8=keep_fp8,
-        expert_parallel=expert_parallel,
+    import_transformers("loading a checkpoint into transformers (from_fused_pretrained)")
+    from transformers.utils import is_accelerate_available
+
+    config = read_config(path)
+    on_cpu = torch.device(device).type == "cpu"
+    streamed = (
+        device_map is not None
+        or max_memory is not None
+        or expert_parallel
+        or read_config_block(config).routed_format is not None
+        or (not on_cpu and not is_accelerate_available())
     )
-    model = sm.load_all()
-    _attach_generation_config(model, path)
+    if streamed:
+        sm = StreamedModel(
+            path,
+            kind="fused",
+            dtype=dtype,
+            device=device,
+            backend=backend,
+            device_map=device_map,
+            max_memory=max_memory,
+            keep_fp8=keep_fp8,
+            expert_parallel=expert_parallel,
+        )
+        model = sm.load_all()
+        _attach_generation_config(model, path)
+        return model
+
+    from .registration import register
+
+    register()
+    _, model_cls = transformers_classes_for(config).classes()
+    cfg = build_config(config)
+    cfg.quantization_config = dict(
+        config.get("quantization_config") or {"quant_method": QUANT_METHOD}, keep_fp8=keep_fp8
+    )
+    model = model_cls.from_pretrained(
+        os.fspath(path),
+        config=cfg,
+        dtype=dtype or default_dtype(cfg),
+        **({} if on_cpu else {"device_map": {"": torch.device(device)}}),
+    ).eval()
+    if backend is not None:
+        for m in model.modules():
+            if isinstance(m, FusedSharedMoE):
+                m.backend = backend
     return model
+
+
+def default_dtype(config) -> torch.dtype:
+    """The dtype a transformers config names (its text model's, else its own, else bfloat16): the loaders' default."""
+    dtype = getattr(text_config_of(config), "dtype", None) or getattr(config, "dtype", None) or torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def from_source_pretrained(

@@ -144,6 +144,13 @@ def _layer_relative(key: str, suffix: str = "") -> tuple[str, str]:
     return r"(?<!\w)" + re.escape(rest), rest
 
 
+def _any_expert(where, pattern: str, target: str) -> tuple[str, str]:
+    """A renaming of expert 0's tensor made one of every expert's (``experts.0.`` becomes ``experts.N.``)."""
+    if r"experts\.0\." not in pattern or "experts.0." not in target:
+        raise LayoutError(f"{where}: cannot rename per-expert {pattern!r} to {target!r} for every expert")
+    return pattern.replace(r"experts\.0\.", r"experts\.(\d+)\.", 1), target.replace("experts.0.", r"experts.\1.", 1)
+
+
 def _relative_pair(src: str, dst: str) -> tuple[str, str]:
     """``(source pattern, target)`` of a renaming of key ``src`` into ``dst``: from their decoder layer on when both
     are in the same layer (one renaming serves every layer; a missing base-model prefix is added by transformers after
@@ -160,6 +167,8 @@ class _Install:
 
     reader: ShardReader
     renames: dict[str, str] = field(default_factory=dict)  # renamed checkpoint key -> the name it must get
+    expert_renames: dict[str, str] = field(default_factory=dict)  # the same for expert 0, standing for every slot
+    owned: set[str] = field(default_factory=set)  # on-disk names that must load: fused-block tensors, FP8 scales
     dequantize: list[str] = field(default_factory=list)  # renamed keys of the FP8 weights dequantized at load
     blocks: dict[str, LoadedFusedSharedMoE] = field(default_factory=dict)
     fp8_linears: list[str] = field(default_factory=list)
@@ -204,8 +213,12 @@ class FuseSharedHfQuantizer(HfQuantizer):
         if self.installed is None:  # transformers asks before the model exists (e.g. saving): nothing of ours
             return super().update_weight_conversions(weight_conversions, model)
         inst = self.installed
+        where = inst.reader.path
         conversions = super().update_weight_conversions(weight_conversions, model)
-        pairs = dict.fromkeys(_relative_pair(s, d) for s, d in inst.renames.items())
+        pairs = dict.fromkeys(
+            [_relative_pair(s, d) for s, d in inst.renames.items()]
+            + [_any_expert(where, *_relative_pair(s, d)) for s, d in inst.expert_renames.items()]
+        )
         renamings = [WeightRenaming(source_patterns=s, target_patterns=d) for s, d in pairs]
         converters = []
         for weight, scale, target in dict.fromkeys(_dequantize_patterns(inst)):
@@ -296,14 +309,16 @@ def _install(model, reader: ShardReader, keep_fp8: bool, dtype) -> _Install:
     inst = _Install(reader)
     tensors = reader.tensors
 
-    def follow(weight: str, scale: str) -> None:
-        """The scale lands beside its weight: renamed alike (transformers' patterns end at ``.weight``)."""
+    def follow(weight: str, scale: str, per_expert: bool = False) -> None:
+        """The scale lands beside its weight: renamed alike (transformers' patterns end at ``.weight``). ``per_expert``:
+        expert 0's names, standing for every slot's."""
         want = renamed(weight) + SCALE_SUFFIX
         if renamed(scale) != want:
-            inst.renames[renamed(scale)] = want
+            (inst.expert_renames if per_expert else inst.renames)[renamed(scale)] = want
 
     for layer, path in plan.fused_moe_layers.items():
         tn, own = fused[layer], block.for_layer(layer)
+        inst.owned.update(n for n in tensors if n.startswith((tn.block_prefix + ".", tn.experts_prefix + ".")))
         cfg = RoutingConfig.from_config(block, layer=layer)
         NE, I = own.num_expert_slots, own.expert_intermediate_size  # noqa: E741
         if tn.storage in ("proj", "w13"):
@@ -344,10 +359,7 @@ def _install(model, reader: ShardReader, keep_fp8: bool, dtype) -> _Install:
                 )
                 want[role + "_scale"] = BlockTensor(local + SCALE_SUFFIX, grid, torch.float32)
                 for n in names:
-                    follow(n, tn.scale(n))
-                    if tn.storage in ("proj", "w13"):
-                        e = n.replace(".0.", f".{NE - 1}.", 1)  # the last slot too: one name per slot is merged
-                        follow(e, tn.scale(e))
+                    follow(n, tn.scale(n), per_expert=tn.storage in ("proj", "w13"))
         experts_at = want["gate_up"].name.rpartition(".")[0]
         own_names = {}
         for p, n in zip(GEMM1_PARAMS, tn.gemm1_params()):
@@ -399,6 +411,7 @@ def _install(model, reader: ShardReader, keep_fp8: bool, dtype) -> _Install:
             if scale is None:
                 raise LayoutError(f"{where}: {s} is FP8 without a block scale ({s}{SCALE_SUFFIX})")
             follow(s, scale)
+            inst.owned.update((s, scale))
             if kept is None and target(s)[1] is None:  # a renamed weight: the quantizer's own converter dequantizes it
                 inst.dequantize.append(renamed(s))
         if kept is not None:
@@ -450,10 +463,18 @@ def _check_every_tensor_loaded(model, inst: _Install, conversions) -> None:
     expected = model.state_dict()
     hit = set()
     by_pattern = {p: c for c in conv for p in c.source_patterns}
+    lost = []
     for name in inst.reader.tensors:
         key, pattern = rename_source_key(name, ren, conv, model.base_model_prefix, expected)
         targets = by_pattern[pattern].target_patterns if pattern is not None else ()
         hit.update([key] + [key.replace(targets[0], t) for t in targets[1:]])  # one to many: every target (q, k, v)
+        if key not in expected and name in inst.owned:
+            lost.append(name)
+    if lost:
+        raise LayoutError(
+            f"{inst.reader.path}: {len(lost)} checkpoint tensor(s) would fit no tensor of {type(model).__name__} under "
+            f"transformers' names: {', '.join(sorted(lost)[:6])}" + (" ..." if len(lost) > 6 else "")
+        )
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = [k for k in expected if k not in hit and k not in tied]
     if missing:
