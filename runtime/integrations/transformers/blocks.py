@@ -49,6 +49,9 @@ _EXPERT_ATTRIBUTES = {f.name for f in fields(ExpertWeights)} | {
 }
 
 
+_ROUTING_ATTRIBUTES = ("router_weight", "e_score_correction_bias", "tid2eid")  # routing_tensors(), in order
+
+
 class _ExpertsModule(torch.nn.Module):
     """The block's ``experts`` child: it holds the expert parameters transformers names ``experts.*``, and answers
     what :class:`runtime.ExpertWeights` answers (``num_expert_slots``, ``is_fp8``, ``gate_up``, ...) for the whole
@@ -145,8 +148,29 @@ class LoadedFusedSharedMoE(FusedSharedMoE):
         bias = None if bias is None else bias.to(torch.float32)
         return router, bias, self._get("hash_table") if self.cfg.hash_routed else None
 
+    def __getattr__(self, name: str):
+        # FusedSharedMoE's router_weight / e_score_correction_bias / tid2eid, unless a parameter of the block carries
+        # that name (Hunyuan 3's bias is the block's own e_score_correction_bias): then it is that parameter
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in _ROUTING_ATTRIBUTES:
+                raise
+            return self.routing_tensors()[_ROUTING_ATTRIBUTES.index(name)]
+
+    def __setattr__(self, name: str, value) -> None:
+        # ``moe.experts = ExpertWeights(...)`` swaps the slots the block runs, as on a FusedSharedMoE (tests dequantize
+        # them so); the loaded parameters stay as they are
+        if name == "experts" and isinstance(value, ExpertWeights):
+            self.__dict__["_swapped_experts"] = value
+        else:
+            super().__setattr__(name, value)
+
     def expert_weights(self) -> ExpertWeights:
-        """The layer's E+S slots over the parameters (checked as :class:`runtime.ExpertWeights` checks them)."""
+        """The layer's E+S slots over the parameters (checked as :class:`runtime.ExpertWeights` checks them), or the
+        ones assigned to ``experts``."""
+        if "_swapped_experts" in self.__dict__:
+            return self.__dict__["_swapped_experts"]
         g = self._get
         return ExpertWeights(
             g("gate_up"),
