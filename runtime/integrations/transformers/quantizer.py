@@ -242,6 +242,7 @@ class FuseSharedHfQuantizer(HfQuantizer):
                 block.check_loaded(path)
             except ValueError as e:
                 raise LayoutError(f"{inst.reader.path}: {e}") from None
+            _preload_offloaded(block)
         for path in inst.fp8_linears:
             w = model.get_submodule(path).weight
             if w.dtype not in FP8_DTYPES:
@@ -427,6 +428,35 @@ def _install(model, reader: ShardReader, keep_fp8: bool, dtype) -> _Install:
             inst.fp8_linears.append(path)
             inst.kept_keys.append(renamed(kept[0]))
     return inst
+
+
+def _preload_offloaded(block: LoadedFusedSharedMoE) -> None:
+    """Where accelerate offloaded the block (a ``device_map`` entry ``"disk"``, or ``"cpu"`` beside a GPU), load all
+    its tensors before its forward, not each holder module's before that module's forward: the block reads its
+    ``experts.*`` and ``gate.*`` parameters itself and never calls those holders (what accelerate's
+    ``preload_module_classes`` does, which transformers does not pass)."""
+    hooked = [(n, m) for n, m in block.named_modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    if not hooked:
+        return
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import PrefixedDataset
+
+    name, first = hooked[0][0], hooked[0][1]._hf_hook
+    prefix = (
+        first.weights_map.prefix[: len(first.weights_map.prefix) - len(name) - 1] if name else first.weights_map.prefix
+    )
+    for _, m in block.named_modules():
+        remove_hook_from_module(m)
+    hook = AlignDevicesHook(
+        execution_device=first.execution_device,
+        offload=True,
+        weights_map=PrefixedDataset(first.weights_map.dataset, prefix),
+        offload_buffers=first.offload_buffers,
+        place_submodules=True,
+        skip_keys=first.skip_keys,
+        tied_params_map=first.tied_params_map,
+    )
+    add_hook_to_module(block, hook)
 
 
 def _scale_of(reader: ShardReader, weight: str) -> str | None:
