@@ -16,6 +16,10 @@ from .layout import (
 )
 from .moe import ExpertWeights, FusedSharedMoE, fused_moe
 from .routing import RoutingConfig, route
+from .integrations.transformers.registration import register_when_transformers_loads
+
+# stock transformers' from_pretrained loads converted checkpoints (quant_method "fuse_shared"); nothing is imported now
+register_when_transformers_loads()
 
 __all__ = [
     "ExpertWeights",

@@ -42,9 +42,7 @@ class ModelFolder:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         paths = CheckpointPaths(self.path)  # every file read below is resolved inside the folder first
-        self.config: dict[str, Any] = _read_json(paths.resolve(CONFIG_NAME), "config.json")
-        if not isinstance(self.config, dict):
-            raise CheckpointError("is not a JSON object", file=self.path / CONFIG_NAME)
+        self.config: dict[str, Any] = read_config(self.path)
         index = paths.resolve(INDEX_NAME)
         if index.is_file():
             data = _read_json(index, "the index")
@@ -116,6 +114,14 @@ class ModelFolder:
         if info is None:
             raise CheckpointError("no such tensor in this checkpoint", file=self.path, tensor=name)
         return info
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A model folder's config.json as a dict (no shard is opened). Raises CheckpointError as :class:`ModelFolder`."""
+    config = _read_json(CheckpointPaths(Path(path)).resolve(CONFIG_NAME), "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError("is not a JSON object", file=Path(path) / CONFIG_NAME)
+    return config
 
 
 def _read_json(path: Path, what: str) -> Any:

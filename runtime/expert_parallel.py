@@ -59,7 +59,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.cfg, self.backend = cfg, moe.backend
         self.start, self.stop = expert_range(cfg.num_experts, self.rank, self.world)
         E, NE = cfg.num_experts, cfg.num_expert_slots
-        ex = moe.experts
+        ex = moe.expert_weights()
         if not isinstance(ex, ExpertWeights):  # (LAYOUT v3 MixedExpertWeights: four-bit routed slots)
             raise ValueError(
                 "expert parallelism runs FP8 or float experts; this layer keeps its routed experts four-bit "
@@ -82,9 +82,10 @@ class ExpertParallelMoE(torch.nn.Module):
         )
         self.num_local_routed = self.stop - self.start
         self.num_shared = shared.num_expert_slots
-        self.register_buffer("router_weight", moe.router_weight)
-        self.register_buffer("e_score_correction_bias", moe.e_score_correction_bias)
-        self.register_buffer("tid2eid", moe.tid2eid)
+        router, bias, table = moe.routing_tensors()
+        self.register_buffer("router_weight", router)
+        self.register_buffer("e_score_correction_bias", bias)
+        self.register_buffer("tid2eid", table)
         for hook in moe._forward_pre_hooks_with_kwargs:  # keep the input_ids -> token_ids hook of the integration
             self.register_forward_pre_hook(moe._forward_pre_hooks[hook], with_kwargs=True)
 

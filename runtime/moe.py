@@ -578,7 +578,10 @@ def route_rows(
     ``modality`` (one value per row of ``x``) picks each row's row of a stacked ``[M, E]`` bias; None routes every
     row with row 0 (text)."""
     h = x.reshape(-1, x.shape[-1])
-    bias = moe.e_score_correction_bias
+    if isinstance(moe, FusedSharedMoE):
+        router_weight, bias, tid2eid = moe.routing_tensors()
+    else:
+        router_weight, bias, tid2eid = moe.router_weight, moe.e_score_correction_bias, moe.tid2eid
     if modality is None:
         if bias is not None and bias.dim() == 2:
             bias = bias[0]  # every token text
@@ -593,7 +596,7 @@ def route_rows(
         token_ids = token_ids.reshape(-1).to(h.device)
     else:
         token_ids = None
-    logits = torch.nn.functional.linear(h.to(torch.float32), moe.router_weight)
+    logits = torch.nn.functional.linear(h.to(torch.float32), router_weight)
     ids, w = route(
         logits,
         bias,
@@ -601,7 +604,7 @@ def route_rows(
         num_valid_tokens,
         backend=moe.backend,
         token_ids=token_ids,
-        tid2eid=moe.tid2eid,
+        tid2eid=tid2eid,
         modality=modality,
     )
     return h, ids, w
@@ -653,6 +656,14 @@ class FusedSharedMoE(torch.nn.Module):
     def hash_routed(self) -> bool:
         return self.cfg.hash_routed
 
+    def routing_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(router_weight [E, H] float32, selection bias or None, tid2eid or None)``: what :func:`route_rows` routes by."""
+        return self.router_weight, self.e_score_correction_bias, self.tid2eid
+
+    def expert_weights(self) -> "ExpertWeights | MixedExpertWeights":
+        """The E+S slots :meth:`forward` runs (``experts``; a subclass holding them otherwise builds them here)."""
+        return self.experts
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         dev = self.router_weight.device
@@ -681,7 +692,7 @@ class FusedSharedMoE(torch.nn.Module):
         h, ids, w = route_rows(self, x, num_valid_tokens, token_ids, modality)
         return fused_moe(
             h,
-            self.experts,
+            self.expert_weights(),
             ids,
             w,
             num_valid_tokens,

@@ -432,7 +432,7 @@ def _dequantize_experts(model) -> None:
 
     for m in model.modules():
         if isinstance(m, FusedSharedMoE):
-            ex = m.experts
+            ex = m.expert_weights()  # (a block stock from_pretrained loaded holds them as parameters)
             m.experts = replace(
                 ex,
                 gate_up=ex.gate_up.float() * expand_block_scales(ex.gate_up_scale, *ex.gate_up.shape[1:]),

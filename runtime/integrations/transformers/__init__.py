@@ -1,8 +1,15 @@
 """Run fused-shared checkpoints in Hugging Face transformers.
 
-    from runtime.integrations.transformers import from_fused_pretrained
-    model = from_fused_pretrained("out/DeepSeek-V3-fused", dtype=torch.bfloat16)
+    import runtime                                    # registers quant_method "fuse_shared" (registration.py)
+    model = AutoModelForCausalLM.from_pretrained("out/DeepSeek-V3-fused", dtype=torch.bfloat16, device_map="auto")
     model.generate(input_ids, max_new_tokens=16)
+
+Stock ``from_pretrained`` reads the shards itself; the ``fuse_shared`` quantizer (:mod:`.quantizer`) first makes
+every fused MoE block a :class:`.blocks.LoadedFusedSharedMoE` (a :class:`runtime.FusedSharedMoE` whose E+S slots are
+parameters under transformers' names, FP8 kept) and every FP8 linear an FP8BlockLinear. :func:`from_fused_pretrained`
+is that call with the project's defaults; where it is asked for what stock loading does not do (the project's own
+``device_map`` placement, ``expert_parallel``, kept four-bit routed slots) it uses the streaming loader below, which
+is what the rest of this docstring describes.
 
 The model is the source architecture's own transformers class (every supported family's module in
 ``runtime.families`` names it), built on the meta device from the converted config.json, with every
@@ -37,6 +44,7 @@ from ...layout import LayoutError
 from .model import StreamedModel, from_fused_pretrained, from_source_pretrained
 from .names import Recipe, TensorPlan, build_config, plan_tensors, text_config_of, transformers_classes_for
 from .reading import ShardReader
+from .registration import register
 
 __all__ = [
     "TransformersClasses",
@@ -47,5 +55,6 @@ __all__ = [
     "from_fused_pretrained",
     "from_source_pretrained",
     "plan_tensors",
+    "register",
     "transformers_classes_for",
 ]

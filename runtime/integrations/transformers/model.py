@@ -10,12 +10,12 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ...checkpoint import GENERATION_CONFIG_NAME
+from ...checkpoint import GENERATION_CONFIG_NAME, read_config
 from ...devices import check_device
 from ...fp8_linear import FP8BlockLinear
 from ...formats.base import recognise
 from ...formats.fp8_block import FP8Block, read_block_scales
-from ...layout import LayoutError, converted_moe_layers, read_config_block
+from ...layout import QUANT_METHOD, LayoutError, converted_moe_layers, read_config_block
 from ...moe import FusedSharedMoE
 from ...paths import CheckpointPaths
 from ...safetensors_io import read_json
@@ -55,6 +55,28 @@ def _set_tensor(model, name: str, value: torch.Tensor) -> None:
         raise LayoutError(f"{name}: not a parameter or buffer of {type(mod).__name__}")
 
 
+def kept_fp8_weight(plan: TensorPlan, reader: ShardReader, model, name: str) -> tuple[str, str] | None:
+    """``(source, scale)`` when module tensor ``name`` is a plain linear's weight copied from one 2-D FP8 weight with a
+    128x128 block scale grid (float32 ``_scale_inv`` or DeepSeek-V4's E8M0 ``.scale``), which the loaders can keep as
+    FP8 (:class:`runtime.fp8_linear.FP8BlockLinear`); else None (the weight is dequantized at load)."""
+    r = plan.recipes.get(name)
+    if r is None or r.op != "copy" or r.rope_heads is not None or not name.endswith(".weight"):
+        return None
+    src = r.sources[0]
+    fmt = recognise(reader.tensors, src)
+    if fmt is None or fmt.name != FP8Block.name or len(reader.tensors[src].shape) != 2:
+        return None
+    path = name[: -len(".weight")]
+    # a plain nn.Linear only (or one this loader made FP8 before): subclasses with their own forward (DeepSeek-V4's
+    # grouped o_a_proj) use the weight otherwise, and keep it dequantized
+    if type(model.get_submodule(path)) not in (torch.nn.Linear, FP8BlockLinear):
+        return None
+    rows, cols = reader.tensors[src].shape
+    grid = (-(-rows // 128), -(-cols // 128))
+    scale = fmt.stored(reader.tensors, src).scale
+    return (src, scale.name) if scale is not None and tuple(scale.shape) == grid else None
+
+
 class StreamedModel:
     """A transformers model on the meta device whose weights load (and unload) a layer at a time.
 
@@ -91,10 +113,7 @@ class StreamedModel:
         self.family = transformers_classes_for(self.reader.config)
         self.config = build_config(self.reader.config)
         self.text_config = text_config_of(self.config)
-        if dtype is None:
-            dtype = getattr(self.text_config, "dtype", None) or getattr(self.config, "dtype", None) or torch.bfloat16
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.dtype = dtype
+        self.dtype = dtype or default_dtype(self.config)
         _, model_cls = self.family.classes()
         with torch.device("meta"):
             self.model = model_cls._from_config(self.config, dtype=dtype)
@@ -144,24 +163,8 @@ class StreamedModel:
             raise
 
     def _fp8_block_weight(self, name: str) -> tuple[str, str] | None:
-        """``(source, scale)`` when ``name`` is a linear's weight copied from one FP8 weight with a 128x128 block scale
-        grid (float32 ``_scale_inv`` or V4's E8M0 ``.scale``) that ``keep_fp8`` keeps as FP8; else None."""
-        r = self.plan.recipes.get(name)
-        if not self.keep_fp8 or r is None or r.op != "copy" or r.rope_heads is not None or not name.endswith(".weight"):
-            return None
-        src, rd = r.sources[0], self.reader
-        fmt = recognise(rd.tensors, src)
-        if fmt is None or fmt.name != FP8Block.name or len(rd.tensors[src].shape) != 2:
-            return None
-        path = name[: -len(".weight")]
-        # a plain nn.Linear only (or one this loader made FP8 before): subclasses with their own forward (DeepSeek-V4's
-        # grouped o_a_proj) use the weight otherwise, and keep it dequantized
-        if type(self.model.get_submodule(path)) not in (torch.nn.Linear, FP8BlockLinear):
-            return None
-        rows, cols = rd.tensors[src].shape
-        grid = (-(-rows // 128), -(-cols // 128))
-        scale = fmt.stored(rd.tensors, src).scale
-        return (src, scale.name) if scale is not None and tuple(scale.shape) == grid else None
+        """``(source, scale)`` when ``keep_fp8`` keeps module weight ``name`` as FP8 (:func:`kept_fp8_weight`)."""
+        return kept_fp8_weight(self.plan, self.reader, self.model, name) if self.keep_fp8 else None
 
     def placement_units(self) -> list[tuple[str, int]]:
         """``(module path, bytes once loaded)`` of every unit :func:`.placement.auto_device_map` places, in the
@@ -397,30 +400,78 @@ def from_fused_pretrained(
     keep_fp8: bool = False,
     expert_parallel: Any = False,
 ):
-    """Build the source architecture's transformers model from a converted checkpoint folder.
+    """The source architecture's transformers model from a converted checkpoint folder, in eval mode.
 
-    Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts
-    are cast to ``dtype``); every other weight is loaded from the shards (FP8 ones dequantized
-    into ``dtype``, or kept FP8 in :class:`runtime.fp8_linear.FP8BlockLinear` with ``keep_fp8=True``). ``dtype``
-    defaults to the config's. ``device_map`` / ``max_memory`` place modules over devices as in transformers
-    (:class:`StreamedModel`), each tensor read from its shard straight to its device; ``expert_parallel=True`` keeps
-    this rank's share of every MoE block (:mod:`runtime.expert_parallel`). Returns an eval-mode model
-    ready for ``generate()``, with the folder's generation_config.json when it has one.
+    Every MoE block is a :class:`runtime.FusedSharedMoE` (FP8 experts stay FP8; float experts are in ``dtype``); every
+    other FP8 weight is dequantized into ``dtype``, or kept FP8 in :class:`runtime.fp8_linear.FP8BlockLinear` with
+    ``keep_fp8=True``. ``dtype`` defaults to the config's. ``backend`` (``"torch"``, ``"triton"``, None: Triton on
+    CUDA) is set on every fused block. The folder's generation_config.json is read when it has one.
+
+    This is stock ``from_pretrained`` of the family's transformers class (:mod:`.quantizer`: the ``fuse_shared``
+    quantization method, the ``keep_fp8`` choice passed as its ``quantization_config.keep_fp8``), with the config built
+    by :func:`.names.build_config` so that model types transformers does not name (``kimi_k2``, ``minimax_m3``) load
+    too; ``device`` other than the CPU is its ``device_map={"": device}`` (accelerate installed). Where stock loading
+    does not do what is asked, the project's streaming loader (:class:`StreamedModel`) does it, needing no accelerate:
+    ``device_map`` / ``max_memory`` (its own placement: ``"auto"`` fills ``max_memory``'s devices in order by
+    checkpoint bytes, a map must name every module, disk offload is refused; for accelerate's placement and disk
+    offload call ``AutoModelForCausalLM.from_pretrained(path, device_map=...)`` after ``import runtime``),
+    ``expert_parallel=True`` (this rank's share of every MoE block kept as each layer loads,
+    :mod:`runtime.expert_parallel`), a non-CPU ``device`` without accelerate, and routed slots kept four-bit
+    (LAYOUT v3, ``convert --routed-experts keep``).
     """
-    sm = StreamedModel(
-        path,
-        kind="fused",
-        dtype=dtype,
-        device=device,
-        backend=backend,
-        device_map=device_map,
-        max_memory=max_memory,
-        keep_fp8=keep_fp8,
-        expert_parallel=expert_parallel,
+    import_transformers("loading a checkpoint into transformers (from_fused_pretrained)")
+    from transformers.utils import is_accelerate_available
+
+    config = read_config(path)
+    on_cpu = torch.device(device).type == "cpu"
+    streamed = (
+        device_map is not None
+        or max_memory is not None
+        or expert_parallel
+        or read_config_block(config).routed_format is not None
+        or (not on_cpu and not is_accelerate_available())
     )
-    model = sm.load_all()
-    _attach_generation_config(model, path)
+    if streamed:
+        sm = StreamedModel(
+            path,
+            kind="fused",
+            dtype=dtype,
+            device=device,
+            backend=backend,
+            device_map=device_map,
+            max_memory=max_memory,
+            keep_fp8=keep_fp8,
+            expert_parallel=expert_parallel,
+        )
+        model = sm.load_all()
+        _attach_generation_config(model, path)
+        return model
+
+    from .registration import register
+
+    register()
+    _, model_cls = transformers_classes_for(config).classes()
+    cfg = build_config(config)
+    cfg.quantization_config = dict(
+        config.get("quantization_config") or {"quant_method": QUANT_METHOD}, keep_fp8=keep_fp8
+    )
+    model = model_cls.from_pretrained(
+        os.fspath(path),
+        config=cfg,
+        dtype=dtype or default_dtype(cfg),
+        **({} if on_cpu else {"device_map": {"": torch.device(device)}}),
+    ).eval()
+    if backend is not None:
+        for m in model.modules():
+            if isinstance(m, FusedSharedMoE):
+                m.backend = backend
     return model
+
+
+def default_dtype(config) -> torch.dtype:
+    """The dtype a transformers config names (its text model's, else its own, else bfloat16): the loaders' default."""
+    dtype = getattr(text_config_of(config), "dtype", None) or getattr(config, "dtype", None) or torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def from_source_pretrained(
