@@ -32,11 +32,24 @@ STOCK = [f for f in CASES if f != "kimi_k2"]
 
 
 def auto_class(out: Path):
-    """The Auto class a user reaches for: causal LM, or image-text-to-text for a vision-language wrapper."""
+    """The Auto class that builds the family's model class: causal LM, or image-text-to-text for a vision-language
+    wrapper (dots.3 Note's config is taken by both; AutoModelForCausalLM builds its text model alone)."""
     cfg = transformers.AutoConfig.from_pretrained(out)
-    if type(cfg) in transformers.AutoModelForCausalLM._model_mapping:
-        return transformers.AutoModelForCausalLM
-    return transformers.AutoModelForImageTextToText
+    want = transformers_classes_for(json.loads((out / "config.json").read_text())).model_class
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        if getattr(auto._model_mapping.get(type(cfg), None), "__name__", None) == want:
+            return auto
+    raise AssertionError(f"no Auto class builds {want}")
+
+
+def test_a_wrappers_text_only_class_is_refused_naming_the_auto_class(converted):
+    """AutoModelForCausalLM builds dots.3 Note's text model alone, whose layers are not where the checkpoint's are:
+    one line naming the class and the Auto class that builds it."""
+    out = converted("dots3_note", "fp8", "fp8")
+    with pytest.raises(LayoutError) as ei:
+        transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    msg = str(ei.value)
+    assert "\n" not in msg and "Dots3NoteForConditionalGeneration (AutoModelForImageTextToText.from_pretrained)" in msg
 
 
 def logits(model, x):

@@ -34,6 +34,15 @@ ROLES = (
 )
 
 
+class NoSharedMLP(torch.nn.Module):
+    """Stands for a shared MLP whose slots are in the layer's fused block: adds nothing (zeros of its input's shape).
+    Decoder layers that run their shared MLP unconditionally (GraniteMoE-Hybrid) call it; those that skip a None one
+    (GraniteMoE-Shared) add exact zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
 @dataclass(frozen=True)
 class BlockTensor:
     """One tensor of a block: its name inside the block (``"experts.gate_up_proj"``), shape and dtype."""

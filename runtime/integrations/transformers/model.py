@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ...checkpoint import GENERATION_CONFIG_NAME, read_config
+from ...checkpoint import GENERATION_CONFIG_NAME, ModelFolder, read_config
 from ...devices import check_device
 from ...fp8_linear import FP8BlockLinear
 from ...formats.base import recognise
@@ -20,6 +20,7 @@ from ...moe import FusedSharedMoE
 from ...paths import CheckpointPaths
 from ...safetensors_io import read_json
 from .names import TensorPlan, _permute_for_rope, build_config, plan_tensors, text_config_of, transformers_classes_for
+from .blocks import NoSharedMLP
 from .placement import DeviceMap, align_inputs, auto_device_map, default_max_memory
 from .reading import ShardReader
 from .requires import import_transformers
@@ -33,15 +34,6 @@ def _fp32_patterns(model, dtype: torch.dtype) -> list[str]:
     if dtype == torch.float16:
         pats += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return pats
-
-
-class _NoSharedMLP(torch.nn.Module):
-    """Stands for a shared MLP whose slots are in the layer's fused block: adds nothing (zeros of its input's shape).
-    Decoder layers that run their shared MLP unconditionally (GraniteMoE-Hybrid) call it; those that skip a None one
-    (GraniteMoE-Shared) add exact zeros."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(x)
 
 
 def _set_tensor(model, name: str, value: torch.Tensor) -> None:
@@ -136,7 +128,7 @@ class StreamedModel:
             if not hasattr(mod, "experts"):
                 raise LayoutError(f"{path_} is a {type(mod).__name__}, not a MoE block, but layer {layer} is fused")
             if self.family.shared_module:  # its shared MLP is in the fused block's slots; the layer runs none beside it
-                setattr(self.layers[layer], self.family.shared_module, _NoSharedMLP())
+                setattr(self.layers[layer], self.family.shared_module, NoSharedMLP())
         if max_memory is not None and device_map != "auto":
             raise ValueError("max_memory is for device_map='auto'")
         if device_map == "auto":
@@ -449,6 +441,12 @@ def from_fused_pretrained(
 
     from .registration import register
 
+    # transformers opens the files the folder names itself: each name is checked by the project's one resolver first,
+    # so a shard or generation config outside the folder is a CheckpointError here, as in every other reader
+    ModelFolder(path)
+    generation_config = CheckpointPaths(path).resolve(GENERATION_CONFIG_NAME)
+    if os.path.lexists(generation_config):
+        read_json(generation_config, "a generation config")
     register()
     _, model_cls = transformers_classes_for(config).classes()
     cfg = build_config(config)

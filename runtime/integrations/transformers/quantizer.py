@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from transformers.core_model_loading import ConversionOps
@@ -51,7 +51,7 @@ from ...layout import (
 )
 from ...families import router_tensor_names
 from ...routing import RoutingConfig
-from .blocks import BlockTensor, LoadedFusedSharedMoE
+from .blocks import BlockTensor, LoadedFusedSharedMoE, NoSharedMLP
 from .model import _fp32_patterns, _input_ids_as_token_ids, kept_fp8_weight
 from .names import plan_tensors, text_config_of, transformers_classes_for
 from .reading import ShardReader
@@ -100,6 +100,10 @@ class FuseSharedDequantize(ConversionOps):
     there too is dequantized pair by pair (:func:`runtime.fp8.dequantize_block_fp8`), the scale entry dropped, so the
     converter's own operations (a per-expert merge, a concatenation) see float weights. ``to_target``: the op is the
     converter's only one, so its one weight is returned under the target pattern."""
+
+    # a weight and its scale become one float weight before the converter's own operations run, so a model's one-to-many
+    # split (a gated delta net's in_proj into q, k, v, z, ...) reads FP8 too
+    supports_many_to_many = True
 
     def __init__(self, hf_quantizer, to_target: bool = False):
         self.hf_quantizer = hf_quantizer
@@ -214,7 +218,7 @@ class FuseSharedHfQuantizer(HfQuantizer):
             return super().update_weight_conversions(weight_conversions, model)
         inst = self.installed
         where = inst.reader.path
-        conversions = super().update_weight_conversions(weight_conversions, model)
+        conversions = super().update_weight_conversions(_weight_level(self, weight_conversions, inst), model)
         pairs = dict.fromkeys(
             [_relative_pair(s, d) for s, d in inst.renames.items()]
             + [_any_expert(where, *_relative_pair(s, d)) for s, d in inst.expert_renames.items()]
@@ -250,6 +254,48 @@ class FuseSharedHfQuantizer(HfQuantizer):
         return model
 
 
+def _weight_level(quantizer, conversions: list, inst: _Install) -> list:
+    """``conversions`` with a weight-and-scale converter before each model converter that names a module rather than
+    its weight (LaraMini's ``linear_attn.in_proj`` split into four) where it reads an FP8 weight of this checkpoint:
+    HfQuantizer only adds the FP8 scale to converters of ``.weight`` keys, so the scale would match the split alone."""
+    from transformers.core_model_loading import WeightConverter
+
+    fp8 = [n.removesuffix(SCALE_SUFFIX) for n in inst.reader.names() if n.endswith(SCALE_SUFFIX)]
+    out = []
+    for c in conversions:
+        sources = getattr(c, "_original_source_patterns", [])
+        if (
+            isinstance(c, WeightConverter)
+            and not any(p.endswith(".weight") for p in sources)
+            and any(c.compiled_sources.search(n) for n in fp8)
+        ):
+            out.append(
+                WeightConverter(
+                    source_patterns=[p + suffix for p in sources for suffix in (".weight", ".weight" + SCALE_SUFFIX)],
+                    target_patterns=[t + ".weight" for t in c._original_target_patterns],
+                    operations=[FuseSharedDequantize(quantizer)] + list(c.operations),
+                )
+            )
+        out.append(c)
+    return out
+
+
+def _auto_class_for(config: Mapping, model_class: str) -> str:
+    """The transformers Auto class that builds ``model_class`` for ``config`` (a vision-language wrapper whose config
+    AutoModelForCausalLM also takes, dots.3 Note, builds its text model alone there)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
+        mapping = getattr(transformers, auto)._model_mapping
+        cls = mapping[config_class] if config_class is not None and config_class in mapping else None
+        if getattr(cls, "__name__", None) == model_class:
+            return auto
+    return model_class
+
+
 def _dequantize_patterns(inst: _Install) -> list[tuple[str, str, str]]:
     """``(weight pattern, scale pattern, name)`` of each FP8 weight the quantizer's own converters dequantize: one per
     layer-relative name (:func:`_layer_relative`), or the whole key where that name is also a weight kept FP8 in
@@ -282,7 +328,7 @@ def _install(model, reader: ShardReader, keep_fp8: bool, dtype) -> _Install:
     except AttributeError:
         raise LayoutError(
             f"{where}: {type(model).__name__} has no {family.layers_path}; load this checkpoint as "
-            f"{family.model_class} (AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model)"
+            f"{family.model_class} ({_auto_class_for(config, family.model_class)}.from_pretrained)"
         ) from None
     num_layers = int(text_config_of(model.config).num_hidden_layers)
     fused = converted_moe_layers(reader.names(), config)
@@ -398,7 +444,7 @@ def _install(model, reader: ShardReader, keep_fp8: bool, dtype) -> _Install:
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, moe)
         if family.shared_module:  # its slots are in the fused block: the layer runs no shared MLP beside it
-            setattr(layers[layer], family.shared_module, None)
+            setattr(layers[layer], family.shared_module, NoSharedMLP())
         inst.blocks[path] = moe
 
     fp32 = _fp32_patterns(model, dtype) if dtype is not None else []
