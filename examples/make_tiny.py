@@ -8,7 +8,8 @@ BF16, with one dense layer, two MoE layers (8 routed experts + 1 shared expert, 
 and an MTP layer 3 stored the way DeepSeek-V3 stores layer 61. The attention has the real
 models' MLA head (``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64: 576 wide), the only one vLLM's
 CPU MLA backends run, and the config says ``topk_method: "noaux_tc"`` as the releases do (vLLM
-creates ``gate.e_score_correction_bias`` only then); everything else is tiny.
+creates ``gate.e_score_correction_bias`` only then) and ``scoring_func: "sigmoid"`` (vLLM's DeepSeek reads
+it, defaulting to softmax; transformers' DeepSeek-V3 always scores with sigmoid); everything else is tiny.
 
 A tokenizer ships beside it (``tokenizer.json`` + ``tokenizer_config.json`` with a chat template), a BPE
 trained with the ``tokenizers`` library on the few lines of ``TEXT`` below, with exactly ``vocab_size``
@@ -93,6 +94,7 @@ def main(out: Path | None = None) -> None:
         n_group=2,
         topk_group=1,
         topk_method="noaux_tc",
+        scoring_func="sigmoid",
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
