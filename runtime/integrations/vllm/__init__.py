@@ -12,7 +12,8 @@ A checkpoint that is not a conversion names neither, so it loads exactly as with
 
 from __future__ import annotations
 
-from .families import VLLM_FAMILIES, fused_architecture
+from ...layout import fused_architecture
+from .families import VLLM_FAMILIES
 
 
 def register() -> None:

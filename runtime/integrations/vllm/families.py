@@ -1,14 +1,14 @@
 """The families the vLLM plugin runs: a source architecture, the vLLM module that defines it, and that module's MoE
 block class, which the plugin's block (:func:`.moe.fused_moe_class`) stands in for while the model is built.
 
-A converted checkpoint names its architecture ``"FusedShared" + source`` (``runtime.layout.ARCHITECTURE_PREFIX``). An
+A converted checkpoint names its architecture ``"FusedShared" + source`` (``runtime.layout.fused_architecture``). An
 architecture missing here is not registered, and vLLM refuses the checkpoint in one line naming it ("Model
 architectures ['FusedShared...'] are not supported"), rather than run it without its shared experts.
 """
 
 from __future__ import annotations
 
-from ...layout import ARCHITECTURE_PREFIX
+from ...layout import source_architecture
 
 _DEEPSEEK = ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MoE")
 
@@ -24,13 +24,7 @@ VLLM_FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def fused_architecture(source: str) -> str:
-    """The architecture a converted checkpoint of ``source`` names."""
-    return ARCHITECTURE_PREFIX + source
-
-
-def source_architecture(fused: str) -> str | None:
-    """The source architecture of a registered fused one, or None."""
-    if fused.startswith(ARCHITECTURE_PREFIX) and fused[len(ARCHITECTURE_PREFIX) :] in VLLM_FAMILIES:
-        return fused[len(ARCHITECTURE_PREFIX) :]
-    return None
+def vllm_source_architecture(fused: str) -> str | None:
+    """The source architecture of a fused one the plugin runs, or None."""
+    source = source_architecture(fused)
+    return source if source != fused and source in VLLM_FAMILIES else None

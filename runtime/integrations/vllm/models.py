@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from .families import VLLM_FAMILIES, source_architecture
+from .families import VLLM_FAMILIES, vllm_source_architecture
 from .moe import FusedSlotLoader, fused_moe_class
 from .quantization import FuseSharedQuantConfig, dequantize_fp8_weights
 
@@ -59,13 +59,13 @@ class FusedSharedModel:
 
 @functools.cache
 def _model_class(fused: str) -> type:
-    source = source_architecture(fused)
+    source = vllm_source_architecture(fused)
     module_name, _ = VLLM_FAMILIES[source]
     base = getattr(importlib.import_module(module_name), source)
     return type(fused, (FusedSharedModel, base), {"_fuse_shared_moe": VLLM_FAMILIES[source], "__module__": __name__})
 
 
 def __getattr__(name: str) -> type:
-    if source_architecture(name) is None:
+    if vllm_source_architecture(name) is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return _model_class(name)

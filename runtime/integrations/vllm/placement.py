@@ -70,7 +70,7 @@ class SlotPlacement:
         the same dtype, token ``t``'s shared slots on replica ``t % ep``. Returns ``ids`` itself when ``ep == 1``."""
         if self.ep == 1:
             return ids
-        E, S, local = self.num_routed, self.num_shared, self.num_routed // self.ep
+        E, local = self.num_routed, self.num_routed // self.ep
         ids64 = ids.to(torch.int64)
         routed = (ids64 // local) * self.per_rank + ids64 % local
         replica = torch.arange(ids.shape[0], device=ids.device).remainder(self.ep).unsqueeze(1)
