@@ -1,8 +1,8 @@
 """Engine integrations for fused-shared checkpoints.
 
-- :mod:`runtime.integrations.transformers`: build the source architecture's transformers
-  model from a converted folder with every MoE block served by :class:`runtime.FusedSharedMoE`
-  (``from_fused_pretrained``), and stream models layer by layer (``StreamedModel``).
+- :mod:`runtime.integrations.transformers`: stock ``from_pretrained`` of a converted folder after ``import runtime``
+  (the ``fuse_shared`` quantizer), ``from_fused_pretrained``, and layer-by-layer streaming (``StreamedModel``).
+- :mod:`runtime.integrations.vllm`: the vLLM plugin (entry point ``vllm.general_plugins``): ``vllm serve OUT_DIR``.
 
 Each integration imports its engine lazily; ``import runtime`` never needs one.
 """
