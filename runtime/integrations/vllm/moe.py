@@ -15,7 +15,6 @@ expert parallel ranks. This module gives it three things:
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Iterable
 
@@ -26,18 +25,29 @@ from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
 from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
-from ...layout import GEMM1_ALPHA, GEMM1_BETA, GEMM1_CLAMP_LIMIT, SCALE_SUFFIX, LayoutError, read_config_block
+from ...layout import (
+    ActivationParams,
+    GEMM1_ALPHA,
+    GEMM1_BETA,
+    GEMM1_CLAMP_LIMIT,
+    SCALE_SUFFIX,
+    LayoutError,
+    read_config_block,
+)
 from ...routing import RoutingConfig, route
 from .placement import SlotPlacement
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # experts.J.<proj>.weight / .weight_scale_inv: the layout's "proj" storage (DeepSeek and GLM sources keep it)
 EXPERT_TENSOR = re.compile(
-    r"^(?P<block>.+)\.experts\.(?P<slot>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight(?:_scale_inv)?)$"
+    r"^(?P<block>.+)\.experts\.(?P<slot>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight(?:"
+    + re.escape(SCALE_SUFFIX)
+    + ")?)$"
 )
 GEMM1_TENSOR = re.compile(r"^(?P<block>.+)\.experts\.(?P<param>gemm1_alpha|gemm1_beta|gemm1_clamp_limit)$")
 _SHARDS = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}
-_SWIGLU = {GEMM1_ALPHA: 1.0, GEMM1_BETA: 0.0, GEMM1_CLAMP_LIMIT: math.inf}
+_PLAIN = ActivationParams.for_activation("swiglu")  # what vLLM's silu-and-mul computes
+_SWIGLU = {GEMM1_ALPHA: _PLAIN.alpha, GEMM1_BETA: _PLAIN.beta, GEMM1_CLAMP_LIMIT: _PLAIN.clamp_limit}
 
 
 class SharedSlotsRouter(BaseRouter):
