@@ -16,7 +16,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, dtype, requests = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    llm = LLM(model, dtype=dtype, enforce_eager=True, max_model_len=128, skip_tokenizer_init=True, seed=0)
+    with open(os.path.join(model, "config.json")) as f:
+        mla = "kv_lora_rank" in json.load(f)
+    # vLLM picks its AMX MLA backend on a CPU with AMX tiles, and that backend takes bfloat16 or float16 weights only
+    # (float32 stops it at load); the reference MLA backend runs every dtype on every CPU, so the tests do not
+    # depend on which CPU runs them
+    backend = {"attention_backend": "CPU_MLA"} if mla else {}
+    llm = LLM(model, dtype=dtype, enforce_eager=True, max_model_len=128, skip_tokenizer_init=True, seed=0, **backend)
     answers = []
     for r in requests:
         sp = SamplingParams(

@@ -63,12 +63,19 @@ def runs(tmp_path_factory):
         if (family, kind) not in cache:
             env = NO_PLUGINS if kind == "source-no-plugin" else None
             code, answers, log = run_engine(model(family, kind), env=env)
-            assert code == 0 and answers is not None, log[-4000:]
+            assert code == 0 and answers is not None, failure(log)
             cache[family, kind] = answers
         return cache[family, kind]
 
     get.model = model
     return get
+
+
+def failure(log: str) -> str:
+    """An engine's log cut to what says why it stopped: vLLM's worker prints the root cause far above the engine
+    core's own traceback, so the first lines naming an error come before the log's tail."""
+    errors = [x for x in log.splitlines() if "Error:" in x or "Exception:" in x]
+    return "\n".join(errors[:10]) + "\n...\n" + log[-3000:]
 
 
 def write_dequantized(fp8: Path, out: Path) -> None:
@@ -126,7 +133,7 @@ def test_fused_conversion_equals_vllm_on_the_source(family, runs):
 
 @pytest.mark.parametrize("family", list(BUILDERS))
 def test_fp8_conversion_runs_its_fp8_weights(family, runs):
-    """The default FP8 conversion, dequantized at load where vLLM has no FP8 block kernels (this CPU), computes what
+    """The default FP8 conversion, dequantized at load where vLLM has no FP8 block kernels (every CPU), computes what
     its FP8 weights mean: the same as the conversion with every FP8 weight written out as float32 beforehand. (How
     far FP8 rounding moves a tiny random model from its source is the README's "What accuracy to expect".)"""
     got, want = runs(family, "fp8"), runs(family, "fp8-as-float")

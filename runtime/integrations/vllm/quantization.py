@@ -2,8 +2,8 @@
 
 A converted checkpoint's ``quantization_config`` is vLLM's FP8 block format under the project's name (the fused
 experts are plain FP8 block-scaled slots, the other linears FP8 block-scaled or listed in ``modules_to_not_convert``),
-so this config is vLLM's ``Fp8Config`` read as ``quant_method: "fp8"``. Where vLLM has no FP8 block kernels (a CPU
-without AMX tiles), every layer is built unquantized and the FP8 weights are dequantized as they load
+so this config is vLLM's ``Fp8Config`` read as ``quant_method: "fp8"``. Where the plugin does not use vLLM's FP8 block
+kernels (on a CPU, see :func:`fp8_kernels_available`), every layer is built unquantized and the FP8 weights are dequantized as they load
 (:func:`dequantize_fp8_weights`), with a warning: the model runs, at float cost. A ``--precision source`` conversion
 holds no FP8 weight and is unquantized throughout.
 """
@@ -27,11 +27,13 @@ logger = logging.getLogger(__name__)
 
 
 def fp8_kernels_available() -> bool:
-    """Whether vLLM can run FP8 block weights here: on CUDA, or on a CPU with AMX tiles (vLLM's CPU FP8 kernels)."""
-    if torch.cuda.is_available():
-        return True
-    amx = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
-    return bool(amx and amx())
+    """Whether the plugin hands FP8 block weights to vLLM's FP8 kernels: on CUDA only.
+
+    vLLM 0.32's CPU build has FP8 block kernels on CPUs with AMX tiles, but they take bfloat16 and float16
+    activations only (float32 is refused at config time), and in bfloat16 a tiny converted DeepSeek-V3 stops at load
+    in its merged-column scale loader ("start (1) + length (5) exceeds dimension size (5)", seen on a Xeon with AMX,
+    2026-12-06). Untested there means unclaimed: every CPU gets the dequantized path, which runs every dtype."""
+    return torch.cuda.is_available()
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -44,7 +46,7 @@ class FuseSharedQuantConfig(Fp8Config):
         self.dequantize = fp8 and not fp8_kernels_available()
         if self.dequantize:
             logger.warning(
-                "fuse-shared: vLLM has no FP8 block kernels on this machine (no CUDA, no AMX); the FP8 weights are "
+                "fuse-shared: no CUDA device, so vLLM's FP8 block kernels are not used; the FP8 weights are "
                 "dequantized at load and run unquantized"
             )
 
