@@ -38,7 +38,7 @@ from runtime import ExpertWeights, RoutingConfig, fused_moe, route  # noqa: E402
 from runtime.formats.base import requantize_to_fp8  # noqa: E402
 from runtime.fp8 import quantize_block_fp8  # noqa: E402
 from runtime.moe import MixedExpertWeights  # noqa: E402
-from runtime.moe_mixed_triton import mixed_tile_config  # noqa: E402
+from runtime.moe_mixed_triton import _use_decode_kernel, mixed_tile_config  # noqa: E402
 from runtime.mxfp4 import e8m0_to_float, mxfp4_to_fp8_blocks  # noqa: E402
 
 ROT = 4
@@ -149,6 +149,9 @@ def main():
                 rel_fp8=rel(y_fp8, ref_fp8),
                 rel_fp8_conversion=rel(ref_fp8, ref),  # what the FP8 conversion itself changes
                 tiles=mixed_tile_config(T, K + S, E + S, override, fmt),
+                decode_kernel_used=_use_decode_kernel(
+                    mixed_tile_config(T, K + S, E + S, override, fmt), T * (K + S) / (E + S), fmt, H, I, x.device, True
+                ),
             )
             r["ok"] = bool(r["rel_mixed"] < TOL and r["rel_fp8"] < TOL and not torch.isnan(y_mixed).any())
 
@@ -193,6 +196,7 @@ def main():
             print(
                 f"{name:18} T={T:5d} mixed {t_mixed:9.1f} us ({r['pct_copy_mixed']:5.1f}% copy) | fp8 {t_fp8:9.1f} us "
                 f"({r['pct_copy_fp8']:5.1f}% copy) | fp8/mixed {r['speedup']:.3f} | rel {r['rel_mixed']:.2e} "
+                f"{'cuda decode' if r['decode_kernel_used'] else 'triton'} "
                 f"{'ok' if r['ok'] else 'CHECK FAILED'}",
                 flush=True,
             )

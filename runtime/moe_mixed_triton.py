@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import moe_mixed_cuda
 from ._backend import interpreting, next_pow2
 from .moe_triton import (
     _align,
@@ -71,7 +72,13 @@ MIXED_TILE_KEYS = (
     "num_stages",
     "weight_tma",
     "int4_mma",
+    "decode_kernel",
+    "decode_unroll",
 )
+DECODE_KERNELS = ("auto", "cuda", "triton")
+# the CUDA decode GEMM (moe_mixed_cuda) while slots hold few pairs each: it reads each slot's weights once per M block
+# of 8 pairs, so past a few pairs per slot the Triton kernel's larger M blocks win
+DECODE_MAX_PAIRS_PER_SLOT = 4
 
 
 @triton.jit
@@ -347,17 +354,43 @@ def mixed_tile_config(
         "num_stages": 3,
         "weight_tma": True,  # turned off before Hopper by the caller
         "int4_mma": "fp16",  # INT4 routed slots: "fp16", one MMA per 128 inputs; "fp8", one per scale group
+        # "auto": the CUDA decode GEMM where it serves the call (MXFP4, few pairs per slot, built here), else Triton;
+        # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it
+        "decode_kernel": "auto",
+        "decode_unroll": 2,  # the CUDA decode GEMM's K steps of 128 inputs loaded ahead (1, 2 or 4)
     }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
             raise ValueError(f"unknown mixed tile config key {k!r} (known: {', '.join(MIXED_TILE_KEYS)})")
         cfg[k] = v
+    if cfg["decode_kernel"] not in DECODE_KERNELS:
+        raise ValueError(
+            f"mixed tile config decode_kernel must be one of {DECODE_KERNELS}, got {cfg['decode_kernel']!r}"
+        )
+    if cfg["decode_unroll"] not in moe_mixed_cuda.UNROLLS:
+        raise ValueError(f"mixed tile config decode_unroll must be one of {moe_mixed_cuda.UNROLLS}")
     if cfg["int4_mma"] not in ("fp8", "fp16"):
         raise ValueError(f"mixed tile config int4_mma must be 'fp8' or 'fp16', got {cfg['int4_mma']!r}")
     for k in ("block_n", "gemm1_split_k", "gemm2_split_k"):
         if not isinstance(cfg[k], int) or cfg[k] < 1 or (k == "block_n" and cfg[k] not in (16, 32, 64, 128, 256)):
             raise ValueError(f"mixed tile config {k} must be a positive int (block_n a power of two, 16..256)")
     return cfg
+
+
+def _use_decode_kernel(cfg, pairs_per_slot, routed_format, H, I, device, compiled) -> bool:
+    """Whether this call's GEMMs run :mod:`runtime.moe_mixed_cuda`'s decode GEMM (``cfg["decode_kernel"]``)."""
+    choice = cfg["decode_kernel"]
+    if choice == "triton":
+        return False
+    served = moe_mixed_cuda.supports(routed_format, H, I)
+    if choice == "cuda":
+        if not served:
+            raise ValueError(
+                f"decode_kernel 'cuda' serves MXFP4 routed slots with H and I multiples of 128, got {routed_format}, "
+                f"H {H}, I {I}"
+            )
+        return True
+    return served and compiled and pairs_per_slot <= DECODE_MAX_PAIRS_PER_SLOT and moe_mixed_cuda.usable(device)
 
 
 def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
@@ -377,6 +410,9 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     compiled, hopper = _compiled_and_hopper(x.device)
     if compiled and not hopper:
         cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
+    decode = _use_decode_kernel(cfg, T * KS / NE, routed.format, H, I, x.device, compiled)
+    if decode:
+        cfg["block_m"] = moe_mixed_cuda.BLOCK_M
     BM, BN = cfg["block_m"], cfg["block_n"]
     launch = _Launches()
     interp = interpreting()
@@ -414,10 +450,17 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         r, rs, w, ws = (t.contiguous() for t in weights)
         if rs.dtype == torch.float8_e4m3fn:  # NVFP4's scales, decoded from their bits in the kernel
             rs = rs.view(torch.uint8)
+        c = _alloc((split, numel, N), torch.float32, x)
+        if decode:
+            pairs = (sorted_ids, expert_ids, bound, num_pid_m, naive, has_nv)
+            return moe_mixed_cuda.decode_gemm(
+                a, a_s, r, rs, w, ws, c, pairs, N=N, K=K, numel=numel, num_routed=E, up_row=up_row,
+                up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1), split_k=split,
+                unroll=cfg["decode_unroll"],
+            )  # fmt: skip
         r_strides = r.stride(0), r.stride(1)
         if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of four-bit bytes or INT4 words
             r = _weight_tiles(r, BN, 16 if i4_f16 else common["KSTEP"] // 8 if routed.format == "int4" else 64)
-        c = _alloc((split, numel, N), torch.float32, x)
         launch(
             _mixed_gemm_kernel,
             (num_pid_m * triton.cdiv(N, BN), split),

@@ -67,3 +67,77 @@ def test_mixed_padding_rows_under_a_fixed_shape(name):
     out = fused_moe(x, ew, ids, w, nv, backend="triton", tile_config=tiles)
     assert torch.all(out[9:] == 0)
     assert rel(out[:9], fused_moe(x[:9], ew, ids[:9], w[:9], backend="triton", tile_config=tiles)) < 1e-6
+
+
+def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, unroll, gemm1):
+    """One GEMM of the CUDA decode kernel and of its PyTorch twin (on CPU copies) on the same operands; ``pairs`` is
+    (sorted ids, slot per block, total, blocks, naive, a_div, numel)."""
+    from runtime.moe_mixed_cuda import decode_gemm
+
+    r, sh, I = ew.routed, ew.shared, ew.intermediate_size  # noqa: E741
+    E = ew.num_routed_experts
+    ops = (
+        (r.gate_up, r.gate_up_scale, sh.gate_up, sh.gate_up_scale)
+        if gemm1
+        else (r.down, r.down_scale, sh.down, sh.down_scale)
+    )
+    N = 2 * I if gemm1 else ew.hidden_size
+    K = a.shape[1]
+    numel = pairs[-1]
+    P = (pairs[0], pairs[1], pairs[2], pairs[3], pairs[4], False)
+    topk_w = torch.rand(numel, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    kw = dict(N=N, K=K, numel=numel, num_routed=E, up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0,
+              a_div=pairs[5], mul_w=mul_w, split_k=split_k)  # fmt: skip
+    c = torch.full((split_k, numel, N), float("nan"), device="cuda")
+    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, unroll=unroll, **kw)
+    cpu = [t.cpu() for t in (a, a_s, *ops)]
+    c_ref = torch.full((split_k, numel, N), float("nan"))
+    Pc = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in P)
+    decode_gemm(*cpu, c_ref, Pc, topk_w=topk_w.cpu(), **kw)
+    return c.cpu(), c_ref
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 4])
+@pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
+def test_decode_kernel_equals_its_twin(unroll, gemm1):
+    """The CUDA decode GEMM against its PyTorch twin at DeepSeek-V4-Flash's shape: one token (each pair its own
+    block) and blocks of 8 pairs with padding, K splits; the same products in another float32 order."""
+    torch.manual_seed(0)
+    H, I, E, S, K, _, _ = SHAPES["DeepSeek-V4-Flash"]
+    ew = mixed_experts("DeepSeek-V4-Flash", seed=11)
+    Kin = H if gemm1 else I
+    # one token: its K slots (6 routed, the shared one), each a block
+    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda")
+    rows = 1 if gemm1 else 7
+    a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
+    a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
+    naive = (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)  # pairs, blocks, naive, a_div, numel
+    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, unroll, gemm1)
+    assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
+    # 3 blocks of 8: a routed slot with 5 pairs, the shared slot with 8, a routed slot with 1
+    numel = 14
+    sorted_ids = torch.tensor([0, 3, 5, 7, 12] + [numel] * 3 + [1, 2, 4, 6, 8, 9, 10, 11] + [13] + [numel] * 7,
+                              dtype=torch.int32, device="cuda")  # fmt: skip
+    expert_ids = torch.tensor([17, E, 250], dtype=torch.int32, device="cuda")
+    total = torch.tensor([24], dtype=torch.int32, device="cuda")
+    a = (torch.randn(numel, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
+    a_s = torch.rand(numel, Kin // 128, device="cuda") + 0.5
+    c, c_ref = _decode_gemm_both(
+        ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, unroll, gemm1
+    )
+    assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_decode_kernel_forward_matches_reference(T):
+    """The whole forward through the CUDA decode GEMM against the reference and the Triton kernel."""
+    H, I, E, S, K, fmt, _ = SHAPES["DeepSeek-V4-Flash"]
+    ew = mixed_experts("DeepSeek-V4-Flash", seed=T)
+    ids, w = routed_ids(T, E, S, K, seed=T)
+    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).to(torch.bfloat16)
+    out = fused_moe(x, ew, ids, w, backend="triton", tile_config={"decode_kernel": "cuda"})
+    tri = fused_moe(x, ew, ids, w, backend="triton", tile_config={"decode_kernel": "triton"})
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    assert not torch.isnan(out).any()
+    assert rel(out, ref) < 3e-2, rel(out, ref)
+    assert rel(out, tri) < 3e-2, rel(out, tri)

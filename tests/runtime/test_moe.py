@@ -398,14 +398,22 @@ def test_tile_tables_are_packaged_and_read():
         assert src.startswith("table ") and key in src
 
 
-def test_tile_tables_are_package_data():
-    """A non-editable install carries runtime/configs/*.json (pyproject package-data)."""
+def test_runtime_data_files_are_package_data():
+    """A non-editable install carries every file the runtime reads at run time that is not Python: the tile tables
+    (runtime/configs/*.json) and the CUDA sources built on first use (runtime/*.cu), per pyproject's package-data."""
+    import glob
     import os
 
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "pyproject.toml")) as f:
-        text = f.read()
-    assert "[tool.setuptools.package-data]" in text and 'runtime = ["configs/*.json"]' in text
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["runtime"]
+    carried = {os.path.normpath(p) for pattern in patterns for p in glob.glob(os.path.join(root, "runtime", pattern))}
+    needed = glob.glob(os.path.join(root, "runtime", "configs", "*.json")) + glob.glob(
+        os.path.join(root, "runtime", "*.cu")
+    )
+    assert any(p.endswith(".cu") for p in needed) and any(p.endswith(".json") for p in needed)
+    assert sorted(os.path.normpath(p) for p in needed if os.path.normpath(p) not in carried) == []
 
 
 @needs_triton

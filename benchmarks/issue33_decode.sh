@@ -1,0 +1,26 @@
+#!/bin/bash
+# Issue 33: the CUDA decode GEMM over mixed slots (runtime/moe_mixed_cuda.cu) on the card at hand, in one device call:
+# its registers and spills (ptxas), its GPU tests against its PyTorch twin and the reference, then the mixed forward
+# against the FP8 conversion of the same weights at decode sizes, with the Triton kernel and the kernel's variants
+# timed in the same process. Run from the project root:
+#
+#     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
+#
+# MODELS and TOKENS may be set. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench.log}.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+: "${OUT:?set OUT}" "${TAG:?set TAG}"
+MODELS=${MODELS:-DeepSeek-V4-Flash}
+TOKENS=${TOKENS:-1,8,64}
+VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_unroll": 1}, {"decode_unroll": 4}, {"gemm1_split_k": 1}, {"gemm1_split_k": 4}, {"gemm2_split_k": 2}, {"gemm2_split_k": 4}]'}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
+    tee "$OUT/$TAG-card.txt"
+cap=$(python3 -c 'import torch; print("".join(map(str, torch.cuda.get_device_capability())))')
+arch=$cap$([ "$cap" = 90 ] && echo a)
+nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=sm_$arch" -Xptxas -v \
+    -o /tmp/moe_mixed_cuda_ptxas.so runtime/moe_mixed_cuda.cu 2>&1 | tee "$OUT/$TAG-ptxas.log"
+timeout 300 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
+    tee "$OUT/$TAG-gpu-tests.log"
+timeout 400 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 \
+    --variants "$VARIANTS" --out "$OUT/$TAG-bench.json" 2>&1 | tee "$OUT/$TAG-bench.log"

@@ -1,0 +1,322 @@
+"""Decode-regime GEMM over mixed slots in CUDA C++ (``moe_mixed_cuda.cu``), with its PyTorch twin.
+
+:func:`decode_gemm` is one GEMM of :func:`runtime.moe_mixed_triton.fused_moe_mixed_triton` (GEMM1 over gate | up or
+GEMM2 over down) for MXFP4 routed slots and FP8 shared slots when each slot has few pairs: M blocks of 8 pairs,
+the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by two bit operations
+(``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``, exact). On a CUDA device it runs the kernel, built by ``nvcc`` at first use into
+the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``, never the package folder); elsewhere it runs
+:func:`decode_gemm_reference`, which takes the same operands in the same permuted order, expands them with the same
+bit operations and sums them per 32-input group as the kernel does, so the CPU tests check the kernel's data flow.
+:func:`available` says whether the kernel can be built here (a CUDA device of compute capability 8.9 or later, for
+e4m3 MMAs, and ``nvcc``); the caller falls back to the Triton kernel where it cannot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .moe_tiles import cache_dir
+
+SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
+BLOCK_M = 8  # pairs per M block: the MMA's N
+ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
+UNROLLS = (1, 2, 4)
+
+
+class _Params(ctypes.Structure):
+    """The kernel's ``Params``, field for field (pointers, then 64-bit integers: no padding)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("a", "a_scale", "r", "r_scale", "s", "s_scale", "c", "sorted", "expert_ids", "total", "topk_w")
+    ] + [
+        (name, ctypes.c_int64)
+        for name in (
+            "N K numel num_routed num_slots up_row up_scale_row a_div stride_am stride_asm stride_re stride_rn "
+            "stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn stride_cm c_split_stride split_k naive "
+            "has_nvalid mul_w"
+        ).split()
+    ]
+
+
+def kernel_dir(env=None) -> str:
+    """``$XDG_CACHE_HOME/fuse-shared/kernels`` (else ``~/.cache/fuse-shared/kernels``): the built kernels."""
+    return os.path.join(os.path.dirname(cache_dir(env)), "kernels")
+
+
+def nvcc_path() -> str | None:
+    """``nvcc`` on PATH, else under ``$CUDA_HOME`` or ``/usr/local/cuda``; None where there is none."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def build_command(nvcc: str, capability: tuple[int, int], out: str) -> list[str]:
+    """The ``nvcc`` command that builds the kernel library for one compute capability (``sm_90a`` on Hopper)."""
+    arch = f"{capability[0]}{capability[1]}" + ("a" if capability == (9, 0) else "")
+    return [
+        nvcc,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        "-o",
+        out,
+        str(SOURCE),
+    ]
+
+
+def library_path(capability: tuple[int, int], env=None) -> str:
+    """Where the library built for ``capability`` from this source lives: named by the source's hash, so an
+    upgraded package never loads a stale build."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return os.path.join(kernel_dir(env), f"moe_mixed_cuda_sm{capability[0]}{capability[1]}_{digest}.so")
+
+
+@lru_cache(maxsize=None)
+def _load(capability: tuple[int, int]):
+    """(the loaded library, None) or (None, why it could not be built or loaded), once per capability: a failed
+    build is not retried on every call."""
+    try:
+        return _build_and_open(capability), None
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+        return None, str(err)
+
+
+def _build_and_open(capability: tuple[int, int]):
+    path = library_path(capability)
+    if not os.path.exists(path):
+        nvcc = nvcc_path()
+        if nvcc is None:
+            raise RuntimeError("the mixed-slot decode kernel needs nvcc (the CUDA toolkit) to build; none found")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # built under a temporary name in the same folder, then renamed: a crash leaves no half-written library
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        try:
+            p = subprocess.run(build_command(nvcc, capability, tmp), capture_output=True, text=True, timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"nvcc failed building {SOURCE.name}: {(p.stderr or p.stdout).strip()[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(path)
+    lib.fuse_shared_mixed_decode.argtypes = [ctypes.POINTER(_Params), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.fuse_shared_mixed_decode.restype = ctypes.c_int
+    return lib
+
+
+def available(device: torch.device) -> bool:
+    """Whether :func:`decode_gemm` runs the CUDA kernel on ``device``: CUDA, compute capability >= 8.9 (e4m3 MMAs),
+    and the kernel already built or ``nvcc`` there to build it."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    cap = torch.cuda.get_device_capability(device)
+    return cap >= (8, 9) and (os.path.exists(library_path(cap)) or nvcc_path() is not None)
+
+
+def usable(device: torch.device) -> bool:
+    """:func:`available`, and the kernel built and loaded (built now if it was not): False, with a warning naming
+    why, where the build fails, so that the caller falls back to the Triton kernel."""
+    if not available(device):
+        return False
+    cap = torch.cuda.get_device_capability(device)
+    first = _load.cache_info().currsize == 0
+    lib, why = _load(cap)
+    if lib is None and first:
+        warnings.warn(f"fuse-shared: the mixed-slot decode kernel is not used: {why}", stacklevel=3)
+    return lib is not None
+
+
+def supports(routed_format: str, hidden: int, intermediate: int) -> bool:
+    """The shapes and formats the kernel serves: MXFP4 routed slots, H and I multiples of 128."""
+    return routed_format == "mxfp4" and hidden % 128 == 0 and intermediate % 128 == 0
+
+
+def decode_gemm(
+    a,
+    a_scale,
+    routed,
+    routed_scale,
+    shared,
+    shared_scale,
+    c,
+    pairs,
+    *,
+    N,
+    K,
+    numel,
+    num_routed,
+    up_row,
+    up_scale_row,
+    a_div,
+    mul_w,
+    topk_w,
+    split_k=1,
+    unroll=2,
+):
+    """One GEMM over mixed slots into ``c`` float32 ``[split_k, numel, N]`` (each K split's part; rows of pairs
+    that no M block holds are left as they are).
+
+    ``a`` e4m3 ``[rows, K]`` with float32 1x128 scales ``a_scale [rows, K / 128]``; pair ``p`` reads row
+    ``p // a_div``. ``routed`` uint8 MXFP4 codes ``[E, N, K / 2]`` (two per byte, the first in the low nibble) with
+    uint8 E8M0 scales ``routed_scale [E, N, K / 32]``; ``shared`` e4m3 ``[S, N, K]`` with float32 128x128 scales
+    ``shared_scale``, rows from ``up_row`` on taking their scale rows from ``up_scale_row``. ``pairs`` is
+    ``(sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid)``: the alignment by slot in M blocks of
+    :data:`BLOCK_M` (naive: one token, block ``m`` is pair ``m``, ``sorted_ids`` the flat slot ids and ``total`` the
+    valid token count when ``has_nvalid``). ``mul_w``: times the routing weight ``topk_w [numel]`` of each pair.
+    K must be a multiple of 128 and N of 16."""
+    sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid = pairs
+    if a.device.type != "cuda":
+        decode_gemm_reference(
+            a,
+            a_scale,
+            routed,
+            routed_scale,
+            shared,
+            shared_scale,
+            c,
+            pairs,
+            N=N,
+            K=K,
+            numel=numel,
+            num_routed=num_routed,
+            up_row=up_row,
+            up_scale_row=up_scale_row,
+            a_div=a_div,
+            mul_w=mul_w,
+            topk_w=topk_w,
+            split_k=split_k,
+        )
+        return c
+    if unroll not in UNROLLS:
+        raise ValueError(f"decode_unroll must be one of {UNROLLS}, got {unroll!r}")
+    lib, why = _load(torch.cuda.get_device_capability(a.device))
+    if lib is None:
+        raise RuntimeError(f"the mixed-slot decode kernel is not available: {why}")
+    p = _Params(
+        a.data_ptr(), a_scale.data_ptr(), routed.data_ptr(), routed_scale.data_ptr(), shared.data_ptr(),
+        shared_scale.data_ptr(), c.data_ptr(), sorted_ids.data_ptr(), expert_ids.data_ptr(), total.data_ptr(),
+        topk_w.data_ptr(),
+        N, K, numel, num_routed, num_routed + shared.shape[0], up_row, up_scale_row, a_div,
+        a.stride(0), a_scale.stride(0), routed.stride(0), routed.stride(1), routed_scale.stride(0),
+        routed_scale.stride(1), shared.stride(0), shared.stride(1), shared_scale.stride(0), shared_scale.stride(1),
+        c.stride(1), c.stride(0), split_k, int(naive), int(has_nvalid), int(mul_w),
+    )  # fmt: skip
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    err = lib.fuse_shared_mixed_decode(ctypes.byref(p), num_blocks, unroll, ctypes.c_void_p(stream))
+    if err:
+        raise RuntimeError(f"the mixed-slot decode kernel did not launch (CUDA error {err})")
+    return c
+
+
+def e2m1_to_e4m3_bits(codes: torch.Tensor, high: bool) -> torch.Tensor:
+    """The kernel's expansion of the low (``high=False``) or high nibble of each byte of ``codes`` (uint8) into an
+    e4m3 byte (uint8) whose value is the e2m1 value times 2^-6: ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``."""
+    q = codes.to(torch.int32)
+    if high:
+        out = (q & 0x80) | ((q >> 2) & 0x1C)
+    else:
+        out = ((q & 0x08) << 4) | ((q & 0x07) << 2)
+    return out.to(torch.uint8)
+
+
+def mma_slot_order(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Inputs along ``dim`` (a multiple of 32) in the order the kernel's MMAs take them: within each group of 32,
+    slot ``4c + i`` holds input ``8c + 2i`` and slot ``16 + 4c + i`` input ``8c + 2i + 1`` (c, i in 0..3)."""
+    t = t.movedim(dim, -1)
+    g = t.reshape(*t.shape[:-1], -1, 4, 4, 2)  # [..., group, c, i, low/high]
+    out = g.permute(*range(g.dim() - 4), g.dim() - 4, g.dim() - 1, g.dim() - 3, g.dim() - 2)  # [group, half, c, i]
+    return out.reshape(t.shape).movedim(-1, dim)
+
+
+def decode_gemm_reference(
+    a,
+    a_scale,
+    routed,
+    routed_scale,
+    shared,
+    shared_scale,
+    c,
+    pairs,
+    *,
+    N,
+    K,
+    numel,
+    num_routed,
+    up_row,
+    up_scale_row,
+    a_div,
+    mul_w,
+    topk_w,
+    split_k=1,
+):
+    """:func:`decode_gemm` in PyTorch, the kernel's twin: the same arguments and result, the same operand order
+    (:func:`mma_slot_order`), expansion (:func:`e2m1_to_e4m3_bits`) and sums (float32 per 32-input group times its
+    scale, per 128 inputs times the activations' scale, per K split)."""
+    sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid = pairs
+    E = routed.shape[0]
+    nk = K // 128
+    per = -(-nk // split_k)
+    for m in range(num_blocks):
+        if naive:
+            e = int(sorted_ids.view(-1)[m])
+            if e < 0 or e >= E + shared.shape[0] or (has_nvalid and int(total.view(-1)[0]) < 1):
+                continue
+            block = torch.tensor([m])
+        else:
+            if m * BLOCK_M >= int(total.view(-1)[0]):
+                break
+            e = int(expert_ids[m])
+            if e < 0 or e >= E + shared.shape[0]:
+                continue
+            block = sorted_ids[m * BLOCK_M : (m + 1) * BLOCK_M].long()
+            block = block[block < numel]
+        if block.numel() == 0:
+            continue
+        rows = block // a_div
+        x = mma_slot_order(a[rows].view(torch.uint8)).view(torch.float8_e4m3fn).float()  # [P, K] in slot order
+        xs = a_scale[rows, :nk].float()  # [P, nk]
+        if e < E:
+            codes = routed[e].view(-1, K // 32, 16)  # [N, groups, 16 bytes]
+            low, high = (e2m1_to_e4m3_bits(codes, h).view(torch.float8_e4m3fn).float() for h in (False, True))
+            # slot order within a group: the low nibbles of bytes 4c .. 4c+3 fill slots 4c .., the high ones 16 + 4c ..
+            w = torch.cat([low.view(N, -1, 4, 4).flatten(2), high.view(N, -1, 4, 4).flatten(2)], dim=2)
+            group_sum = torch.einsum("ngs,pgs->png", w, x.view(-1, K // 32, 32))  # [P, N, groups]
+            scale = torch.where(
+                routed_scale[e] > 0,
+                torch.exp2(routed_scale[e].float() - 127),
+                torch.tensor(2.0**-127),
+            )  # [N, groups]
+            per128 = (group_sum * scale).view(len(block), N, nk, 4).sum(-1) * 64.0  # [P, N, nk]
+        else:
+            sl = e - E
+            w = mma_slot_order(shared[sl].view(torch.uint8)).view(torch.float8_e4m3fn).float()  # [N, K]
+            blocks = torch.einsum("nks,pks->pnk", w.view(N, nk, 128), x.view(-1, nk, 128))  # [P, N, nk]
+            n = torch.arange(N)
+            srow = torch.where(n < up_row, n // 128, up_scale_row + (n - up_row) // 128)
+            per128 = blocks * shared_scale[sl][srow, :nk].float()
+        per128 = per128 * xs[:, None, :]
+        for k in range(split_k):
+            part = per128[:, :, k * per : (k + 1) * per].sum(-1)
+            if mul_w:
+                part = part * topk_w[block].float()[:, None]
+            c[k, block] = part
+    return c

@@ -1,0 +1,138 @@
+"""The CUDA decode GEMM over mixed slots (runtime/moe_mixed_cuda.cu) through its PyTorch twin, which takes the
+kernel's operands in the kernel's order and expands them with the kernel's bit operations: the expansion exact for
+every byte, the MMA order a permutation of each 32-input group, and the whole forward through the twin (alignment in
+blocks of 8 pairs, K splits, padding rows) equal to the reference. The kernel itself runs in test_gpu_mixed.py."""
+
+import pytest
+import torch
+
+from runtime import fused_moe
+from runtime._backend import triton_available
+from runtime.fp8 import dequantize_block_fp8
+from runtime.moe_mixed_cuda import (
+    build_command,
+    decode_gemm_reference,
+    e2m1_to_e4m3_bits,
+    library_path,
+    mma_slot_order,
+    supports,
+)
+from runtime.moe_mixed_triton import mixed_tile_config
+
+from rt_helpers import random_ids, random_mixed_experts, rel
+from test_moe_mixed import E2M1
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_expansion_is_exact_for_every_byte(high):
+    """Each byte's low or high e2m1 code, expanded to an e4m3 byte by the kernel's two bit operations, reads as the
+    code's value times 2^-6 (signed zeros included)."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = e2m1_to_e4m3_bits(b, high).view(torch.float8_e4m3fn).double()
+    code = (b.to(torch.int64) >> 4) if high else (b.to(torch.int64) & 15)
+    want = torch.tensor(E2M1, dtype=torch.float64)[code] * 2.0**-6
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), code >= 8)
+
+
+def test_mma_order_is_the_documented_permutation_of_each_group():
+    """Slot 4c + i of each 32-input group holds input 8c + 2i, slot 16 + 4c + i input 8c + 2i + 1; groups stay
+    in place, along any dimension."""
+    k = torch.arange(96)
+    got = mma_slot_order(k)
+    for j in range(3):
+        for c in range(4):
+            for i in range(4):
+                assert got[32 * j + 4 * c + i] == 32 * j + 8 * c + 2 * i
+                assert got[32 * j + 16 + 4 * c + i] == 32 * j + 8 * c + 2 * i + 1
+    m = torch.arange(2 * 64).view(64, 2)
+    assert torch.equal(mma_slot_order(m, dim=0), m[mma_slot_order(torch.arange(64))])
+
+
+def test_twin_gemm_equals_a_plain_product():
+    """One routed slot and one shared slot through the twin, against the plain product of the same dequantized
+    weights and activations (another summation order: float32 rounding apart)."""
+    g = torch.Generator().manual_seed(3)
+    E, S, K, N, P = 2, 1, 256, 64, 5
+    ew = random_mixed_experts(E, S, K, N // 2, "mxfp4", gen=g)
+    a = (torch.randn(P, K, generator=g) * 8).to(torch.float8_e4m3fn)
+    a_s = torch.rand(P, K // 128, generator=g) + 0.5
+    sorted_ids = torch.tensor([0, 2, 4, P, P, P, P, P, 1, 3, P, P, P, P, P, P], dtype=torch.int32)
+    expert_ids = torch.tensor([1, 2], dtype=torch.int32)  # a routed slot, then the shared one
+    total = torch.tensor([16], dtype=torch.int32)
+    c = torch.full((2, P, N), float("nan"))
+    r, sh = ew.routed, ew.shared
+    decode_gemm_reference(
+        a, a_s, r.gate_up, r.gate_up_scale, sh.gate_up, sh.gate_up_scale, c,
+        (sorted_ids, expert_ids, total, 2, False, False), N=N, K=K, numel=P, num_routed=E, up_row=N // 2,
+        up_scale_row=1, a_div=1, mul_w=False, topk_w=torch.ones(P), split_k=2,
+    )  # fmt: skip
+    x = a.float() * a_s.repeat_interleave(128, 1)
+    w_routed = r.dequantized(1)[0]
+    I = N // 2  # noqa: E741
+    w_shared = torch.cat(
+        [dequantize_block_fp8(sh.gate_up[0, :I], sh.gate_up_scale[0, :1]),
+         dequantize_block_fp8(sh.gate_up[0, I:], sh.gate_up_scale[0, 1:])]
+    )  # fmt: skip
+    got = c.sum(0)
+    assert rel(got[[0, 2, 4]], x[[0, 2, 4]] @ w_routed.T) < 1e-5
+    assert rel(got[[1, 3]], x[[1, 3]] @ w_shared.T) < 1e-5
+
+
+CASES = [  # E, S, T, KS, num_valid, tiles, H, I
+    (4, 1, 1, 3, None, {}, 256, 128),  # one token: each pair its own block
+    (4, 1, 1, 3, 0, {}, 256, 128),  # one token, none valid
+    (6, 1, 9, 4, None, {}, 256, 128),  # blocks of 8 pairs: the shared slot's 9 pairs take two
+    (5, 2, 7, 4, 5, dict(gemm1_split_k=2, gemm2_split_k=2), 384, 256),  # two shared slots, padding rows, K splits
+    (4, 1, 3, 3, None, dict(gemm1_split_k=3), 384, 128),  # a K split with an empty last part
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}S{c[1]}T{c[2]}KS{c[3]}nv{c[4]}")
+def test_forward_through_the_twin_matches_reference(case):
+    E, S, T, KS, nv, tiles, H, I = case  # noqa: E741
+    g = torch.Generator().manual_seed(E * 10 + T)
+    ew = random_mixed_experts(E, S, H, I, "mxfp4", gen=g, oai=T % 2 == 1)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.cat([random_ids(T, KS - S, E, gen=g), torch.arange(E, E + S, dtype=torch.int32).expand(T, S)], 1)
+    w = torch.cat([torch.rand(T, KS - S, generator=g), torch.ones(T, S)], 1)
+    num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
+    ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+    fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config={**tiles, "decode_kernel": "cuda"}, out=out)
+    assert not torch.isnan(out).any()
+    if nv is not None:
+        assert torch.all(out[nv:] == 0)
+    if nv != 0:
+        assert rel(out, ref) < 2e-3, rel(out, ref)
+
+
+def test_decode_kernel_choice_is_checked():
+    assert mixed_tile_config(1, 7, 257)["decode_kernel"] == "auto"
+    with pytest.raises(ValueError, match="decode_kernel"):
+        mixed_tile_config(1, 7, 257, {"decode_kernel": "fast"})
+    with pytest.raises(ValueError, match="decode_unroll"):
+        mixed_tile_config(1, 7, 257, {"decode_unroll": 3})
+    assert supports("mxfp4", 4096, 2048)
+    assert not supports("int4", 4096, 2048) and not supports("mxfp4", 4096, 2080)
+
+
+@needs_triton
+def test_cuda_decode_refuses_what_it_does_not_serve():
+    g = torch.Generator().manual_seed(1)
+    ew = random_mixed_experts(4, 1, 256, 128, "int4", gen=g)
+    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="MXFP4"):
+        fused_moe(x, ew, ids, torch.ones(1, 3), backend="triton", tile_config={"decode_kernel": "cuda"})
+
+
+def test_build_targets_the_card_and_lives_in_the_cache(tmp_path):
+    cmd = build_command("nvcc", (9, 0), "out.so")
+    assert "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-shared" in cmd
+    assert "-gencode=arch=compute_89,code=sm_89" in build_command("nvcc", (8, 9), "out.so")
+    path = library_path((9, 0), env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert path.startswith(str(tmp_path / "fuse-shared" / "kernels")) and "sm90" in path
