@@ -20,7 +20,7 @@ cap=$(python3 -c 'import torch; print("".join(map(str, torch.cuda.get_device_cap
 arch=$cap$([ "$cap" = 90 ] && echo a)
 nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=sm_$arch" -Xptxas -v \
     -o /tmp/moe_mixed_cuda_ptxas.so runtime/moe_mixed_cuda.cu 2>&1 | tee "$OUT/$TAG-ptxas.log"
-timeout 300 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
+timeout 150 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
     tee "$OUT/$TAG-gpu-tests.log"
-timeout 400 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 \
+timeout 360 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 \
     --variants "$VARIANTS" --out "$OUT/$TAG-bench.json" 2>&1 | tee "$OUT/$TAG-bench.log"
