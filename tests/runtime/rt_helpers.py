@@ -46,6 +46,14 @@ def random_ids(T, KS, NE, gen=None, skip_expert=None):
     return torch.stack(rows).to(torch.int32)
 
 
+def routing_with_shared_slots(T, KS, E, S, gen=None):
+    """A fused layer's routing as the router hands it over: ``KS - S`` distinct routed ids per token with random
+    weights, then the ``S`` shared slots ``E .. E + S - 1`` at weight 1.0. Returns ids int32 and weights float32
+    ``[T, KS]``."""
+    ids = torch.cat([random_ids(T, KS - S, E, gen=gen), torch.arange(E, E + S, dtype=torch.int32).expand(T, S)], 1)
+    return ids, torch.cat([torch.rand(T, KS - S, generator=gen), torch.ones(T, S)], 1)
+
+
 def write_checkpoint(
     path,
     *,

@@ -12,7 +12,7 @@ from runtime._backend import triton_available
 from runtime.moe import FourBitExperts, MixedExpertWeights
 from runtime.mxfp4 import e8m0_to_float, mxfp4_to_fp8_blocks
 
-from rt_helpers import random_experts, random_ids, random_mixed_experts, rel
+from rt_helpers import random_experts, random_ids, random_mixed_experts, rel, routing_with_shared_slots
 from runtime.fp8 import dequantize_block_fp8
 from test_moe import _q64
 
@@ -204,8 +204,7 @@ def test_triton_matches_reference(case):
     g = torch.Generator().manual_seed(E * 100 + T)
     ew = random_mixed_experts(E, S, H, I, fmt, gen=g, span=span, oai=T % 2 == 0)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.cat([random_ids(T, KS - S, E, gen=g), torch.arange(E, E + S, dtype=torch.int32).expand(T, S)], 1)
-    w = torch.cat([torch.rand(T, KS - S, generator=g), torch.ones(T, S)], 1)
+    ids, w = routing_with_shared_slots(T, KS, E, S, gen=g)
     num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
     ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from runtime.moe_mixed_cuda import (
 )
 from runtime.moe_mixed_triton import mixed_tile_config
 
-from rt_helpers import random_ids, random_mixed_experts, rel
+from rt_helpers import random_mixed_experts, rel, routing_with_shared_slots
 from test_moe_mixed import E2M1
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
@@ -97,8 +97,7 @@ def test_forward_through_the_twin_matches_reference(case):
     g = torch.Generator().manual_seed(E * 10 + T)
     ew = random_mixed_experts(E, S, H, I, "mxfp4", gen=g, oai=T % 2 == 1)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.cat([random_ids(T, KS - S, E, gen=g), torch.arange(E, E + S, dtype=torch.int32).expand(T, S)], 1)
-    w = torch.cat([torch.rand(T, KS - S, generator=g), torch.ones(T, S)], 1)
+    ids, w = routing_with_shared_slots(T, KS, E, S, gen=g)
     num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
     ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
