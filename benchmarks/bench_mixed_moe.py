@@ -141,6 +141,7 @@ def main():
             y_fp8 = fused_moe(x, fp8, ids0, w0, shared_slots=S)
             torch.cuda.synchronize()
             out = torch.empty_like(x)
+            tiles = mixed_tile_config(T, K + S, E + S, override, fmt)
             r = dict(
                 model=name,
                 T=T,
@@ -148,10 +149,8 @@ def main():
                 rel_mixed=rel(y_mixed, ref),
                 rel_fp8=rel(y_fp8, ref_fp8),
                 rel_fp8_conversion=rel(ref_fp8, ref),  # what the FP8 conversion itself changes
-                tiles=mixed_tile_config(T, K + S, E + S, override, fmt),
-                decode_kernel_used=_use_decode_kernel(
-                    mixed_tile_config(T, K + S, E + S, override, fmt), T * (K + S) / (E + S), fmt, H, I, x.device, True
-                ),
+                tiles=tiles,
+                decode_kernel_used=_use_decode_kernel(tiles, T * (K + S) / (E + S), fmt, H, I, x.device, True),
             )
             r["ok"] = bool(r["rel_mixed"] < TOL and r["rel_fp8"] < TOL and not torch.isnan(y_mixed).any())
 

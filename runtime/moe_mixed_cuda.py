@@ -85,8 +85,13 @@ def build_command(nvcc: str, capability: tuple[int, int], out: str) -> list[str]
 def library_path(capability: tuple[int, int], env=None) -> str:
     """Where the library built for ``capability`` from this source lives: named by the source's hash, so an
     upgraded package never loads a stale build."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return os.path.join(kernel_dir(env), f"moe_mixed_cuda_sm{capability[0]}{capability[1]}_{digest}.so")
+    return os.path.join(kernel_dir(env), f"moe_mixed_cuda_sm{capability[0]}{capability[1]}_{_source_digest()}.so")
+
+
+@lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """The source's hash, read once: the forward asks for the library on every call."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=None)
@@ -126,22 +131,27 @@ def _build_and_open(capability: tuple[int, int]):
 def available(device: torch.device) -> bool:
     """Whether :func:`decode_gemm` runs the CUDA kernel on ``device``: CUDA, compute capability >= 8.9 (e4m3 MMAs),
     and the kernel already built or ``nvcc`` there to build it."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    cap = torch.cuda.get_device_capability(device)
-    return cap >= (8, 9) and (os.path.exists(library_path(cap)) or nvcc_path() is not None)
+    return device.type == "cuda" and torch.cuda.is_available() and _buildable(torch.cuda.get_device_capability(device))
+
+
+def _buildable(capability: tuple[int, int]) -> bool:
+    return capability >= (8, 9) and (os.path.exists(library_path(capability)) or nvcc_path() is not None)
 
 
 def usable(device: torch.device) -> bool:
     """:func:`available`, and the kernel built and loaded (built now if it was not): False, with a warning naming
     why, where the build fails, so that the caller falls back to the Triton kernel."""
-    if not available(device):
+    return device.type == "cuda" and torch.cuda.is_available() and _usable(torch.cuda.get_device_capability(device))
+
+
+@lru_cache(maxsize=None)
+def _usable(capability: tuple[int, int]) -> bool:
+    """:func:`usable` once per capability: the forward asks on every call, and the answer does not change."""
+    if not _buildable(capability):
         return False
-    cap = torch.cuda.get_device_capability(device)
-    first = _load.cache_info().currsize == 0
-    lib, why = _load(cap)
-    if lib is None and first:
-        warnings.warn(f"fuse-shared: the mixed-slot decode kernel is not used: {why}", stacklevel=3)
+    lib, why = _load(capability)
+    if lib is None:
+        warnings.warn(f"fuse-shared: the mixed-slot decode kernel is not used: {why}", stacklevel=4)
     return lib is not None
 
 
