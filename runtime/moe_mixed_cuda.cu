@@ -1,5 +1,5 @@
-// Decode-regime GEMM over mixed slots (LAYOUT v3): MXFP4 routed slots and FP8 128x128 shared slots, few tokens per
-// slot. Built at first use by runtime/moe_mixed_cuda.py (nvcc, sm_90a), launched through fuse_shared_mixed_decode.
+// Decode-regime GEMM over mixed slots (LAYOUT v3): four-bit routed slots (MXFP4, INT4 or NVFP4, as released) and FP8
+// 128x128 shared slots, few tokens per slot. Built at first use by runtime/moe_mixed_cuda.py (nvcc, sm_90a), launched through fuse_shared_mixed_decode.
 //
 // One warp computes 16 output rows (the weight rows: the MMA's M side) times one M block of 8 (token, slot) pairs
 // (the MMA's N side), over a K range, with mma.sync m16n8k32 e4m3 x e4m3 -> f32. The weights are the A operand and
@@ -14,10 +14,16 @@
 //   4c + i and 32j + 8c + 2i + 1 for slot 16 + 4c + i, one 8-byte load and two byte permutes.
 // FP8 shared rows use the same permutation (an 8-byte load and two permutes per row), so both kinds of slot share B.
 //
-// e2m1 -> e4m3 is exact and takes no table: the code s.e.e.m becomes s.0.0.e.e.m.0.0, which reads as the e2m1 value
-// times 2^-6 (normal and subnormal alike); the 2^6 is folded into the output. Each group of 32 inputs is one MMA into
-// a zeroed accumulator, scaled by its E8M0 scale and added in float32; each 128 inputs are then scaled by the
-// activations' 1x128 scale, as the Triton kernel and the PyTorch reference do.
+// The codes become e4m3 operands exactly, with no table, a few bit operations per four codes:
+// - e2m1 (MXFP4, NVFP4): the code s.e.e.m becomes s.0.0.e.e.m.0.0, which reads as the e2m1 value times 2^-6 (normal
+//   and subnormal alike);
+// - INT4 (stored q + 8, q in -8..7): sign and magnitude |q| <= 8 in the low four bits, which read as q times 2^-9 (the
+//   magnitudes 0..7 are e4m3's subnormals, 8 its least normal).
+// The power of two is folded into the output. Each scale group is its own MMA into a zeroed accumulator, scaled in
+// float32 by the group's scale (E8M0 per 32 inputs, INT4's float per 32 << group_shift, NVFP4's e4m3 per 16: two MMAs per
+// 32 inputs, each thread's operands zeroed in the one whose half it does not hold); each 128 inputs are then scaled by
+// the activations' 1x128 scale and NVFP4 rows by their global scale, as the Triton kernel and the PyTorch reference
+// do.
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -26,8 +32,8 @@ namespace {
 struct Params {
     const uint8_t* a;           // e4m3 activations [rows, K]
     const float* a_scale;       // [rows, K / 128]
-    const uint8_t* r;           // routed MXFP4 codes [E, N, K / 2]
-    const uint8_t* r_scale;     // routed E8M0 scales [E, N, K / 32]
+    const uint8_t* r;           // routed codes [E, N, K / 2], two per byte (INT4: the words' bytes)
+    const uint8_t* r_scale;     // routed scales [E, N, groups]: E8M0 / BF16, FP16 or F32 (INT4) / e4m3 (NVFP4)
     const uint8_t* s;           // shared FP8 [S, N, K]
     const float* s_scale;       // shared 128x128 scales [S, row blocks, K / 128]
     float* c;                   // float32 [split, numel, N]
@@ -35,14 +41,17 @@ struct Params {
     const int32_t* expert_ids;  // slot of each M block (aligned)
     const int32_t* total;       // padded pair count (aligned) or the valid token count (naive, has_nvalid)
     const float* topk_w;        // routing weight per pair
-    int64_t N, K, numel, num_routed, num_slots, up_row, up_scale_row, a_div;
-    int64_t stride_am, stride_asm, stride_re, stride_rn, stride_rse, stride_rsn;
+    const float* r_global;      // NVFP4: float32 [E, 3], gate, up and down global scales
+    int64_t N, K, numel, num_routed, num_slots, up_row, up_scale_row, a_div, global_col, group_shift, scale_dtype;
+    int64_t stride_am, stride_asm, stride_re, stride_rn, stride_rse, stride_rsn;  // routed strides in bytes
     int64_t stride_se, stride_sn, stride_sse, stride_ssn, stride_cm, c_split_stride;
     int64_t split_k, naive, has_nvalid, mul_w;
 };
 
 constexpr int BM = 8;       // pairs per M block (the MMA's N)
 constexpr int WARPS = 4;    // warps per program, 16 rows each
+constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_triton.FORMAT_CODES
+constexpr int SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2;  // INT4's scale dtypes (Params.scale_dtype)
 
 __device__ __forceinline__ uint32_t e2m1_low_to_e4m3(uint32_t q) {
     return ((q & 0x08080808u) << 4) | ((q & 0x07070707u) << 2);
@@ -50,6 +59,23 @@ __device__ __forceinline__ uint32_t e2m1_low_to_e4m3(uint32_t q) {
 
 __device__ __forceinline__ uint32_t e2m1_high_to_e4m3(uint32_t q) {
     return (q & 0x80808080u) | ((q >> 2) & 0x1C1C1C1Cu);
+}
+
+// q + 8 in the low four bits of each byte -> sign.0.0.0.|q| (q times 2^-9 in e4m3): negative where bit 3 is clear,
+// |q| = 8 - (q + 8) = ((q + 8) ^ 7) + 1 there; no byte carries into the next
+__device__ __forceinline__ uint32_t int4_to_e4m3(uint32_t u) {
+    const uint32_t neg = (~u >> 3) & 0x01010101u;
+    return (((u & 0x07070707u) ^ (neg * 7u)) + neg) | (neg << 7);
+}
+
+template <int FMT>
+__device__ __forceinline__ uint32_t expand_low(uint32_t q) {
+    return FMT == INT4 ? int4_to_e4m3(q & 0x0F0F0F0Fu) : e2m1_low_to_e4m3(q);
+}
+
+template <int FMT>
+__device__ __forceinline__ uint32_t expand_high(uint32_t q) {
+    return FMT == INT4 ? int4_to_e4m3((q >> 4) & 0x0F0F0F0Fu) : e2m1_high_to_e4m3(q);
 }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -75,7 +101,54 @@ __device__ __forceinline__ float e8m0(uint32_t s) {
     return s ? __uint_as_float(s << 23) : __uint_as_float(0x00400000u);  // 2^(s - 127); s = 0 is 2^-127
 }
 
-template <int U>
+__device__ __forceinline__ float e4m3_to_float(uint32_t b) {  // one e4m3 byte (NVFP4's scales, never NaN)
+    const uint32_t e = (b >> 3) & 15u, f = b & 7u;
+    const float v = e ? __uint_as_float(((e + 120u) << 23) | (f << 20)) : (float)f * 0.001953125f;
+    return (b & 128u) ? -v : v;
+}
+
+__device__ __forceinline__ float load_scale(const uint8_t* base, int64_t i, int64_t dtype) {  // INT4's group scale
+    if (dtype == SCALE_BF16) return __uint_as_float((uint32_t)__ldg(reinterpret_cast<const uint16_t*>(base) + i) << 16);
+    if (dtype == SCALE_F16) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(__ldg(reinterpret_cast<const uint16_t*>(base) + i)));
+        return f;
+    }
+    return __ldg(reinterpret_cast<const float*>(base) + i);
+}
+
+// A row's scales for one K step of 128 inputs, as loaded: MXFP4 four E8M0 bytes (w[0]), NVFP4 eight e4m3 bytes
+// (w[0], w[1]), INT4 four floats (one per 32 inputs, repeated where a group is longer)
+template <int FMT>
+struct StepScales {
+    uint32_t w[FMT == MXFP4 ? 1 : FMT == NVFP4 ? 2 : 4];
+};
+
+template <int FMT>
+__device__ __forceinline__ StepScales<FMT> load_step_scales(const uint8_t* row, int64_t k, const Params& p) {
+    StepScales<FMT> s;
+    if constexpr (FMT == MXFP4) {
+        s.w[0] = ld32(row + k * 4);
+    } else if constexpr (FMT == NVFP4) {
+        const uint2 v = ld64(row + k * 8);
+        s.w[0] = v.x;
+        s.w[1] = v.y;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s.w[j] = __float_as_uint(load_scale(row, (k * 4 + j) >> p.group_shift, p.scale_dtype));
+    }
+    return s;
+}
+
+// the scale of 32-input group j (MXFP4, INT4) or of its 16-input half h (NVFP4)
+template <int FMT>
+__device__ __forceinline__ float group_scale(const StepScales<FMT>& s, int j, int h) {
+    if constexpr (FMT == MXFP4) return e8m0((s.w[0] >> (8 * j)) & 255u);
+    else if constexpr (FMT == NVFP4) return e4m3_to_float((s.w[j >> 1] >> (16 * (j & 1) + 8 * h)) & 255u);
+    else return __uint_as_float(s.w[j]);
+}
+
+template <int FMT, int U>
 __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3;
@@ -114,8 +187,10 @@ __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p
         const uint8_t* w1 = w0 + 8 * p.stride_rn;
         const uint8_t* s0 = p.r_scale + e * p.stride_rse + row0 * p.stride_rsn;
         const uint8_t* s1 = s0 + 8 * p.stride_rsn;
+        const bool first_half = c < 2;  // NVFP4: this thread's inputs 8c .. 8c + 7 lie in the group's first 16
         for (int64_t kb = first; kb < stop; kb += U) {
-            uint32_t q0[U][4], q1[U][4], sc0[U], sc1[U];
+            uint32_t q0[U][4], q1[U][4];
+            StepScales<FMT> sc0[U], sc1[U];
             uint2 xv[U][4];
             float as0[U], as1[U];
 #pragma unroll
@@ -127,8 +202,8 @@ __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p
                     q1[u][j] = ld32(w1 + k * 64 + 16 * j);
                     xv[u][j] = ok_g ? ld64(x + k * 128 + 32 * j) : make_uint2(0u, 0u);
                 }
-                sc0[u] = ld32(s0 + k * 4);
-                sc1[u] = ld32(s1 + k * 4);
+                sc0[u] = load_step_scales<FMT>(s0, k, p);
+                sc1[u] = load_step_scales<FMT>(s1, k, p);
                 as0[u] = ok_0 ? __ldg(xs0 + k) : 0.f;
                 as1[u] = ok_1 ? __ldg(xs1 + k) : 0.f;
             }
@@ -138,16 +213,21 @@ __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p
                 float blk[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    float t[4] = {0.f, 0.f, 0.f, 0.f};
                     const uint32_t b0 = prmt(xv[u][j].x, xv[u][j].y, 0x6420u);
                     const uint32_t b1 = prmt(xv[u][j].x, xv[u][j].y, 0x7531u);
-                    mma_e4m3(t, e2m1_low_to_e4m3(q0[u][j]), e2m1_low_to_e4m3(q1[u][j]), e2m1_high_to_e4m3(q0[u][j]),
-                             e2m1_high_to_e4m3(q1[u][j]), b0, b1);
-                    const float g0 = e8m0((sc0[u] >> (8 * j)) & 255u), g1 = e8m0((sc1[u] >> (8 * j)) & 255u);
-                    blk[0] = fmaf(t[0], g0, blk[0]);
-                    blk[1] = fmaf(t[1], g0, blk[1]);
-                    blk[2] = fmaf(t[2], g1, blk[2]);
-                    blk[3] = fmaf(t[3], g1, blk[3]);
+                    const uint32_t a0 = expand_low<FMT>(q0[u][j]), a1 = expand_low<FMT>(q1[u][j]);
+                    const uint32_t a2 = expand_high<FMT>(q0[u][j]), a3 = expand_high<FMT>(q1[u][j]);
+#pragma unroll
+                    for (int h = 0; h < (FMT == NVFP4 ? 2 : 1); ++h) {
+                        const bool mine = FMT != NVFP4 || first_half == (h == 0);
+                        float t[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_e4m3(t, mine ? a0 : 0u, mine ? a1 : 0u, mine ? a2 : 0u, mine ? a3 : 0u, b0, b1);
+                        const float g0 = group_scale<FMT>(sc0[u], j, h), g1 = group_scale<FMT>(sc1[u], j, h);
+                        blk[0] = fmaf(t[0], g0, blk[0]);
+                        blk[1] = fmaf(t[1], g0, blk[1]);
+                        blk[2] = fmaf(t[2], g1, blk[2]);
+                        blk[3] = fmaf(t[3], g1, blk[3]);
+                    }
                 }
                 acc[0] = fmaf(blk[0], as0[u], acc[0]);
                 acc[1] = fmaf(blk[1], as1[u], acc[1]);
@@ -155,8 +235,17 @@ __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p
                 acc[3] = fmaf(blk[3], as1[u], acc[3]);
             }
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] *= 64.f;  // the e4m3 codes are the e2m1 values times 2^-6
+        // the e4m3 operands are the codes' values times 2^-6 (e2m1) or 2^-9 (INT4); NVFP4 rows take their global scale
+        float f0 = FMT == INT4 ? 512.f : 64.f, f1 = f0;
+        if constexpr (FMT == NVFP4) {
+            const float* gl = p.r_global + e * 3 + p.global_col;
+            f0 *= __ldg(gl + (row0 >= p.up_row ? 1 : 0));
+            f1 *= __ldg(gl + (row1 >= p.up_row ? 1 : 0));
+        }
+        acc[0] *= f0;
+        acc[1] *= f0;
+        acc[2] *= f1;
+        acc[3] *= f1;
     } else {
         const int64_t sl = e - p.num_routed;
         const uint8_t* w0 = p.s + sl * p.stride_se + row0 * p.stride_sn + 8 * c;
@@ -213,17 +302,28 @@ __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p
     }
 }
 
-}  // namespace
-
-// Returns the CUDA error code of the launch (0: launched). unroll: K steps of 128 inputs loaded ahead (1, 2 or 4).
-extern "C" int fuse_shared_mixed_decode(const Params* p, int64_t grid_m, int64_t unroll, void* stream) {
-    const dim3 grid((unsigned)((p->N + WARPS * 16 - 1) / (WARPS * 16)), (unsigned)grid_m, (unsigned)p->split_k);
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+template <int FMT>
+int launch(const Params* p, dim3 grid, int64_t unroll, cudaStream_t st) {
     switch (unroll) {
-        case 1: mixed_decode_kernel<1><<<grid, WARPS * 32, 0, st>>>(*p); break;
-        case 2: mixed_decode_kernel<2><<<grid, WARPS * 32, 0, st>>>(*p); break;
-        case 4: mixed_decode_kernel<4><<<grid, WARPS * 32, 0, st>>>(*p); break;
+        case 1: mixed_decode_kernel<FMT, 1><<<grid, WARPS * 32, 0, st>>>(*p); break;
+        case 2: mixed_decode_kernel<FMT, 2><<<grid, WARPS * 32, 0, st>>>(*p); break;
+        case 4: mixed_decode_kernel<FMT, 4><<<grid, WARPS * 32, 0, st>>>(*p); break;
         default: return (int)cudaErrorInvalidValue;
     }
     return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// Returns the CUDA error code of the launch (0: launched). fmt: 0 MXFP4, 1 INT4, 2 NVFP4; unroll: K steps of 128
+// inputs loaded ahead (1, 2 or 4).
+extern "C" int fuse_shared_mixed_decode(const Params* p, int64_t fmt, int64_t grid_m, int64_t unroll, void* stream) {
+    const dim3 grid((unsigned)((p->N + WARPS * 16 - 1) / (WARPS * 16)), (unsigned)grid_m, (unsigned)p->split_k);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    switch (fmt) {
+        case MXFP4: return launch<MXFP4>(p, grid, unroll, st);
+        case INT4: return launch<INT4>(p, grid, unroll, st);
+        case NVFP4: return launch<NVFP4>(p, grid, unroll, st);
+        default: return (int)cudaErrorInvalidValue;
+    }
 }

@@ -1,9 +1,10 @@
 """Decode-regime GEMM over mixed slots in CUDA C++ (``moe_mixed_cuda.cu``), with its PyTorch twin.
 
 :func:`decode_gemm` is one GEMM of :func:`runtime.moe_mixed_triton.fused_moe_mixed_triton` (GEMM1 over gate | up or
-GEMM2 over down) for MXFP4 routed slots and FP8 shared slots when each slot has few pairs: M blocks of 8 pairs,
-the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by two bit operations
-(``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``, exact). On a CUDA device it runs the kernel, built by ``nvcc`` at first use into
+GEMM2 over down) for four-bit routed slots (MXFP4, INT4, NVFP4) and FP8 shared slots when each slot has few pairs: M blocks of 8
+pairs, the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by a few bit
+operations (e2m1 ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``; INT4 ``q + 8`` -> sign and ``|q|``; both exact), one MMA per
+scale group. On a CUDA device it runs the kernel, built by ``nvcc`` at first use into
 the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``, never the package folder); elsewhere it runs
 :func:`decode_gemm_reference`, which takes the same operands in the same permuted order, expands them with the same
 bit operations and sums them per 32-input group as the kernel does, so the CPU tests check the kernel's data flow.
@@ -29,6 +30,8 @@ from .moe_tiles import cache_dir
 
 SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
 BLOCK_M = 8  # pairs per M block: the MMA's N
+FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the kernel's format codes
+SCALE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # INT4 group scales
 ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
 UNROLLS = (1, 2, 4)
 
@@ -38,11 +41,11 @@ class _Params(ctypes.Structure):
 
     _fields_ = [
         (name, ctypes.c_void_p)
-        for name in ("a", "a_scale", "r", "r_scale", "s", "s_scale", "c", "sorted", "expert_ids", "total", "topk_w")
+        for name in ("a a_scale r r_scale s s_scale c sorted expert_ids total topk_w r_global".split())
     ] + [
         (name, ctypes.c_int64)
         for name in (
-            "N K numel num_routed num_slots up_row up_scale_row a_div stride_am stride_asm stride_re stride_rn "
+            "N K numel num_routed num_slots up_row up_scale_row a_div global_col group_shift scale_dtype stride_am stride_asm stride_re stride_rn "
             "stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn stride_cm c_split_stride split_k naive "
             "has_nvalid mul_w"
         ).split()
@@ -123,7 +126,9 @@ def _build_and_open(capability: tuple[int, int]):
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    lib.fuse_shared_mixed_decode.argtypes = [ctypes.POINTER(_Params), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.fuse_shared_mixed_decode.argtypes = [
+        ctypes.POINTER(_Params), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
+    ]  # fmt: skip
     lib.fuse_shared_mixed_decode.restype = ctypes.c_int
     return lib
 
@@ -155,9 +160,16 @@ def _usable(capability: tuple[int, int]) -> bool:
     return lib is not None
 
 
-def supports(routed_format: str, hidden: int, intermediate: int) -> bool:
-    """The shapes and formats the kernel serves: MXFP4 routed slots, H and I multiples of 128."""
-    return routed_format == "mxfp4" and hidden % 128 == 0 and intermediate % 128 == 0
+def supports(routed_format: str, hidden: int, intermediate: int, group: int | None = None) -> bool:
+    """The shapes and formats the kernel serves: MXFP4, NVFP4, or INT4 in scale groups of 32 times a power of two,
+    with H and I multiples of 128."""
+    if routed_format not in FORMATS or hidden % 128 or intermediate % 128:
+        return False
+    return routed_format != "int4" or (group is not None and group >= 32 and group % 32 == 0 and _pow2(group // 32))
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def decode_gemm(
@@ -179,6 +191,10 @@ def decode_gemm(
     a_div,
     mul_w,
     topk_w,
+    routed_format="mxfp4",
+    group=32,
+    routed_global=None,
+    global_col=0,
     split_k=1,
     unroll=2,
 ):
@@ -186,52 +202,63 @@ def decode_gemm(
     that no M block holds are left as they are).
 
     ``a`` e4m3 ``[rows, K]`` with float32 1x128 scales ``a_scale [rows, K / 128]``; pair ``p`` reads row
-    ``p // a_div``. ``routed`` uint8 MXFP4 codes ``[E, N, K / 2]`` (two per byte, the first in the low nibble) with
-    uint8 E8M0 scales ``routed_scale [E, N, K / 32]``; ``shared`` e4m3 ``[S, N, K]`` with float32 128x128 scales
-    ``shared_scale``, rows from ``up_row`` on taking their scale rows from ``up_scale_row``. ``pairs`` is
-    ``(sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid)``: the alignment by slot in M blocks of
-    :data:`BLOCK_M` (naive: one token, block ``m`` is pair ``m``, ``sorted_ids`` the flat slot ids and ``total`` the
-    valid token count when ``has_nvalid``). ``mul_w``: times the routing weight ``topk_w [numel]`` of each pair.
-    K must be a multiple of 128 and N of 16."""
+    ``p // a_div``. Routed slots (``routed_format``, :class:`runtime.moe.FourBitExpertWeights`' tensors):
+
+    - ``"mxfp4"``: ``routed`` uint8 codes ``[E, N, K / 2]`` (two per byte, the first in the low nibble) with uint8
+      E8M0 scales ``routed_scale [E, N, K / 32]``;
+    - ``"int4"``: ``routed`` int32 words ``[E, N, K / 8]`` (input ``8w + i`` in bits ``4i``, stored ``q + 8``) with
+      bf16, fp16 or float32 scales ``[E, N, K / group]``, ``group`` 32 times a power of two;
+    - ``"nvfp4"``: ``routed`` as MXFP4's, e4m3 scales (or their uint8 bits) ``[E, N, K / 16]`` and float32 global
+      scales ``routed_global [E, 3]``: GEMM1 (gate | up) reads column ``global_col`` for rows below ``up_row`` and the
+      next one from there, GEMM2 (down) column ``global_col``.
+
+    ``shared`` e4m3 ``[S, N, K]`` with float32 128x128 scales ``shared_scale``, rows from ``up_row`` on taking their
+    scale rows from ``up_scale_row``. ``pairs`` is ``(sorted_ids, expert_ids, total, num_blocks, naive,
+    has_nvalid)``: the alignment by slot in M blocks of :data:`BLOCK_M` (naive: one token, block ``m`` is pair
+    ``m``, ``sorted_ids`` the flat slot ids and ``total`` the valid token count when ``has_nvalid``). ``mul_w``:
+    times the routing weight ``topk_w [numel]`` of each pair. K must be a multiple of 128 and N of 16."""
+    if routed_format not in FORMATS:
+        raise ValueError(f"the decode kernel serves {', '.join(FORMATS)} routed slots, got {routed_format!r}")
+    if routed_format == "nvfp4" and routed_global is None:
+        raise ValueError("nvfp4 routed slots need their global scales (routed_global)")
+    routed = routed.view(torch.uint8)  # INT4 words: their bytes, the same two codes per byte as MXFP4
+    if routed_scale.dtype == torch.float8_e4m3fn:
+        routed_scale = routed_scale.view(torch.uint8)
     sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid = pairs
     if a.device.type != "cuda":
         decode_gemm_reference(
-            a,
-            a_scale,
-            routed,
-            routed_scale,
-            shared,
-            shared_scale,
-            c,
-            pairs,
-            N=N,
-            K=K,
-            numel=numel,
-            num_routed=num_routed,
-            up_row=up_row,
-            up_scale_row=up_scale_row,
-            a_div=a_div,
-            mul_w=mul_w,
-            topk_w=topk_w,
+            a, a_scale, routed, routed_scale, shared, shared_scale, c, pairs, N=N, K=K, numel=numel,
+            num_routed=num_routed, up_row=up_row, up_scale_row=up_scale_row, a_div=a_div, mul_w=mul_w, topk_w=topk_w,
+            routed_format=routed_format, group=group, routed_global=routed_global, global_col=global_col,
             split_k=split_k,
-        )
+        )  # fmt: skip
         return c
     if unroll not in UNROLLS:
         raise ValueError(f"decode_unroll must be one of {UNROLLS}, got {unroll!r}")
+    scale_dtype = 0
+    if routed_format == "int4":
+        if routed_scale.dtype not in SCALE_DTYPES:
+            raise ValueError(f"INT4 group scales must be bf16, fp16 or float32, got {routed_scale.dtype}")
+        scale_dtype = SCALE_DTYPES[routed_scale.dtype]
     lib, why = _load(torch.cuda.get_device_capability(a.device))
     if lib is None:
         raise RuntimeError(f"the mixed-slot decode kernel is not available: {why}")
+    rs_size = routed_scale.element_size()  # the kernel takes the routed strides in bytes
+    g_ptr = routed_global.data_ptr() if routed_global is not None else topk_w.data_ptr()  # read for NVFP4 alone
     p = _Params(
         a.data_ptr(), a_scale.data_ptr(), routed.data_ptr(), routed_scale.data_ptr(), shared.data_ptr(),
         shared_scale.data_ptr(), c.data_ptr(), sorted_ids.data_ptr(), expert_ids.data_ptr(), total.data_ptr(),
-        topk_w.data_ptr(),
-        N, K, numel, num_routed, num_routed + shared.shape[0], up_row, up_scale_row, a_div,
-        a.stride(0), a_scale.stride(0), routed.stride(0), routed.stride(1), routed_scale.stride(0),
-        routed_scale.stride(1), shared.stride(0), shared.stride(1), shared_scale.stride(0), shared_scale.stride(1),
-        c.stride(1), c.stride(0), split_k, int(naive), int(has_nvalid), int(mul_w),
+        topk_w.data_ptr(), g_ptr,
+        N, K, numel, num_routed, num_routed + shared.shape[0], up_row, up_scale_row, a_div, global_col,
+        (group // 32).bit_length() - 1 if routed_format == "int4" else 0, scale_dtype,
+        a.stride(0), a_scale.stride(0), routed.stride(0), routed.stride(1), routed_scale.stride(0) * rs_size,
+        routed_scale.stride(1) * rs_size, shared.stride(0), shared.stride(1), shared_scale.stride(0),
+        shared_scale.stride(1), c.stride(1), c.stride(0), split_k, int(naive), int(has_nvalid), int(mul_w),
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
-    err = lib.fuse_shared_mixed_decode(ctypes.byref(p), num_blocks, unroll, ctypes.c_void_p(stream))
+    err = lib.fuse_shared_mixed_decode(
+        ctypes.byref(p), FORMATS[routed_format], num_blocks, unroll, ctypes.c_void_p(stream)
+    )
     if err:
         raise RuntimeError(f"the mixed-slot decode kernel did not launch (CUDA error {err})")
     return c
@@ -248,6 +275,16 @@ def e2m1_to_e4m3_bits(codes: torch.Tensor, high: bool) -> torch.Tensor:
     return out.to(torch.uint8)
 
 
+def int4_to_e4m3_bits(codes: torch.Tensor, high: bool) -> torch.Tensor:
+    """The kernel's expansion of the low or high nibble ``u = q + 8`` of each byte of ``codes`` (uint8) into an e4m3
+    byte (uint8) whose value is ``q`` times 2^-9: the sign, then ``|q|`` (0..8) in the low four bits, which e4m3 reads
+    as ``|q| * 2^-9`` (subnormal up to 7, the least normal at 8). ``|q|`` is ``u - 8`` where bit 3 is set, else
+    ``(u ^ 7) + 1``."""
+    u = (codes.to(torch.int32) >> (4 if high else 0)) & 15
+    neg = ((~u) >> 3) & 1
+    return ((((u & 7) ^ (neg * 7)) + neg) | (neg << 7)).to(torch.uint8)
+
+
 def mma_slot_order(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Inputs along ``dim`` (a multiple of 32) in the order the kernel's MMAs take them: within each group of 32,
     slot ``4c + i`` holds input ``8c + 2i`` and slot ``16 + 4c + i`` input ``8c + 2i + 1`` (c, i in 0..3)."""
@@ -255,6 +292,33 @@ def mma_slot_order(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     g = t.reshape(*t.shape[:-1], -1, 4, 4, 2)  # [..., group, c, i, low/high]
     out = g.permute(*range(g.dim() - 4), g.dim() - 4, g.dim() - 1, g.dim() - 3, g.dim() - 2)  # [group, half, c, i]
     return out.reshape(t.shape).movedim(-1, dim)
+
+
+# NVFP4: the slots of a 32-input group that hold its first 16 inputs (threads c = 0, 1: slots 0..7 and 16..23)
+_FIRST_HALF_SLOTS = (torch.arange(32) % 16) < 8
+
+
+def _routed_group_sums(codes, scales, x, K, routed_format, group):
+    """``[P, N, K / 32]``: each 32-input group's MMA sums times their scales, the e4m3 operands' power of two undone
+    (the kernel's routed loop before the activations' scale). ``codes`` uint8 ``[N, K / 2]``, ``x`` ``[P, K]`` float
+    in slot order."""
+    N = codes.shape[0]
+    b = codes.view(N, K // 32, 16)  # [N, groups, 16 bytes]
+    expand = int4_to_e4m3_bits if routed_format == "int4" else e2m1_to_e4m3_bits
+    low, high = (expand(b, h).view(torch.float8_e4m3fn).float() for h in (False, True))
+    # slot order within a group: the low nibbles of bytes 4c .. 4c+3 fill slots 4c .., the high ones 16 + 4c ..
+    w = torch.cat([low.view(N, -1, 4, 4).flatten(2), high.view(N, -1, 4, 4).flatten(2)], dim=2)  # [N, groups, 32]
+    xg = x.view(-1, K // 32, 32)
+    if routed_format == "nvfp4":
+        first = _FIRST_HALF_SLOTS.to(w.dtype)
+        halves = torch.stack([torch.einsum("ngs,pgs->png", w * m, xg) for m in (first, 1 - first)], -1)
+        s = scales.view(torch.float8_e4m3fn).float().view(N, K // 32, 2)
+        return (halves * s).sum(-1) * 64.0
+    sums = torch.einsum("ngs,pgs->png", w, xg)  # [P, N, groups]
+    if routed_format == "int4":
+        return sums * scales.float().repeat_interleave(group // 32, dim=1)[:, : K // 32] * 512.0
+    s = torch.where(scales > 0, torch.exp2(scales.float() - 127), torch.tensor(2.0**-127))
+    return sums * s * 64.0
 
 
 def decode_gemm_reference(
@@ -276,15 +340,22 @@ def decode_gemm_reference(
     a_div,
     mul_w,
     topk_w,
+    routed_format="mxfp4",
+    group=32,
+    routed_global=None,
+    global_col=0,
     split_k=1,
 ):
     """:func:`decode_gemm` in PyTorch, the kernel's twin: the same arguments and result, the same operand order
-    (:func:`mma_slot_order`), expansion (:func:`e2m1_to_e4m3_bits`) and sums (float32 per 32-input group times its
-    scale, per 128 inputs times the activations' scale, per K split)."""
+    (:func:`mma_slot_order`), expansions (:func:`e2m1_to_e4m3_bits`, :func:`int4_to_e4m3_bits`) and sums (float32
+    per scale group times its scale, per 128 inputs times the activations' scale, per K split; NVFP4 rows times
+    their global scale)."""
+    routed = routed.view(torch.uint8)
     sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid = pairs
     E = routed.shape[0]
     nk = K // 128
     per = -(-nk // split_k)
+    n = torch.arange(N)
     for m in range(num_blocks):
         if naive:
             e = int(sorted_ids.view(-1)[m])
@@ -305,22 +376,14 @@ def decode_gemm_reference(
         x = mma_slot_order(a[rows].view(torch.uint8)).view(torch.float8_e4m3fn).float()  # [P, K] in slot order
         xs = a_scale[rows, :nk].float()  # [P, nk]
         if e < E:
-            codes = routed[e].view(-1, K // 32, 16)  # [N, groups, 16 bytes]
-            low, high = (e2m1_to_e4m3_bits(codes, h).view(torch.float8_e4m3fn).float() for h in (False, True))
-            # slot order within a group: the low nibbles of bytes 4c .. 4c+3 fill slots 4c .., the high ones 16 + 4c ..
-            w = torch.cat([low.view(N, -1, 4, 4).flatten(2), high.view(N, -1, 4, 4).flatten(2)], dim=2)
-            group_sum = torch.einsum("ngs,pgs->png", w, x.view(-1, K // 32, 32))  # [P, N, groups]
-            scale = torch.where(
-                routed_scale[e] > 0,
-                torch.exp2(routed_scale[e].float() - 127),
-                torch.tensor(2.0**-127),
-            )  # [N, groups]
-            per128 = (group_sum * scale).view(len(block), N, nk, 4).sum(-1) * 64.0  # [P, N, nk]
+            sums = _routed_group_sums(routed[e], routed_scale[e], x, K, routed_format, group)
+            per128 = sums.view(len(block), N, nk, 4).sum(-1)  # [P, N, nk]
+            if routed_format == "nvfp4":
+                per128 = per128 * routed_global[e].float()[global_col + (n >= up_row).long()][None, :, None]
         else:
             sl = e - E
             w = mma_slot_order(shared[sl].view(torch.uint8)).view(torch.float8_e4m3fn).float()  # [N, K]
             blocks = torch.einsum("nks,pks->pnk", w.view(N, nk, 128), x.view(-1, nk, 128))  # [P, N, nk]
-            n = torch.arange(N)
             srow = torch.where(n < up_row, n // 128, up_scale_row + (n - up_row) // 128)
             per128 = blocks * shared_scale[sl][srow, :nk].float()
         per128 = per128 * xs[:, None, :]

@@ -354,7 +354,7 @@ def mixed_tile_config(
         "num_stages": 3,
         "weight_tma": True,  # turned off before Hopper by the caller
         "int4_mma": "fp16",  # INT4 routed slots: "fp16", one MMA per 128 inputs; "fp8", one per scale group
-        # "auto": the CUDA decode GEMM where it serves the call (MXFP4, few pairs per slot, built here), else Triton;
+        # "auto": the CUDA decode GEMM where it serves the call (few pairs per slot, built here), else Triton;
         # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it
         "decode_kernel": "auto",
         "decode_unroll": 2,  # the CUDA decode GEMM's K steps of 128 inputs loaded ahead (1, 2 or 4)
@@ -377,17 +377,17 @@ def mixed_tile_config(
     return cfg
 
 
-def _use_decode_kernel(cfg, pairs_per_slot, routed_format, H, I, device, compiled) -> bool:
+def _use_decode_kernel(cfg, pairs_per_slot, routed, H, I, device, compiled) -> bool:
     """Whether this call's GEMMs run :mod:`runtime.moe_mixed_cuda`'s decode GEMM (``cfg["decode_kernel"]``)."""
     choice = cfg["decode_kernel"]
     if choice == "triton":
         return False
-    served = moe_mixed_cuda.supports(routed_format, H, I)
+    served = moe_mixed_cuda.supports(routed.format, H, I, routed.group)
     if choice == "cuda":
         if not served:
             raise ValueError(
-                f"decode_kernel 'cuda' serves MXFP4 routed slots with H and I multiples of 128, got {routed_format}, "
-                f"H {H}, I {I}"
+                "decode_kernel 'cuda' serves MXFP4, NVFP4 and INT4 (scale groups of 32 times a power of two) routed "
+                f"slots with H and I multiples of 128, got {routed.format} (group {routed.group}), H {H}, I {I}"
             )
         return True
     return served and compiled and pairs_per_slot <= DECODE_MAX_PAIRS_PER_SLOT and moe_mixed_cuda.usable(device)
@@ -410,7 +410,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     compiled, hopper = _compiled_and_hopper(x.device)
     if compiled and not hopper:
         cfg["weight_tma"] = False  # no tensor memory accelerator before Hopper (the interpreter emulates it)
-    decode = _use_decode_kernel(cfg, T * KS / NE, routed.format, H, I, x.device, compiled)
+    decode = _use_decode_kernel(cfg, T * KS / NE, routed, H, I, x.device, compiled)
     if decode:
         cfg["block_m"] = moe_mixed_cuda.BLOCK_M
     BM, BN = cfg["block_m"], cfg["block_n"]
@@ -455,8 +455,9 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             pairs = (sorted_ids, expert_ids, bound, num_pid_m, naive, has_nv)
             return moe_mixed_cuda.decode_gemm(
                 a, a_s, r, rs, w, ws, c, pairs, N=N, K=K, numel=numel, num_routed=E, up_row=up_row,
-                up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1), split_k=split,
-                unroll=cfg["decode_unroll"],
+                up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1),
+                routed_format=routed.format, group=routed.group, routed_global=r_global, global_col=global_col,
+                split_k=split, unroll=cfg["decode_unroll"],
             )  # fmt: skip
         r_strides = r.stride(0), r.stride(1)
         if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of four-bit bytes or INT4 words

@@ -270,7 +270,7 @@ def random_four_bit_experts(E, H, I, fmt, gen=None, span=4, group=32, device="cp
     return FourBitExperts(fmt, gu, gus, dn, dns, {"mxfp4": 32, "nvfp4": 16}.get(fmt, group), g)
 
 
-def random_mixed_experts(E, S, H, I, fmt, gen=None, span=4, oai=False, device="cpu"):
+def random_mixed_experts(E, S, H, I, fmt, gen=None, span=4, oai=False, device="cpu", group=32):
     """:class:`runtime.moe.MixedExpertWeights`: E four-bit routed slots (:func:`random_four_bit_experts`) and S FP8
     shared slots (:func:`random_experts`); SwiGLU-OAI parameters on every slot when ``oai``."""
     from runtime.moe import MixedExpertWeights
@@ -283,4 +283,4 @@ def random_mixed_experts(E, S, H, I, fmt, gen=None, span=4, oai=False, device="c
             gemm1_beta=torch.ones(E + S),
             gemm1_clamp_limit=torch.cat([torch.full((E,), 0.5), torch.full((S,), 0.7)]),
         )
-    return MixedExpertWeights(random_four_bit_experts(E, H, I, fmt, gen, span), shared, **act).to(device)
+    return MixedExpertWeights(random_four_bit_experts(E, H, I, fmt, gen, span, group), shared, **act).to(device)

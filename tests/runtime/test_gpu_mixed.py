@@ -87,24 +87,27 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, unroll, gemm1):
     P = (pairs[0], pairs[1], pairs[2], pairs[3], pairs[4], False)
     topk_w = torch.rand(numel, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     kw = dict(N=N, K=K, numel=numel, num_routed=E, up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0,
-              a_div=pairs[5], mul_w=mul_w, split_k=split_k)  # fmt: skip
+              a_div=pairs[5], mul_w=mul_w, split_k=split_k, routed_format=r.format, group=r.group,
+              global_col=0 if gemm1 else 2)  # fmt: skip
+    g = r.global_scale
     c = torch.full((split_k, numel, N), float("nan"), device="cuda")
-    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, unroll=unroll, **kw)
+    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, unroll=unroll, routed_global=g, **kw)
     cpu = [t.cpu() for t in (a, a_s, *ops)]
     c_ref = torch.full((split_k, numel, N), float("nan"))
     Pc = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in P)
-    decode_gemm(*cpu, c_ref, Pc, topk_w=topk_w.cpu(), **kw)
+    decode_gemm(*cpu, c_ref, Pc, topk_w=topk_w.cpu(), routed_global=None if g is None else g.cpu(), **kw)
     return c.cpu(), c_ref
 
 
+@pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("unroll", [1, 2, 4])
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
-def test_decode_kernel_equals_its_twin(unroll, gemm1):
-    """The CUDA decode GEMM against its PyTorch twin at DeepSeek-V4-Flash's shape: one token (each pair its own
-    block) and blocks of 8 pairs with padding, K splits; the same products in another float32 order."""
+def test_decode_kernel_equals_its_twin(name, unroll, gemm1):
+    """The CUDA decode GEMM against its PyTorch twin at each release's shape and format: one token (each pair its
+    own block) and blocks of 8 pairs with padding, K splits; the same products in another float32 order."""
     torch.manual_seed(0)
-    H, I, E, S, K, _, _ = SHAPES["DeepSeek-V4-Flash"]
-    ew = mixed_experts("DeepSeek-V4-Flash", seed=11)
+    H, I, E, S, K, _, _ = SHAPES[name]
+    ew = mixed_experts(name, seed=11)
     Kin = H if gemm1 else I
     # one token: its K slots (6 routed, the shared one), each a block
     ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda")
@@ -128,11 +131,12 @@ def test_decode_kernel_equals_its_twin(unroll, gemm1):
     assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
 
 
+@pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("T", [1, 8, 64])
-def test_decode_kernel_forward_matches_reference(T):
+def test_decode_kernel_forward_matches_reference(name, T):
     """The whole forward through the CUDA decode GEMM against the reference and the Triton kernel."""
-    H, I, E, S, K, fmt, _ = SHAPES["DeepSeek-V4-Flash"]
-    ew = mixed_experts("DeepSeek-V4-Flash", seed=T)
+    H, I, E, S, K, fmt, _ = SHAPES[name]
+    ew = mixed_experts(name, seed=T)
     ids, w = routed_ids(T, E, S, K, seed=T)
     x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).to(torch.bfloat16)
     out = fused_moe(x, ew, ids, w, backend="triton", tile_config={"decode_kernel": "cuda"})

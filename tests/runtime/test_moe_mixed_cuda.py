@@ -13,6 +13,7 @@ from runtime.moe_mixed_cuda import (
     build_command,
     decode_gemm_reference,
     e2m1_to_e4m3_bits,
+    int4_to_e4m3_bits,
     library_path,
     mma_slot_order,
     supports,
@@ -37,6 +38,17 @@ def test_expansion_is_exact_for_every_byte(high):
     assert torch.equal(torch.signbit(got), code >= 8)
 
 
+@pytest.mark.parametrize("high", [False, True])
+def test_int4_expansion_is_exact_for_every_byte(high):
+    """Each byte's low or high INT4 code ``u = q + 8``, expanded to an e4m3 byte by the kernel's bit operations, reads
+    as ``q`` times 2^-9 (q = 0 as +0)."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = int4_to_e4m3_bits(b, high).view(torch.float8_e4m3fn).double()
+    u = (b.to(torch.int64) >> 4) if high else (b.to(torch.int64) & 15)
+    assert torch.equal(got, (u - 8).double() * 2.0**-9)
+    assert not torch.signbit(got[u == 8]).any()
+
+
 def test_mma_order_is_the_documented_permutation_of_each_group():
     """Slot 4c + i of each 32-input group holds input 8c + 2i, slot 16 + 4c + i input 8c + 2i + 1; groups stay
     in place, along any dimension."""
@@ -51,51 +63,69 @@ def test_mma_order_is_the_documented_permutation_of_each_group():
     assert torch.equal(mma_slot_order(m, dim=0), m[mma_slot_order(torch.arange(64))])
 
 
-def test_twin_gemm_equals_a_plain_product():
+FORMAT_CASES = [("mxfp4", 32), ("int4", 32), ("int4", 128), ("nvfp4", 16)]
+
+
+@pytest.mark.parametrize("fmt,group", FORMAT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
+def test_twin_gemm_equals_a_plain_product(fmt, group, gemm1):
     """One routed slot and one shared slot through the twin, against the plain product of the same dequantized
-    weights and activations (another summation order: float32 rounding apart)."""
+    weights and activations (another summation order: float32 rounding apart): every format's expansion, scales
+    (NVFP4's two per 32 inputs and its gate, up and down global scales, INT4's longer groups) and K splits."""
     g = torch.Generator().manual_seed(3)
-    E, S, K, N, P = 2, 1, 256, 64, 5
-    ew = random_mixed_experts(E, S, K, N // 2, "mxfp4", gen=g)
+    E, S, H, I, P = 2, 1, 256, 128, 5  # noqa: E741
+    ew = random_mixed_experts(E, S, H, I, fmt, gen=g, group=group)
+    r, sh = ew.routed, ew.shared
+    N, K = (2 * I, H) if gemm1 else (H, I)
+    ops = (
+        (r.gate_up, r.gate_up_scale, sh.gate_up, sh.gate_up_scale)
+        if gemm1
+        else (r.down, r.down_scale, sh.down, sh.down_scale)
+    )
     a = (torch.randn(P, K, generator=g) * 8).to(torch.float8_e4m3fn)
     a_s = torch.rand(P, K // 128, generator=g) + 0.5
     sorted_ids = torch.tensor([0, 2, 4, P, P, P, P, P, 1, 3, P, P, P, P, P, P], dtype=torch.int32)
     expert_ids = torch.tensor([1, 2], dtype=torch.int32)  # a routed slot, then the shared one
     total = torch.tensor([16], dtype=torch.int32)
     c = torch.full((2, P, N), float("nan"))
-    r, sh = ew.routed, ew.shared
     decode_gemm_reference(
-        a, a_s, r.gate_up, r.gate_up_scale, sh.gate_up, sh.gate_up_scale, c,
-        (sorted_ids, expert_ids, total, 2, False, False), N=N, K=K, numel=P, num_routed=E, up_row=N // 2,
-        up_scale_row=1, a_div=1, mul_w=False, topk_w=torch.ones(P), split_k=2,
+        a, a_s, *ops, c, (sorted_ids, expert_ids, total, 2, False, False), N=N, K=K, numel=P, num_routed=E,
+        up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0, a_div=1, mul_w=False, topk_w=torch.ones(P),
+        routed_format=fmt, group=group, routed_global=r.global_scale, global_col=0 if gemm1 else 2, split_k=2,
     )  # fmt: skip
     x = a.float() * a_s.repeat_interleave(128, 1)
-    w_routed = r.dequantized(1)[0]
-    I = N // 2  # noqa: E741
-    w_shared = torch.cat(
-        [dequantize_block_fp8(sh.gate_up[0, :I], sh.gate_up_scale[0, :1]),
-         dequantize_block_fp8(sh.gate_up[0, I:], sh.gate_up_scale[0, 1:])]
-    )  # fmt: skip
+    w_routed = r.dequantized(1)[0 if gemm1 else 1]
+    if gemm1:
+        w_shared = torch.cat(
+            [dequantize_block_fp8(sh.gate_up[0, :I], sh.gate_up_scale[0, :1]),
+             dequantize_block_fp8(sh.gate_up[0, I:], sh.gate_up_scale[0, 1:])]
+        )  # fmt: skip
+    else:
+        w_shared = dequantize_block_fp8(sh.down[0], sh.down_scale[0])
     got = c.sum(0)
     assert rel(got[[0, 2, 4]], x[[0, 2, 4]] @ w_routed.T) < 1e-5
     assert rel(got[[1, 3]], x[[1, 3]] @ w_shared.T) < 1e-5
 
 
-CASES = [  # E, S, T, KS, num_valid, tiles, H, I
-    (4, 1, 1, 3, None, {}, 256, 128),  # one token: each pair its own block
-    (4, 1, 1, 3, 0, {}, 256, 128),  # one token, none valid
-    (6, 1, 9, 4, None, {}, 256, 128),  # blocks of 8 pairs: the shared slot's 9 pairs take two
-    (5, 2, 7, 4, 5, dict(gemm1_split_k=2, gemm2_split_k=2), 384, 256),  # two shared slots, padding rows, K splits
-    (4, 1, 3, 3, None, dict(gemm1_split_k=3), 384, 128),  # a K split with an empty last part
+CASES = [  # E, S, T, KS, num_valid, tiles, H, I, format
+    (4, 1, 1, 3, None, {}, 256, 128, "mxfp4"),  # one token: each pair its own block
+    (4, 1, 1, 3, 0, {}, 256, 128, "mxfp4"),  # one token, none valid
+    (6, 1, 9, 4, None, {}, 256, 128, "mxfp4"),  # blocks of 8 pairs: the shared slot's 9 pairs take two
+    (5, 2, 7, 4, 5, dict(gemm1_split_k=2, gemm2_split_k=2), 384, 256, "mxfp4"),  # two shared slots, padding, K splits
+    (4, 1, 3, 3, None, dict(gemm1_split_k=3), 384, 128, "mxfp4"),  # a K split with an empty last part
+    (4, 1, 1, 3, None, {}, 256, 128, "int4"),
+    (6, 1, 9, 4, 7, dict(gemm1_split_k=2), 384, 128, "int4"),
+    (4, 1, 1, 3, None, {}, 256, 128, "nvfp4"),
+    (6, 1, 9, 4, 7, dict(gemm2_split_k=2), 384, 128, "nvfp4"),
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}S{c[1]}T{c[2]}KS{c[3]}nv{c[4]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[8]}-E{c[0]}S{c[1]}T{c[2]}KS{c[3]}nv{c[4]}")
 def test_forward_through_the_twin_matches_reference(case):
-    E, S, T, KS, nv, tiles, H, I = case  # noqa: E741
+    E, S, T, KS, nv, tiles, H, I, fmt = case  # noqa: E741
     g = torch.Generator().manual_seed(E * 10 + T)
-    ew = random_mixed_experts(E, S, H, I, "mxfp4", gen=g, oai=T % 2 == 1)
+    ew = random_mixed_experts(E, S, H, I, fmt, gen=g, oai=T % 2 == 1)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids, w = routing_with_shared_slots(T, KS, E, S, gen=g)
     num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
@@ -115,17 +145,19 @@ def test_decode_kernel_choice_is_checked():
         mixed_tile_config(1, 7, 257, {"decode_kernel": "fast"})
     with pytest.raises(ValueError, match="decode_unroll"):
         mixed_tile_config(1, 7, 257, {"decode_unroll": 3})
-    assert supports("mxfp4", 4096, 2048)
-    assert not supports("int4", 4096, 2048) and not supports("mxfp4", 4096, 2080)
+    assert supports("mxfp4", 4096, 2048) and supports("nvfp4", 4096, 2048)
+    assert supports("int4", 7168, 2048, 32) and supports("int4", 7168, 2048, 128)
+    assert not supports("int4", 7168, 2048, 16) and not supports("int4", 7168, 2048, 96)
+    assert not supports("mxfp4", 4096, 2080) and not supports("fp8", 4096, 2048)
 
 
 @needs_triton
 def test_cuda_decode_refuses_what_it_does_not_serve():
     g = torch.Generator().manual_seed(1)
-    ew = random_mixed_experts(4, 1, 256, 128, "int4", gen=g)
+    ew = random_mixed_experts(4, 1, 256, 128, "int4", gen=g, group=16)
     x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
     ids = torch.tensor([[0, 2, 4]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="MXFP4"):
+    with pytest.raises(ValueError, match="group 16"):
         fused_moe(x, ew, ids, torch.ones(1, 3), backend="triton", tile_config={"decode_kernel": "cuda"})
 
 
