@@ -150,7 +150,7 @@ def main():
                 rel_fp8=rel(y_fp8, ref_fp8),
                 rel_fp8_conversion=rel(ref_fp8, ref),  # what the FP8 conversion itself changes
                 tiles=tiles,
-                decode_kernel_used=_use_decode_kernel(tiles, T * (K + S) / (E + S), fmt, H, I, x.device, True),
+                decode_kernel_used=_use_decode_kernel(tiles, T * (K + S) / (E + S), routed, H, I, x.device, True),
             )
             r["ok"] = bool(r["rel_mixed"] < TOL and r["rel_fp8"] < TOL and not torch.isnan(y_mixed).any())
 

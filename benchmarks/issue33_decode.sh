@@ -25,5 +25,5 @@ nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=s
     -o "$lib" runtime/moe_mixed_cuda.cu 2>&1 | grep -E "error|warning|registers|spill" | tee "$OUT/$TAG-ptxas.log"
 timeout 200 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
     tee "$OUT/$TAG-gpu-tests.log"
-timeout 330 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 \
+timeout 330 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
     --variants "$VARIANTS" --out "$OUT/$TAG-bench.json" 2>&1 | tee "$OUT/$TAG-bench.log"
