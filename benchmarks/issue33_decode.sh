@@ -6,7 +6,7 @@
 #
 #     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
 #
-# MODELS and TOKENS may be set. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench.log}.
+# MODELS and TOKENS may be set. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench.log,bench-4096.json,bench-4096.log}.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 : "${OUT:?set OUT}" "${TAG:?set TAG}"
@@ -23,7 +23,10 @@ lib=$(python3 -c 'import torch; from runtime.moe_mixed_cuda import library_path 
 mkdir -p "$(dirname "$lib")"
 nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=sm_$arch" -Xptxas -v \
     -o "$lib" runtime/moe_mixed_cuda.cu 2>&1 | grep -E "error|warning|registers|spill" | tee "$OUT/$TAG-ptxas.log"
-timeout 200 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
+timeout 150 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
     tee "$OUT/$TAG-gpu-tests.log"
-timeout 330 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
+timeout 290 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
     --variants "$VARIANTS" --out "$OUT/$TAG-bench.json" 2>&1 | tee "$OUT/$TAG-bench.log"
+# prefill, where the Triton kernel runs: the same comparison and each launch's time, no variants
+timeout "${PREFILL_TIMEOUT:-100}" python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens 4096 --trials 5 \
+    --profile --out "$OUT/$TAG-bench-4096.json" 2>&1 | tee "$OUT/$TAG-bench-4096.log"
