@@ -6,13 +6,14 @@
 #
 #     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
 #
-# MODELS and TOKENS may be set. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench.log,bench-4096.json,bench-4096.log}.
+# MODELS and TOKENS may be set. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
+# benchmarks' output goes to stdout.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 : "${OUT:?set OUT}" "${TAG:?set TAG}"
 MODELS=${MODELS:-DeepSeek-V4-Flash,Kimi-K2.6,NVFP4-V4-Flash}
 TOKENS=${TOKENS:-1,8,64}
-VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_unroll": 1}, {"decode_unroll": 4}, {"gemm1_split_k": 4}, {"gemm2_split_k": 2}]'}
+VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_kernel": "triton", "mxfp4_mma": "fold"}, {"decode_unroll": 1}, {"decode_unroll": 4}, {"gemm1_split_k": 4}, {"gemm2_split_k": 2}]'}
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
     tee "$OUT/$TAG-card.txt"
@@ -23,10 +24,12 @@ lib=$(python3 -c 'import torch; from runtime.moe_mixed_cuda import library_path 
 mkdir -p "$(dirname "$lib")"
 nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=sm_$arch" -Xptxas -v \
     -o "$lib" runtime/moe_mixed_cuda.cu 2>&1 | grep -E "error|warning|registers|spill" | tee "$OUT/$TAG-ptxas.log"
-timeout 150 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k decode 2>&1 | tail -30 |
+timeout 150 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k "decode or fold" 2>&1 | tail -30 |
     tee "$OUT/$TAG-gpu-tests.log"
-timeout 290 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
-    --variants "$VARIANTS" --out "$OUT/$TAG-bench.json" 2>&1 | tee "$OUT/$TAG-bench.log"
-# prefill, where the Triton kernel runs: the same comparison and each launch's time, no variants
-timeout "${PREFILL_TIMEOUT:-100}" python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens 4096 --trials 5 \
-    --profile --out "$OUT/$TAG-bench-4096.json" 2>&1 | tee "$OUT/$TAG-bench-4096.log"
+timeout 270 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
+    --variants "$VARIANTS" --out "$OUT/$TAG-bench.json"
+# prefill, where the Triton kernel runs: the same comparison and each launch's time; MXFP4 with its FP8 fold too
+timeout 60 python3 benchmarks/bench_mixed_moe.py --models DeepSeek-V4-Flash --tokens 4096 --trials 5 --profile \
+    --variants '[{"mxfp4_mma": "fold"}, {"mxfp4_mma": "fold", "swap_ab": true}]' --out "$OUT/$TAG-bench-4096-mxfp4.json"
+timeout 60 python3 benchmarks/bench_mixed_moe.py --models Kimi-K2.6,NVFP4-V4-Flash --tokens 4096 --trials 5 --profile \
+    --out "$OUT/$TAG-bench-4096.json"

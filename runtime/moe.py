@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -200,6 +200,7 @@ class FourBitExperts:
     down_scale: torch.Tensor
     group: int
     global_scale: torch.Tensor | None = None  # (nvfp4) float32 [E, 3]: gate, up, down
+    _span_128: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         per_word = {"mxfp4": 2, "int4": 8, "nvfp4": 2}.get(self.format)
@@ -238,6 +239,23 @@ class FourBitExperts:
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
+
+    def mxfp4_scale_span(self, compute: bool = True) -> int | None:
+        """MXFP4: the most that one row's four E8M0 scales in any 128 inputs span, over both projections (powers of
+        two; 0 where every group of a row has one scale). Computed once (one pass over the scales, a device sync) and
+        kept: the Triton kernel's exact FP8 fold (``mxfp4_mma="fold"``) needs it at most
+        :data:`runtime.moe_mixed_triton.MXFP4_FOLD_MAX_SPAN`. ``compute=False``: None where it is not known yet."""
+        if self.format != "mxfp4":
+            raise ValueError(f"scale spans are for mxfp4 experts, these are {self.format}")
+        if self._span_128 is None and compute:
+            span = 0
+            for s in (self.gate_up_scale, self.down_scale):
+                if s.shape[-1] % 4:  # a last block of fewer than four groups: pad with its last scale
+                    s = torch.cat([s, s[..., -1:].expand(*s.shape[:-1], 4 - s.shape[-1] % 4)], -1)
+                b = s.view(*s.shape[:-1], -1, 4)
+                span = max(span, int((b.amax(-1).to(torch.int16) - b.amin(-1).to(torch.int16)).max()))
+            self._span_128 = span
+        return self._span_128
 
     @property
     def hidden_size(self) -> int:

@@ -72,6 +72,7 @@ MIXED_TILE_KEYS = (
     "num_stages",
     "weight_tma",
     "int4_mma",
+    "mxfp4_mma",
     "decode_kernel",
     "decode_unroll",
 )
@@ -161,6 +162,53 @@ def _nvfp4_tile(w, sc, BN: tl.constexpr):
     return tl.reshape(v, (BN, 128)).to(tl.float16)
 
 
+# MXFP4 folded into e4m3 (``mxfp4_mma="fold"``): the nibbles of 4 bytes -> 4 e4m3 bytes, code x 2^-6 (two bit
+# operations, as in moe_mixed_cuda.cu), then times 2^k with ``$2`` holding k << 3 per byte (1 <= k <= 12): a normal
+# byte adds k to its exponent; the code 0.5 (e4m3 subnormal 0b100) becomes 2^(k-7), exponent k, mantissa 0; zero
+# stays. No byte carries into the next (magnitudes stay below 0x80).
+_FOLD_TAIL = """
+and.b32 m, t, 0x1C1C1C1C;
+shr.b32 a, m, 3; shr.b32 b, m, 4; or.b32 n, a, b; and.b32 n, n, 0x01010101;
+shr.b32 h, m, 2; not.b32 a, n; and.b32 h, h, a; and.b32 h, h, 0x01010101;
+mul.lo.u32 n, n, 255; mul.lo.u32 h, h, 255;
+and.b32 a, $2, n; add.u32 t, t, a;
+sub.u32 b, $2, 0x04040404; and.b32 b, b, h; add.u32 $0, t, b;
+}"""
+_FOLD_LOW = (
+    "{ .reg .b32 t, m, n, h, a, b;\n"
+    "and.b32 a, $1, 0x08080808; shl.b32 a, a, 4; and.b32 b, $1, 0x07070707; shl.b32 b, b, 2; or.b32 t, a, b;"
+    + _FOLD_TAIL
+)
+_FOLD_HIGH = (
+    "{ .reg .b32 t, m, n, h, a, b;\n"
+    "and.b32 a, $1, 0x80808080; shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 t, a, b;" + _FOLD_TAIL
+)
+MXFP4_FOLD_MAX_SPAN = 11  # the most a row's four E8M0 scales in 128 inputs may span for the fold to be exact
+
+
+@triton.jit
+def _e2m1_fold(w, k8, HIGH: tl.constexpr, INTERP: tl.constexpr):
+    """e4m3 ``[BN, 64]``: the low (or high) e2m1 code of each byte of ``w`` (uint8 ``[BN, 64]``) times 2^(k - 6),
+    exact, where ``k8`` (uint8, same shape) is ``k << 3``, 1 <= k <= 12. The interpreter, which runs no PTX, takes
+    the same bit operations one byte at a time."""
+    if INTERP:
+        q = w.to(tl.int32)
+        if HIGH:
+            t = (q & 0x80) | ((q >> 2) & 0x1C)
+        else:
+            t = ((q & 0x08) << 4) | ((q & 0x07) << 2)
+        m = t & 0x1C
+        n = ((m >> 3) | (m >> 4)) & 1
+        h = (m >> 2) & (1 - n) & 1
+        k = k8.to(tl.int32)
+        out = (t + n * k + h * (k - 4)).to(tl.uint8)
+    else:
+        out = tl.inline_asm_elementwise(
+            _FOLD_HIGH if HIGH else _FOLD_LOW, "=r,r,r", [w, k8], dtype=tl.uint8, is_pure=True, pack=4
+        )
+    return out.to(tl.float8e4nv, bitcast=True)
+
+
 @triton.jit
 def _mixed_gemm_kernel(
     a_ptr,
@@ -206,6 +254,7 @@ def _mixed_gemm_kernel(
     SPLIT_K: tl.constexpr,
     R_TMA: tl.constexpr,
     I4_F16: tl.constexpr,
+    MX_FOLD: tl.constexpr,
     NAIVE: tl.constexpr,
     HAS_NVALID: tl.constexpr,
     INTERP: tl.constexpr,
@@ -254,7 +303,35 @@ def _mixed_gemm_kernel(
             r_row = r_ptr  # unused: the descriptor addresses rows by tma_row
         tma_row = (e * N + pid_n * BN).to(tl.int32)  # rows past this slot's N only reach masked output columns
         rs_row = r_scale_ptr + e * stride_rse + offs_n[:, None].to(tl.int64) * stride_rsn
-        if FMT == 0:
+        if FMT == 0 and MX_FOLD:
+            # MXFP4 in FP8, one pair of MMAs per 128 inputs (even inputs, then odd ones): each row's four group
+            # scales are folded into its codes by a power of two below the largest, 2^(smax - s) (exact while they
+            # span at most MXFP4_FOLD_MAX_SPAN, which the caller checked), and 2^(smax - 133) scales the row's sum,
+            # like an FP8 block scale
+            first, stop = _k_steps(K, 128, SPLIT_K, pid_k)
+            for kb in range(first, stop):
+                a, a_s = _activations(a_base, a_scale_ptr + a_row * stride_asm, m_mask, kb * 128, kb, K, 128)
+                a_even, a_odd = tl.split(tl.reshape(a, (BM, 64, 2)))
+                gk = kb * 4 + tl.arange(0, 4)
+                # groups past K (their codes are zeros, which any k leaves zero) do not count towards the largest
+                sc = tl.load(rs_row + gk[None, :], mask=n_mask[:, None] & (gk * 32 < K)[None, :], other=0)
+                sc = sc.to(tl.int32)
+                smax = tl.max(sc, axis=1)
+                k8 = ((12 - (smax[:, None] - sc)) << 3).to(tl.uint8)  # [BN, 4]: k << 3 per group
+                k8 = tl.reshape(tl.broadcast_to(k8[:, :, None], (BN, 4, 16)), (BN, 64))
+                w = _routed_tile(r_ptr, r_row, tma_row, kb * 64, 64, 2, n_mask, K, R_TMA)
+                lo = _e2m1_fold(w, k8, False, INTERP)
+                hi = _e2m1_fold(w, k8, True, INTERP)
+                row_s = tl.where(smax > 6, (smax - 6) << 23, 0).to(tl.float32, bitcast=True)  # 2^(smax - 133)
+                if SWAP:
+                    t = tl.dot(lo, tl.trans(a_even))
+                    t = tl.dot(hi, tl.trans(a_odd), t)
+                    acc += t * row_s[:, None] * a_s[None, :]
+                else:
+                    t = tl.dot(a_even, tl.trans(lo))
+                    t = tl.dot(a_odd, tl.trans(hi), t)
+                    acc += t * a_s[:, None] * row_s[None, :]
+        elif FMT == 0:
             first, stop = _k_steps(K, 128, SPLIT_K, pid_k)
             for kb in range(first, stop):
                 a, a_s = _activations(a_base, a_scale_ptr + a_row * stride_asm, m_mask, kb * 128, kb, K, 128)
@@ -354,6 +431,9 @@ def mixed_tile_config(
         "num_stages": 3,
         "weight_tma": True,  # turned off before Hopper by the caller
         "int4_mma": "fp16",  # INT4 routed slots: "fp16", one MMA per 128 inputs; "fp8", one per scale group
+        # MXFP4 routed slots: "scaled", tl.dot_scaled per 128 inputs; "fold", the group scales folded into e4m3 codes
+        # and FP8 MMAs (where the experts' scales allow it exactly, else "scaled")
+        "mxfp4_mma": "scaled",
         # "auto": the CUDA decode GEMM where it serves the call (few pairs per slot, built here), else Triton;
         # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it
         "decode_kernel": "auto",
@@ -369,6 +449,8 @@ def mixed_tile_config(
         )
     if cfg["decode_unroll"] not in moe_mixed_cuda.UNROLLS:
         raise ValueError(f"mixed tile config decode_unroll must be one of {moe_mixed_cuda.UNROLLS}")
+    if cfg["mxfp4_mma"] not in ("scaled", "fold"):
+        raise ValueError(f"mixed tile config mxfp4_mma must be 'scaled' or 'fold', got {cfg['mxfp4_mma']!r}")
     if cfg["int4_mma"] not in ("fp8", "fp16"):
         raise ValueError(f"mixed tile config int4_mma must be 'fp8' or 'fp16', got {cfg['int4_mma']!r}")
     for k in ("block_n", "gemm1_split_k", "gemm2_split_k"):
@@ -391,6 +473,15 @@ def _use_decode_kernel(cfg, pairs_per_slot, routed, H, I, device, compiled) -> b
             )
         return True
     return served and compiled and pairs_per_slot <= DECODE_MAX_PAIRS_PER_SLOT and moe_mixed_cuda.usable(device)
+
+
+def _fold_is_exact(routed) -> bool:
+    """Whether the MXFP4 fold is exact for these experts. Their scale span is computed once, with a device sync, so
+    never while a CUDA graph is being captured: a first call there takes ``tl.dot_scaled``."""
+    known = routed.mxfp4_scale_span(compute=False) is not None
+    if not known and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return routed.mxfp4_scale_span() <= MXFP4_FOLD_MAX_SPAN
 
 
 def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None):
@@ -441,6 +532,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
 
     # FP16 INT4 needs whole scale groups in a 128-input block
     i4_f16 = routed.format == "int4" and cfg["int4_mma"] == "fp16" and 128 % routed.group == 0
+    mx_fold = routed.format == "mxfp4" and cfg["mxfp4_mma"] == "fold" and _fold_is_exact(routed)
 
     # NVFP4: the gate, up and down global scales per expert (any float32 tensor stands in for other formats)
     r_global = routed.global_scale.contiguous() if routed.global_scale is not None else torch.ones(1, device=x.device)
@@ -499,6 +591,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             SPLIT_K=split,
             R_TMA=cfg["weight_tma"],
             I4_F16=i4_f16,
+            MX_FOLD=mx_fold,
             A_DIV=A_DIV,
             MUL_W=MUL_W,
             **common,

@@ -145,3 +145,28 @@ def test_decode_kernel_forward_matches_reference(name, T):
     assert not torch.isnan(out).any()
     assert rel(out, ref) < 3e-2, rel(out, ref)
     assert rel(out, tri) < 3e-2, rel(out, tri)
+
+
+def test_mxfp4_fold_is_exact_for_every_byte_and_power():
+    """The compiled fold (PTX, four bytes per instruction group) against the exact values, as the CPU test checks
+    the interpreter's byte-wise twin."""
+    from test_moe_mixed import check_fold_every_byte
+
+    check_fold_every_byte("cuda")
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_mxfp4_fold_forward_matches_reference(T):
+    """The whole forward with MXFP4 folded into FP8 MMAs against the reference and against tl.dot_scaled."""
+    H, I, E, S, K, fmt, _ = SHAPES["DeepSeek-V4-Flash"]
+    ew = mixed_experts("DeepSeek-V4-Flash", seed=T)
+    assert ew.routed.mxfp4_scale_span() <= 11
+    ids, w = routed_ids(T, E, S, K, seed=T)
+    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).to(torch.bfloat16)
+    tiles = {"decode_kernel": "triton", "mxfp4_mma": "fold"}
+    out = fused_moe(x, ew, ids, w, backend="triton", tile_config=tiles)
+    scaled = fused_moe(x, ew, ids, w, backend="triton", tile_config={"decode_kernel": "triton"})
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    assert not torch.isnan(out).any()
+    assert rel(out, ref) < 3e-2, rel(out, ref)
+    assert rel(out, scaled) < 3e-2, rel(out, scaled)

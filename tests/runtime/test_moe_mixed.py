@@ -186,6 +186,12 @@ CASES = [
     ("int4", 4, 1, 1, 3, 0, None, dict(swap_ab=True), 192, 160),
     ("nvfp4", 4, 1, 5, 3, 4, 4, dict(swap_ab=True)),
     ("mxfp4", 4, 2, 1, 4, 4, None, dict(swap_ab=True, weight_tma=True)),
+    # MXFP4 folded into FP8 MMAs (each row's group scales moved into its codes by powers of two: exact to span 11)
+    ("mxfp4", 4, 1, 5, 3, 11, None, dict(mxfp4_mma="fold"), 192, 96),  # the widest span it takes, partial K blocks
+    ("mxfp4", 4, 1, 1, 3, 4, None, dict(mxfp4_mma="fold", gemm1_split_k=2)),
+    ("mxfp4", 5, 2, 7, 4, 8, 5, dict(mxfp4_mma="fold", swap_ab=True, weight_tma=True), 160, 96),
+    ("mxfp4", 4, 1, 40, 3, 6, None, dict(mxfp4_mma="fold", block_m=32, weight_tma=False)),
+    ("mxfp4", 4, 1, 6, 3, 12, None, dict(mxfp4_mma="fold")),  # span 12: too wide, dot_scaled instead
     # NVFP4 through FP16 MMAs (code x e4m3 scale exact; span 10: subnormal scales too), times its global scale
     ("nvfp4", 4, 1, 6, 3, 10, None, None, 192, 96),  # partial K blocks and h groups
     ("nvfp4", 4, 1, 1, 3, 4, None, None),  # one token
@@ -219,7 +225,26 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from runtime.moe_mixed_triton import _nvfp4_tile
+    from runtime._backend import interpreting
+    from runtime.moe_mixed_triton import _e2m1_fold, _nvfp4_tile
+
+    @triton.jit
+    def _fold_every_byte(w_ptr, k_ptr, lo_ptr, hi_ptr, INTERP: tl.constexpr):
+        r = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
+        w, k8 = tl.load(w_ptr + r), tl.load(k_ptr + r)
+        tl.store(lo_ptr + r, _e2m1_fold(w, k8, False, INTERP).to(tl.float32))
+        tl.store(hi_ptr + r, _e2m1_fold(w, k8, True, INTERP).to(tl.float32))
+
+    def check_fold_every_byte(device):
+        """Every byte against every k from 1 to 12: the low and high e2m1 codes times 2^(k - 6), exactly."""
+        b = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4)  # 1024 = 16 x 64, k by row below
+        ks = torch.arange(1, 13).repeat_interleave(1024 // 12 + 1)[:1024]
+        w = b.roll(5).to(device)  # each k meets many bytes
+        got = [torch.empty(1024, device=device) for _ in range(2)]
+        _fold_every_byte[(1,)](w, (ks << 3).to(torch.uint8).to(device), *got, INTERP=interpreting())
+        table = torch.tensor(E2M1, dtype=torch.float64)
+        for out, code in zip(got, ((w.cpu().long() & 15), (w.cpu().long() >> 4))):
+            assert torch.equal(out.cpu().double(), table[code] * torch.exp2(ks.double() - 6))
 
     @triton.jit
     def _expand_nvfp4(w_ptr, s_ptr, o_ptr, BN: tl.constexpr):
@@ -276,6 +301,26 @@ def test_mixed_kernel_matches_the_fp8_kernel_on_the_exact_fp8_conversion():
     b = fused_moe(x, fp8, ids, w, backend="triton")
     assert rel(a, b) < 2e-3
     assert rel(fused_moe(x, ew, ids, w, backend="torch"), fused_moe(x, fp8, ids, w, backend="torch")) < 1e-5
+
+
+@needs_triton
+def test_mxfp4_fold_is_exact_for_every_byte_and_power():
+    check_fold_every_byte("cpu")
+
+
+def test_mxfp4_scale_span_is_the_widest_row_block():
+    """The span the fold checks: the widest spread of one row's four group scales within 128 inputs, over both
+    projections; a short last block counts its own groups only."""
+    g = torch.Generator().manual_seed(4)
+    ew = random_mixed_experts(2, 1, 160, 96, "mxfp4", gen=g, span=0)  # one scale everywhere
+    r = ew.routed
+    assert r.mxfp4_scale_span(compute=False) is None and r.mxfp4_scale_span() == 0
+    r2 = random_mixed_experts(2, 1, 160, 96, "mxfp4", gen=g, span=0).routed
+    r2.down_scale[1, 5, 2] -= 9  # down: I 96, three groups in its only block
+    r2.gate_up_scale[0, 7, 4] += 7  # gate_up: H 160, the short last block of one group: no spread
+    assert r2.mxfp4_scale_span() == 9
+    with pytest.raises(ValueError, match="mxfp4"):
+        random_mixed_experts(2, 1, 128, 64, "int4", gen=g).routed.mxfp4_scale_span()
 
 
 @needs_triton
