@@ -51,7 +51,7 @@ struct Params {
 constexpr int BM = 8;       // pairs per M block (the MMA's N)
 constexpr int WARPS = 4;    // warps per program, 16 rows each
 constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_triton.FORMAT_CODES
-constexpr int SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2;  // INT4's scale dtypes (Params.scale_dtype)
+constexpr int SCALE_BF16 = 0, SCALE_F16 = 1;  // INT4's scale dtypes (Params.scale_dtype; 2: F32)
 
 __device__ __forceinline__ uint32_t e2m1_low_to_e4m3(uint32_t q) {
     return ((q & 0x08080808u) << 4) | ((q & 0x07070707u) << 2);
