@@ -174,12 +174,12 @@ mul.lo.u32 n, n, 255; mul.lo.u32 h, h, 255;
 and.b32 a, $2, n; add.u32 t, t, a;
 sub.u32 b, $2, 0x04040404; and.b32 b, b, h; add.u32 $0, t, b;
 }"""
-_FOLD_LOW = (
+_FOLD_LOW = tl.constexpr(  # kernels read globals only as constexpr
     "{ .reg .b32 t, m, n, h, a, b;\n"
     "and.b32 a, $1, 0x08080808; shl.b32 a, a, 4; and.b32 b, $1, 0x07070707; shl.b32 b, b, 2; or.b32 t, a, b;"
     + _FOLD_TAIL
 )
-_FOLD_HIGH = (
+_FOLD_HIGH = tl.constexpr(
     "{ .reg .b32 t, m, n, h, a, b;\n"
     "and.b32 a, $1, 0x80808080; shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 t, a, b;" + _FOLD_TAIL
 )
