@@ -6,7 +6,7 @@
 #
 #     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
 #
-# MODELS and TOKENS may be set. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
+# MODELS and TOKENS may be set; PREFILL=0 leaves out the T = 4096 runs. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
 # benchmarks' output goes to stdout.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -29,6 +29,7 @@ timeout 150 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k
 timeout 270 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
     --variants "$VARIANTS" --out "$OUT/$TAG-bench.json"
 # prefill, where the Triton kernel runs: the same comparison and each launch's time; MXFP4 with its FP8 fold too
+[ "${PREFILL:-1}" = 0 ] && exit 0
 timeout 60 python3 benchmarks/bench_mixed_moe.py --models DeepSeek-V4-Flash --tokens 4096 --trials 5 --profile \
     --variants '[{"mxfp4_mma": "fold"}, {"mxfp4_mma": "fold", "swap_ab": true}]' --out "$OUT/$TAG-bench-4096-mxfp4.json"
 timeout 60 python3 benchmarks/bench_mixed_moe.py --models Kimi-K2.6,NVFP4-V4-Flash --tokens 4096 --trials 5 --profile \
