@@ -6,7 +6,7 @@
 #
 #     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
 #
-# MODELS and TOKENS may be set; PREFILL=0 leaves out the T = 4096 runs. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
+# MODELS, TOKENS, VARIANTS, TEST_TIMEOUT and BENCH_TIMEOUT may be set; PREFILL=0 leaves out the T = 4096 runs. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
 # benchmarks' output goes to stdout.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -24,9 +24,9 @@ lib=$(python3 -c 'import torch; from runtime.moe_mixed_cuda import library_path 
 mkdir -p "$(dirname "$lib")"
 nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=sm_$arch" -Xptxas -v \
     -o "$lib" runtime/moe_mixed_cuda.cu 2>&1 | grep -E "error|warning|registers|spill" | tee "$OUT/$TAG-ptxas.log"
-timeout 150 python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k "decode or fold" 2>&1 | tail -30 |
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k "decode or fold" 2>&1 | tail -30 |
     tee "$OUT/$TAG-gpu-tests.log"
-timeout 270 python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
+timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
     --variants "$VARIANTS" --out "$OUT/$TAG-bench.json"
 # prefill, where the Triton kernel runs: the same comparison and each launch's time; MXFP4 with its FP8 fold too
 [ "${PREFILL:-1}" = 0 ] && exit 0
