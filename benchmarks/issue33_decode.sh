@@ -6,7 +6,8 @@
 #
 #     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
 #
-# MODELS, TOKENS, VARIANTS, TEST_TIMEOUT and BENCH_TIMEOUT may be set; PREFILL=0 leaves out the T = 4096 runs. Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
+# MODELS, TOKENS, VARIANTS, TEST_TIMEOUT and BENCH_TIMEOUT may be set; PREFILL=0 leaves out the T = 4096 runs.
+# Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
 # benchmarks' output goes to stdout.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
