@@ -14,7 +14,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 : "${OUT:?set OUT}" "${TAG:?set TAG}"
 MODELS=${MODELS:-DeepSeek-V4-Flash,Kimi-K2.6,NVFP4-V4-Flash}
 TOKENS=${TOKENS:-1,8,64}
-VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_kernel": "triton", "mxfp4_mma": "fold"}, {"decode_unroll": 1}, {"decode_unroll": 4}, {"gemm1_split_k": 4}, {"gemm2_split_k": 2}]'}
+# the default is the Triton kernel (decode_kernel "triton" until the CUDA kernel has run on a card): the CUDA kernel
+# and its variants are the variants
+VARIANTS=${VARIANTS:-'[{"decode_kernel": "cuda"}, {"mxfp4_mma": "fold"}, {"decode_kernel": "cuda", "decode_unroll": 1}, {"decode_kernel": "cuda", "decode_unroll": 4}, {"decode_kernel": "cuda", "gemm1_split_k": 4}, {"decode_kernel": "cuda", "gemm2_split_k": 2}]'}
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
     tee "$OUT/$TAG-card.txt"

@@ -435,8 +435,10 @@ def mixed_tile_config(
         # and FP8 MMAs (where the experts' scales allow it exactly, else "scaled")
         "mxfp4_mma": "scaled",
         # "auto": the CUDA decode GEMM where it serves the call (few pairs per slot, built here), else Triton;
-        # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it
-        "decode_kernel": "auto",
+        # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it. "triton" by default until the CUDA
+        # kernel has passed its GPU tests (tests/runtime/test_gpu_mixed.py) and been timed on a card: it has not
+        # yet run on one
+        "decode_kernel": "triton",
         "decode_unroll": 2,  # the CUDA decode GEMM's K steps of 128 inputs loaded ahead (1, 2 or 4)
     }
     for k, v in (overrides or {}).items():
