@@ -317,7 +317,11 @@ int launch(const Params* p, dim3 grid, int64_t unroll, cudaStream_t st) {
 
 // Returns the CUDA error code of the launch (0: launched). fmt: 0 MXFP4, 1 INT4, 2 NVFP4; unroll: K steps of 128
 // inputs loaded ahead (1, 2 or 4).
-extern "C" int fuse_shared_mixed_decode(const Params* p, int64_t fmt, int64_t grid_m, int64_t unroll, void* stream) {
+// (Params is the caller's struct, passed as void*: a signature naming a type of the unnamed namespace would give the
+// function internal linkage, and the library would not export it)
+extern "C" int fuse_shared_mixed_decode(const void* params, int64_t fmt, int64_t grid_m, int64_t unroll,
+                                        void* stream) {
+    const Params* p = static_cast<const Params*>(params);
     const dim3 grid((unsigned)((p->N + WARPS * 16 - 1) / (WARPS * 16)), (unsigned)grid_m, (unsigned)p->split_k);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     switch (fmt) {
