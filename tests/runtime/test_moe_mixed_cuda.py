@@ -16,6 +16,7 @@ from runtime.moe_mixed_cuda import (
     int4_to_e4m3_bits,
     library_path,
     mma_slot_order,
+    nvcc_path,
     supports,
 )
 from runtime.moe_mixed_triton import mixed_tile_config
@@ -168,3 +169,16 @@ def test_build_targets_the_card_and_lives_in_the_cache(tmp_path):
     assert "-gencode=arch=compute_89,code=sm_89" in build_command("nvcc", (8, 9), "out.so")
     path = library_path((9, 0), env={"XDG_CACHE_HOME": str(tmp_path)})
     assert path.startswith(str(tmp_path / "fuse-shared" / "kernels")) and "sm90" in path
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
+def test_library_exports_its_launch_function(tmp_path):
+    """The built library exports ``fuse_shared_mixed_decode`` (a signature naming a type of the .cu's unnamed
+    namespace once gave it internal linkage: the first GPU run failed to load it). Built here with nvcc, no GPU."""
+    import ctypes
+    import subprocess
+
+    out = str(tmp_path / "lib.so")
+    p = subprocess.run(build_command(nvcc_path(), (9, 0), out), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert hasattr(ctypes.CDLL(out), "fuse_shared_mixed_decode")
