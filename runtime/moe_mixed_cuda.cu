@@ -1,5 +1,6 @@
 // Decode-regime GEMM over mixed slots (LAYOUT v3): four-bit routed slots (MXFP4, INT4 or NVFP4, as released) and FP8
-// 128x128 shared slots, few tokens per slot. Built at first use by runtime/moe_mixed_cuda.py (nvcc, sm_90a), launched through fuse_shared_mixed_decode.
+// 128x128 shared slots, few tokens per slot. Built at first use by runtime/moe_mixed_cuda.py (nvcc, sm_90a), launched
+// through fuse_shared_mixed_decode.
 //
 // One warp computes 16 output rows (the weight rows: the MMA's M side) times one M block of 8 (token, slot) pairs
 // (the MMA's N side), over a K range, with mma.sync m16n8k32 e4m3 x e4m3 -> f32. The weights are the A operand and
@@ -20,10 +21,10 @@
 // - INT4 (stored q + 8, q in -8..7): sign and magnitude |q| <= 8 in the low four bits, which read as q times 2^-9 (the
 //   magnitudes 0..7 are e4m3's subnormals, 8 its least normal).
 // The power of two is folded into the output. Each scale group is its own MMA into a zeroed accumulator, scaled in
-// float32 by the group's scale (E8M0 per 32 inputs, INT4's float per 32 << group_shift, NVFP4's e4m3 per 16: two MMAs per
-// 32 inputs, each thread's operands zeroed in the one whose half it does not hold); each 128 inputs are then scaled by
-// the activations' 1x128 scale and NVFP4 rows by their global scale, as the Triton kernel and the PyTorch reference
-// do.
+// float32 by the group's scale (E8M0 per 32 inputs, INT4's float per 32 << group_shift, NVFP4's e4m3 per 16: two
+// MMAs per 32 inputs, each thread's operands zeroed in the one whose half it does not hold); each 128 inputs are then
+// scaled by the activations' 1x128 scale and NVFP4 rows by their global scale, as the Triton kernel and the PyTorch
+// reference do.
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -50,7 +51,7 @@ struct Params {
 
 constexpr int BM = 8;       // pairs per M block (the MMA's N)
 constexpr int WARPS = 4;    // warps per program, 16 rows each
-constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_triton.FORMAT_CODES
+constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_cuda.FORMATS
 constexpr int SCALE_BF16 = 0, SCALE_F16 = 1;  // INT4's scale dtypes (Params.scale_dtype; 2: F32)
 
 __device__ __forceinline__ uint32_t e2m1_low_to_e4m3(uint32_t q) {
@@ -135,7 +136,8 @@ __device__ __forceinline__ StepScales<FMT> load_step_scales(const uint8_t* row, 
         s.w[1] = v.y;
     } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) s.w[j] = __float_as_uint(load_scale(row, (k * 4 + j) >> p.group_shift, p.scale_dtype));
+        for (int j = 0; j < 4; ++j)
+            s.w[j] = __float_as_uint(load_scale(row, (k * 4 + j) >> p.group_shift, p.scale_dtype));
     }
     return s;
 }

@@ -1,10 +1,10 @@
 """Decode-regime GEMM over mixed slots in CUDA C++ (``moe_mixed_cuda.cu``), with its PyTorch twin.
 
 :func:`decode_gemm` is one GEMM of :func:`runtime.moe_mixed_triton.fused_moe_mixed_triton` (GEMM1 over gate | up or
-GEMM2 over down) for four-bit routed slots (MXFP4, INT4, NVFP4) and FP8 shared slots when each slot has few pairs: M blocks of 8
-pairs, the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by a few bit
-operations (e2m1 ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``; INT4 ``q + 8`` -> sign and ``|q|``; both exact), one MMA per
-scale group. On a CUDA device it runs the kernel, built by ``nvcc`` at first use into
+GEMM2 over down) for four-bit routed slots (MXFP4, INT4, NVFP4) and FP8 shared slots when each slot has few pairs:
+M blocks of 8 pairs, the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by a
+few bit operations (e2m1 ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``; INT4 ``q + 8`` -> sign and ``|q|``; both exact), one MMA
+per scale group. On a CUDA device it runs the kernel, built by ``nvcc`` at first use into
 the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``, never the package folder); elsewhere it runs
 :func:`decode_gemm_reference`, which takes the same operands in the same permuted order, expands them with the same
 bit operations and sums them per 32-input group as the kernel does, so the CPU tests check the kernel's data flow.
@@ -30,7 +30,7 @@ from .moe_tiles import cache_dir
 
 SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
 BLOCK_M = 8  # pairs per M block: the MMA's N
-FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the kernel's format codes
+FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernels (this one's and the Triton one's)
 SCALE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # INT4 group scales
 ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
 UNROLLS = (1, 2, 4)
@@ -45,9 +45,9 @@ class _Params(ctypes.Structure):
     ] + [
         (name, ctypes.c_int64)
         for name in (
-            "N K numel num_routed num_slots up_row up_scale_row a_div global_col group_shift scale_dtype stride_am stride_asm stride_re stride_rn "
-            "stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn stride_cm c_split_stride split_k naive "
-            "has_nvalid mul_w"
+            "N K numel num_routed num_slots up_row up_scale_row a_div global_col group_shift scale_dtype "
+            "stride_am stride_asm stride_re stride_rn stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn "
+            "stride_cm c_split_stride split_k naive has_nvalid mul_w"
         ).split()
     ]
 
@@ -202,7 +202,7 @@ def decode_gemm(
     that no M block holds are left as they are).
 
     ``a`` e4m3 ``[rows, K]`` with float32 1x128 scales ``a_scale [rows, K / 128]``; pair ``p`` reads row
-    ``p // a_div``. Routed slots (``routed_format``, :class:`runtime.moe.FourBitExpertWeights`' tensors):
+    ``p // a_div``. Routed slots (``routed_format``, :class:`runtime.moe.FourBitExperts`' tensors):
 
     - ``"mxfp4"``: ``routed`` uint8 codes ``[E, N, K / 2]`` (two per byte, the first in the low nibble) with uint8
       E8M0 scales ``routed_scale [E, N, K / 32]``;

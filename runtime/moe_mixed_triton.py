@@ -61,7 +61,7 @@ from .moe_triton import (
     _weight_tiles,
 )
 
-FORMAT_CODES = {"mxfp4": 0, "int4": 1, "nvfp4": 2}
+FORMAT_CODES = moe_mixed_cuda.FORMATS  # the same codes for both kernels
 MIXED_TILE_KEYS = (
     "block_m",
     "block_n",
