@@ -101,7 +101,7 @@ def main():
     ap.add_argument(
         "--variants",
         default=None,
-        help="JSON list of tile overrides, each checked and timed beside the default in the same process (a sweep)",
+        help="JSON list of tile overrides over --tile-config, each checked and timed beside it in the same process",
     )
     args = ap.parse_args()
     override = json.loads(args.tile_config) if args.tile_config else None
@@ -182,6 +182,7 @@ def main():
                 for side in ("mixed", "fp8"):
                     print(f"  {side:5} " + ", ".join(f"{n[:28]} {t:.1f}" for n, t in r["launches_" + side]), flush=True)
             for variant in json.loads(args.variants) if args.variants else []:
+                variant = {**(override or {}), **variant}  # over the base tiles (--tile-config)
                 y = fused_moe(x, mixed, ids0, w0, tile_config=variant)
                 t = graph_time_us(lambda v=variant: run_mixed(tiles=v), ROT, args.trials)
                 v = dict(tiles=variant, us=t, speedup=t_fp8 / t, rel=rel(y, ref), ok=bool(rel(y, ref) < TOL))

@@ -6,7 +6,8 @@
 #
 #     OUT=... TAG=2026-12-06-h200-i33 bash benchmarks/issue33_decode.sh
 #
-# MODELS, TOKENS, VARIANTS, TEST_TIMEOUT and BENCH_TIMEOUT may be set; PREFILL=0 leaves out the T = 4096 runs.
+# MODELS, TOKENS, TILES (the base tile config, profiled), VARIANTS, TEST_TIMEOUT and BENCH_TIMEOUT may be set;
+# PREFILL=0 leaves out the T = 4096 runs.
 # Writes $OUT/$TAG-{card.txt,ptxas.log,gpu-tests.log,bench.json,bench-4096-mxfp4.json,bench-4096.json}; the
 # benchmarks' output goes to stdout.
 set -o pipefail
@@ -14,9 +15,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 : "${OUT:?set OUT}" "${TAG:?set TAG}"
 MODELS=${MODELS:-DeepSeek-V4-Flash,Kimi-K2.6,NVFP4-V4-Flash}
 TOKENS=${TOKENS:-1,8,64}
-# the default is the Triton kernel (decode_kernel "triton" until the CUDA kernel has run on a card): the CUDA kernel
-# and its variants are the variants
-VARIANTS=${VARIANTS:-'[{"decode_kernel": "cuda"}, {"mxfp4_mma": "fold"}, {"decode_kernel": "cuda", "decode_unroll": 1}, {"decode_kernel": "cuda", "decode_unroll": 4}, {"decode_kernel": "cuda", "gemm1_split_k": 4}, {"decode_kernel": "cuda", "gemm2_split_k": 2}]'}
+# the base config is the CUDA decode kernel (profiled launch by launch), the Triton kernel and the CUDA kernel's K
+# splits the variants
+TILES=${TILES:-'{"decode_kernel": "cuda"}'}
+VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"gemm1_split_k": 1}, {"decode_shared_split": 1}, {"decode_shared_split": 4}, {"gemm1_split_k": 1, "gemm2_split_k": 2}, {"gemm1_split_k": 4}]'}
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
     tee "$OUT/$TAG-card.txt"
@@ -30,7 +32,7 @@ nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_$arch,code=s
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q --noconftest tests/runtime/test_gpu_mixed.py -k "decode or fold" 2>&1 | tail -30 |
     tee "$OUT/$TAG-gpu-tests.log"
 timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/bench_mixed_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --profile \
-    --variants "$VARIANTS" --out "$OUT/$TAG-bench.json"
+    --tile-config "$TILES" --variants "$VARIANTS" --out "$OUT/$TAG-bench.json"
 # prefill, where the Triton kernel runs: the same comparison and each launch's time; MXFP4 with its FP8 fold too
 [ "${PREFILL:-1}" = 0 ] && exit 0
 timeout 60 python3 benchmarks/bench_mixed_moe.py --models DeepSeek-V4-Flash --tokens 4096 --trials 5 --profile \

@@ -2,10 +2,13 @@
 // 128x128 shared slots, few tokens per slot. Built at first use by runtime/moe_mixed_cuda.py (nvcc, sm_90a), launched
 // through fuse_shared_mixed_decode.
 //
-// One warp computes 16 output rows (the weight rows: the MMA's M side) times one M block of 8 (token, slot) pairs
-// (the MMA's N side), over a K range, with mma.sync m16n8k32 e4m3 x e4m3 -> f32. The weights are the A operand and
-// come straight from global memory into the registers the MMA reads: no shared-memory round trip, which is what a
-// Triton dot over expanded four-bit tiles costs on Hopper.
+// A program (4 warps) computes 64 weight rows (the MMA's M side, 16 per warp) times one M block of 8 (token, slot)
+// pairs (the MMA's N side) over a K range, with mma.sync m16n8k32 e4m3 x e4m3 -> f32. Decode is bound by the weight
+// bytes, so the K range streams through a 3-stage shared-memory ring filled by cp.async: 16-byte copies, each run of
+// 8 threads one 128-byte row segment, so every load instruction moves whole cache lines and two stages are in flight
+// while the third is computed. A stage is 128 bytes of each weight row: 256 inputs of a four-bit row, 128 of an FP8
+// one, with their scales, the activations of the 8 pairs and their 1x128 scales. The FP8 shared slots, twice the
+// bytes per input, take twice the K splits (shared_split), so that no program carries twice the others' bytes.
 //
 // The K order inside each 32-input group is permuted, the same way for A and B, so that each thread's A fragment is
 // four contiguous bytes of the stored row:
@@ -14,6 +17,7 @@
 //   the high nibbles slots 16 + 4c .. 16 + 4c + 3; B (the activations of pair g) takes inputs 32j + 8c + 2i for slot
 //   4c + i and 32j + 8c + 2i + 1 for slot 16 + 4c + i, one 8-byte load and two byte permutes.
 // FP8 shared rows use the same permutation (an 8-byte load and two permutes per row), so both kinds of slot share B.
+// The rows' shared-memory strides (144 and 160 bytes) make those loads free of bank conflicts.
 //
 // The codes become e4m3 operands exactly, with no table, a few bit operations per four codes:
 // - e2m1 (MXFP4, NVFP4): the code s.e.e.m becomes s.0.0.e.e.m.0.0, which reads as the e2m1 value times 2^-6 (normal
@@ -21,10 +25,10 @@
 // - INT4 (stored q + 8, q in -8..7): sign and magnitude |q| <= 8 in the low four bits, which read as q times 2^-9 (the
 //   magnitudes 0..7 are e4m3's subnormals, 8 its least normal).
 // The power of two is folded into the output. Each scale group is its own MMA into a zeroed accumulator, scaled in
-// float32 by the group's scale (E8M0 per 32 inputs, INT4's float per 32 << group_shift, NVFP4's e4m3 per 16: two
-// MMAs per 32 inputs, each thread's operands zeroed in the one whose half it does not hold); each 128 inputs are then
-// scaled by the activations' 1x128 scale and NVFP4 rows by their global scale, as the Triton kernel and the PyTorch
-// reference do.
+// float32 by the group's scale (E8M0 per 32 inputs, INT4's float per 32 << SHIFT, NVFP4's e4m3 per 16: two MMAs per
+// 32 inputs, each thread's operands zeroed in the one whose half it does not hold); each 128 inputs are then scaled by
+// the activations' 1x128 scale and NVFP4 rows by their global scale, as the Triton kernel and the PyTorch reference
+// do.
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -37,22 +41,58 @@ struct Params {
     const uint8_t* r_scale;     // routed scales [E, N, groups]: E8M0 / BF16, FP16 or F32 (INT4) / e4m3 (NVFP4)
     const uint8_t* s;           // shared FP8 [S, N, K]
     const float* s_scale;       // shared 128x128 scales [S, row blocks, K / 128]
-    float* c;                   // float32 [split, numel, N]
+    float* c;                   // float32 [split_k * shared_split, numel, N]
     const int32_t* sorted;      // pair of each M block column (aligned) or the flat slot ids (naive)
     const int32_t* expert_ids;  // slot of each M block (aligned)
     const int32_t* total;       // padded pair count (aligned) or the valid token count (naive, has_nvalid)
     const float* topk_w;        // routing weight per pair
     const float* r_global;      // NVFP4: float32 [E, 3], gate, up and down global scales
-    int64_t N, K, numel, num_routed, num_slots, up_row, up_scale_row, a_div, global_col, group_shift, scale_dtype;
+    int64_t N, K, numel, num_routed, num_slots, up_row, up_scale_row, a_div, global_col, scale_dtype;
+    int64_t scale_bytes;        // routed scale bytes per row per 128 inputs (a multiple of 4, or 2 with K % 256 == 0)
     int64_t stride_am, stride_asm, stride_re, stride_rn, stride_rse, stride_rsn;  // routed strides in bytes
     int64_t stride_se, stride_sn, stride_sse, stride_ssn, stride_cm, c_split_stride;
-    int64_t split_k, naive, has_nvalid, mul_w;
+    int64_t split_k, shared_split, naive, has_nvalid, mul_w;
 };
 
-constexpr int BM = 8;       // pairs per M block (the MMA's N)
-constexpr int WARPS = 4;    // warps per program, 16 rows each
+constexpr int BM = 8;          // pairs per M block (the MMA's N)
+constexpr int WARPS = 4;       // warps per program, 16 rows each
+constexpr int ROWS = WARPS * 16;
+constexpr int THREADS = WARPS * 32;
+constexpr int STAGES = 3;
 constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_cuda.FORMATS
-constexpr int SCALE_BF16 = 0, SCALE_F16 = 1;  // INT4's scale dtypes (Params.scale_dtype; 2: F32)
+constexpr int SCALE_BF16 = 0, SCALE_F32 = 2;  // INT4's scale dtypes (Params.scale_dtype; 1: FP16)
+
+// one stage in shared memory: weight rows, the routed rows' scales, the pairs' activations and their scales, the
+// shared slot's block scale
+constexpr int W4_STRIDE = 144;  // a four-bit row's 128 bytes + 16: thread (g, c)'s 4-byte loads hit 32 banks
+constexpr int W8_STRIDE = 160;  // an FP8 row's 128 bytes + 32: conflict-free 8-byte loads
+constexpr int SC_STRIDE = 48;   // up to 32 scale bytes per row (INT4 F32 in groups of 32), 16-byte aligned
+constexpr int X_STRIDE = 288;   // a pair's 256 activation bytes + 32
+constexpr int SC_OFF = ROWS * W8_STRIDE;
+constexpr int X_OFF = SC_OFF + ROWS * SC_STRIDE;
+constexpr int AS_OFF = X_OFF + BM * X_STRIDE;
+constexpr int BS_OFF = AS_OFF + 2 * BM * 4;
+constexpr int STAGE_BYTES = BS_OFF + 16;
+static_assert(STAGES * STAGE_BYTES <= 48 * 1024, "the ring must fit the static shared memory limit");
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
 
 __device__ __forceinline__ uint32_t e2m1_low_to_e4m3(uint32_t q) {
     return ((q & 0x08080808u) << 4) | ((q & 0x07070707u) << 2);
@@ -94,10 +134,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t ld32(const uint8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
-
-__device__ __forceinline__ uint2 ld64(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
-
 __device__ __forceinline__ float e8m0(uint32_t s) {
     return s ? __uint_as_float(s << 23) : __uint_as_float(0x00400000u);  // 2^(s - 127); s = 0 is 2^-127
 }
@@ -108,190 +144,228 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t b) {  // one e4m3 byte (
     return (b & 128u) ? -v : v;
 }
 
-__device__ __forceinline__ float load_scale(const uint8_t* base, int64_t i, int64_t dtype) {  // INT4's group scale
-    if (dtype == SCALE_BF16) return __uint_as_float((uint32_t)__ldg(reinterpret_cast<const uint16_t*>(base) + i) << 16);
-    if (dtype == SCALE_F16) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(__ldg(reinterpret_cast<const uint16_t*>(base) + i)));
-        return f;
-    }
-    return __ldg(reinterpret_cast<const float*>(base) + i);
+__device__ __forceinline__ float half_to_float(uint32_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
 }
 
-// A row's scales for one K step of 128 inputs, as loaded: MXFP4 four E8M0 bytes (w[0]), NVFP4 eight e4m3 bytes
-// (w[0], w[1]), INT4 four floats (one per 32 inputs, repeated where a group is longer)
+// A routed row's scales for one stage (256 inputs), as copied: MXFP4 eight E8M0 bytes, NVFP4 sixteen e4m3 bytes,
+// INT4 its groups' floats (BF16, FP16 or F32) from the stage's first group on
 template <int FMT>
-struct StepScales {
-    uint32_t w[FMT == MXFP4 ? 1 : FMT == NVFP4 ? 2 : 4];
+struct StageScales {
+    uint32_t w[FMT == MXFP4 ? 2 : FMT == NVFP4 ? 4 : 8];
 };
 
 template <int FMT>
-__device__ __forceinline__ StepScales<FMT> load_step_scales(const uint8_t* row, int64_t k, const Params& p) {
-    StepScales<FMT> s;
+__device__ __forceinline__ StageScales<FMT> load_stage_scales(const uint8_t* row) {
+    StageScales<FMT> s;
     if constexpr (FMT == MXFP4) {
-        s.w[0] = ld32(row + k * 4);
-    } else if constexpr (FMT == NVFP4) {
-        const uint2 v = ld64(row + k * 8);
-        s.w[0] = v.x;
-        s.w[1] = v.y;
+        const uint2 v = *reinterpret_cast<const uint2*>(row);
+        s.w[0] = v.x, s.w[1] = v.y;
     } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-            s.w[j] = __float_as_uint(load_scale(row, (k * 4 + j) >> p.group_shift, p.scale_dtype));
+        for (int i = 0; i < (FMT == NVFP4 ? 1 : 2); ++i) {
+            const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * i);
+            s.w[4 * i] = v.x, s.w[4 * i + 1] = v.y, s.w[4 * i + 2] = v.z, s.w[4 * i + 3] = v.w;
+        }
     }
     return s;
 }
 
-// the scale of 32-input group j (MXFP4, INT4) or of its 16-input half h (NVFP4)
-template <int FMT>
-__device__ __forceinline__ float group_scale(const StepScales<FMT>& s, int j, int h) {
-    if constexpr (FMT == MXFP4) return e8m0((s.w[0] >> (8 * j)) & 255u);
-    else if constexpr (FMT == NVFP4) return e4m3_to_float((s.w[j >> 1] >> (16 * (j & 1) + 8 * h)) & 255u);
-    else return __uint_as_float(s.w[j]);
+// the scale of the stage's 32-input group pos (0..7: k step pos / 4, group pos % 4), or of its 16-input half h (NVFP4)
+template <int FMT, int SHIFT>
+__device__ __forceinline__ float group_scale(const StageScales<FMT>& s, int pos, int h, int64_t dtype) {
+    if constexpr (FMT == MXFP4) {
+        return e8m0((s.w[pos >> 2] >> (8 * (pos & 3))) & 255u);
+    } else if constexpr (FMT == NVFP4) {
+        return e4m3_to_float((s.w[pos >> 1] >> (16 * (pos & 1) + 8 * h)) & 255u);
+    } else {
+        const int gi = pos >> SHIFT;
+        const uint32_t half = (s.w[gi >> 1] >> (16 * (gi & 1))) & 0xFFFFu;
+        if (dtype == SCALE_F32) return __uint_as_float(s.w[gi]);
+        return dtype == SCALE_BF16 ? __uint_as_float(half << 16) : half_to_float(half);
+    }
 }
 
-template <int FMT, int U>
-__global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+template <int FMT, int SHIFT>
+__global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p) {
+    __shared__ __align__(16) uint8_t ring[STAGES][STAGE_BYTES];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
     const int64_t pid_m = blockIdx.y, pid_k = blockIdx.z;
     int64_t e;
-    int64_t pair_g, pair_0, pair_1;  // B's column g; the accumulator's columns 2c and 2c + 1
     if (p.naive) {
         e = p.sorted[pid_m];
         if (e < 0 || e >= p.num_slots || (p.has_nvalid && *p.total < 1)) return;
-        pair_g = g == 0 ? pid_m : p.numel;
-        pair_0 = c == 0 ? pid_m : p.numel;
-        pair_1 = p.numel;
     } else {
         if (pid_m * BM >= *p.total) return;
         e = p.expert_ids[pid_m];
         if (e < 0 || e >= p.num_slots) return;
-        pair_g = p.sorted[pid_m * BM + g];
-        pair_0 = p.sorted[pid_m * BM + 2 * c];
-        pair_1 = p.sorted[pid_m * BM + 2 * c + 1];
     }
-    const int64_t n0 = (int64_t)blockIdx.x * (WARPS * 16) + warp * 16;
+    // the pair in column q of this M block (numel where none: padding, or naive blocks' columns past the first)
+    auto pair_of = [&](int q) -> int64_t {
+        if (p.naive) return q == 0 ? pid_m : p.numel;
+        return p.sorted[pid_m * BM + q];
+    };
+    const int64_t n0 = (int64_t)blockIdx.x * ROWS;
     if (n0 >= p.N) return;
-    const int64_t row0 = n0 + g, row1 = row0 + 8;
-    const bool ok_g = pair_g < p.numel, ok_0 = pair_0 < p.numel, ok_1 = pair_1 < p.numel;
-    const uint8_t* x = p.a + (ok_g ? pair_g / p.a_div : 0) * p.stride_am + 8 * c;
-    const float* xs0 = p.a_scale + (ok_0 ? pair_0 / p.a_div : 0) * p.stride_asm;
-    const float* xs1 = p.a_scale + (ok_1 ? pair_1 / p.a_div : 0) * p.stride_asm;
-
-    const int64_t nk = p.K / 128, per = (nk + p.split_k - 1) / p.split_k;
-    const int64_t first = pid_k * per, stop = first + per < nk ? first + per : nk;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     const bool routed = e < p.num_routed;
-
+    const int64_t nk = p.K / 128;
+    // this program's stages: four-bit stages of 256 inputs over split_k parts, FP8 stages of 128 inputs over
+    // split_k * shared_split parts (gridDim.z); a routed program past its parts writes zeros
+    int64_t first, count;
     if (routed) {
-        const uint8_t* w0 = p.r + e * p.stride_re + row0 * p.stride_rn + 4 * c;
-        const uint8_t* w1 = w0 + 8 * p.stride_rn;
-        const uint8_t* s0 = p.r_scale + e * p.stride_rse + row0 * p.stride_rsn;
-        const uint8_t* s1 = s0 + 8 * p.stride_rsn;
-        const bool first_half = c < 2;  // NVFP4: this thread's inputs 8c .. 8c + 7 lie in the group's first 16
-        for (int64_t kb = first; kb < stop; kb += U) {
-            uint32_t q0[U][4], q1[U][4];
-            StepScales<FMT> sc0[U], sc1[U];
-            uint2 xv[U][4];
-            float as0[U], as1[U];
+        const int64_t nst = (nk + 1) / 2, per = (nst + p.split_k - 1) / p.split_k;
+        first = pid_k * per;
+        count = pid_k < p.split_k ? (first + per < nst ? per : nst - first) : 0;
+    } else {
+        const int64_t parts = p.split_k * p.shared_split, per = (nk + parts - 1) / parts;
+        first = pid_k * per;
+        count = first + per < nk ? per : nk - first;
+    }
+    if (count < 0) count = 0;
+
+    // what this thread copies, fixed over the stages: its activation chunk's pair and its activation scale's pair
+    const int xq = routed ? tid >> 4 : tid >> 3, xch = routed ? tid & 15 : tid & 7;
+    const int64_t x_pair = routed || tid < 64 ? pair_of(xq) : p.numel;
+    const int asq = routed ? tid >> 1 : tid - 64;
+    const bool copies_as = routed ? tid < 16 : tid >= 64 && tid < 72;
+    const int64_t as_pair = copies_as ? pair_of(asq) : p.numel;
+    const uint8_t* x_src = p.a + (x_pair < p.numel ? x_pair / p.a_div : 0) * p.stride_am + 16 * xch;
+    const float* as_src = p.a_scale + (as_pair < p.numel ? as_pair / p.a_div : 0) * p.stride_asm;
+
+    const int64_t sl = e - p.num_routed;
+    const uint8_t* w_src =
+        routed ? p.r + e * p.stride_re + n0 * p.stride_rn : p.s + sl * p.stride_se + n0 * p.stride_sn;
+    const int64_t w_stride = routed ? p.stride_rn : p.stride_sn;
+    const uint8_t* sc_src = p.r_scale + e * p.stride_rse + n0 * p.stride_rsn;
+    // the shared slot's 128x128 scale row: a program's 64 rows lie in one 128-row block (up_row is a multiple of 128)
+    const int64_t srow = n0 < p.up_row ? n0 / 128 : p.up_scale_row + (n0 - p.up_row) / 128;
+    const float* bs_src = p.s_scale + (routed ? 0 : sl * p.stride_sse + srow * p.stride_ssn);
+
+    auto issue = [&](int64_t i) {
+        if (i < count) {
+            uint8_t* st = ring[i % STAGES];
+            const int64_t k = first + i;  // stage index: four-bit 256 inputs, FP8 128
+            if (routed) {
+                const int nks = 2 * k + 1 < nk ? 2 : 1;
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int64_t k = kb + u < stop ? kb + u : stop - 1;  // a repeated last step, not added below
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    q0[u][j] = ld32(w0 + k * 64 + 16 * j);
-                    q1[u][j] = ld32(w1 + k * 64 + 16 * j);
-                    xv[u][j] = ok_g ? ld64(x + k * 128 + 32 * j) : make_uint2(0u, 0u);
+                for (int t = 0; t < 4; ++t) {
+                    const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
+                    if (ch < 4 * nks)
+                        cp_async16(st + r * W4_STRIDE + 16 * ch, w_src + r * w_stride + k * 128 + 16 * ch);
                 }
-                sc0[u] = load_step_scales<FMT>(s0, k, p);
-                sc1[u] = load_step_scales<FMT>(s1, k, p);
-                as0[u] = ok_0 ? __ldg(xs0 + k) : 0.f;
-                as1[u] = ok_1 ? __ldg(xs1 + k) : 0.f;
-            }
+                const int nw = (int)(nks * p.scale_bytes) >> 2;  // scale words per row (1..8)
+                for (int idx = tid; idx < ROWS * nw; idx += THREADS) {
+                    const int r = idx / nw, w = idx - r * nw;
+                    cp_async4(st + SC_OFF + r * SC_STRIDE + 4 * w,
+                              sc_src + r * p.stride_rsn + k * 2 * p.scale_bytes + 4 * w);
+                }
+                if (x_pair < p.numel && xch < 8 * nks)
+                    cp_async16(st + X_OFF + xq * X_STRIDE + 16 * xch, x_src + k * 256);
+                if (as_pair < p.numel && (tid & 1) < nks) cp_async4(st + AS_OFF + 4 * tid, as_src + 2 * k + (tid & 1));
+            } else {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (kb + u >= stop) break;
+                for (int t = 0; t < 4; ++t) {
+                    const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
+                    cp_async16(st + r * W8_STRIDE + 16 * ch, w_src + r * w_stride + k * 128 + 16 * ch);
+                }
+                if (x_pair < p.numel) cp_async16(st + X_OFF + xq * X_STRIDE + 16 * xch, x_src + k * 128);
+                if (as_pair < p.numel) cp_async4(st + AS_OFF + 4 * asq, as_src + k);
+                if (tid == 72) cp_async4(st + BS_OFF, bs_src + k);
+            }
+        }
+        cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+    };
+
+    // the accumulator's pairs: B's column g, the accumulator's columns 2c and 2c + 1
+    const bool ok_g = pair_of(g) < p.numel;
+    const int64_t pair_0 = pair_of(2 * c), pair_1 = pair_of(2 * c + 1);
+    const bool ok_0 = pair_0 < p.numel, ok_1 = pair_1 < p.numel;
+    const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the program
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) issue(i);
+    for (int64_t i = 0; i < count; ++i) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        issue(i + STAGES - 1);  // into the buffer computed in the last iteration, which every thread has left
+        const uint8_t* st = ring[i % STAGES];
+        const uint8_t* xg = st + X_OFF + g * X_STRIDE + 8 * c;
+        const float* as = reinterpret_cast<const float*>(st + AS_OFF);
+        if (routed) {
+            const int nks = 2 * (first + i) + 1 < nk ? 2 : 1;
+            const StageScales<FMT> sc0 = load_stage_scales<FMT>(st + SC_OFF + r0 * SC_STRIDE);
+            const StageScales<FMT> sc1 = load_stage_scales<FMT>(st + SC_OFF + r1 * SC_STRIDE);
+            const bool first_half = c < 2;  // NVFP4: this thread's inputs 8c .. 8c + 7 lie in the group's first 16
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                if (u >= nks) break;
                 float blk[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const uint32_t b0 = prmt(xv[u][j].x, xv[u][j].y, 0x6420u);
-                    const uint32_t b1 = prmt(xv[u][j].x, xv[u][j].y, 0x7531u);
-                    const uint32_t a0 = expand_low<FMT>(q0[u][j]), a1 = expand_low<FMT>(q1[u][j]);
-                    const uint32_t a2 = expand_high<FMT>(q0[u][j]), a3 = expand_high<FMT>(q1[u][j]);
+                    const int at = 64 * u + 16 * j + 4 * c;
+                    const uint32_t q0 = *reinterpret_cast<const uint32_t*>(st + r0 * W4_STRIDE + at);
+                    const uint32_t q1 = *reinterpret_cast<const uint32_t*>(st + r1 * W4_STRIDE + at);
+                    const uint2 xv = ok_g ? *reinterpret_cast<const uint2*>(xg + 128 * u + 32 * j) : make_uint2(0u, 0u);
+                    const uint32_t b0 = prmt(xv.x, xv.y, 0x6420u), b1 = prmt(xv.x, xv.y, 0x7531u);
+                    const uint32_t a0 = expand_low<FMT>(q0), a1 = expand_low<FMT>(q1);
+                    const uint32_t a2 = expand_high<FMT>(q0), a3 = expand_high<FMT>(q1);
 #pragma unroll
                     for (int h = 0; h < (FMT == NVFP4 ? 2 : 1); ++h) {
                         const bool mine = FMT != NVFP4 || first_half == (h == 0);
                         float t[4] = {0.f, 0.f, 0.f, 0.f};
                         mma_e4m3(t, mine ? a0 : 0u, mine ? a1 : 0u, mine ? a2 : 0u, mine ? a3 : 0u, b0, b1);
-                        const float g0 = group_scale<FMT>(sc0[u], j, h), g1 = group_scale<FMT>(sc1[u], j, h);
+                        const float g0 = group_scale<FMT, SHIFT>(sc0, 4 * u + j, h, p.scale_dtype);
+                        const float g1 = group_scale<FMT, SHIFT>(sc1, 4 * u + j, h, p.scale_dtype);
                         blk[0] = fmaf(t[0], g0, blk[0]);
                         blk[1] = fmaf(t[1], g0, blk[1]);
                         blk[2] = fmaf(t[2], g1, blk[2]);
                         blk[3] = fmaf(t[3], g1, blk[3]);
                     }
                 }
-                acc[0] = fmaf(blk[0], as0[u], acc[0]);
-                acc[1] = fmaf(blk[1], as1[u], acc[1]);
-                acc[2] = fmaf(blk[2], as0[u], acc[2]);
-                acc[3] = fmaf(blk[3], as1[u], acc[3]);
+                const float as0 = ok_0 ? as[2 * (2 * c) + u] : 0.f, as1 = ok_1 ? as[2 * (2 * c + 1) + u] : 0.f;
+                acc[0] = fmaf(blk[0], as0, acc[0]);
+                acc[1] = fmaf(blk[1], as1, acc[1]);
+                acc[2] = fmaf(blk[2], as0, acc[2]);
+                acc[3] = fmaf(blk[3], as1, acc[3]);
             }
+        } else {
+            float blk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint2 v0 = *reinterpret_cast<const uint2*>(st + r0 * W8_STRIDE + 32 * j + 8 * c);
+                const uint2 v1 = *reinterpret_cast<const uint2*>(st + r1 * W8_STRIDE + 32 * j + 8 * c);
+                const uint2 xv = ok_g ? *reinterpret_cast<const uint2*>(xg + 32 * j) : make_uint2(0u, 0u);
+                mma_e4m3(blk, prmt(v0.x, v0.y, 0x6420u), prmt(v1.x, v1.y, 0x6420u), prmt(v0.x, v0.y, 0x7531u),
+                         prmt(v1.x, v1.y, 0x7531u), prmt(xv.x, xv.y, 0x6420u), prmt(xv.x, xv.y, 0x7531u));
+            }
+            const float bs = *reinterpret_cast<const float*>(st + BS_OFF);
+            const float as0 = ok_0 ? as[2 * c] * bs : 0.f, as1 = ok_1 ? as[2 * c + 1] * bs : 0.f;
+            acc[0] = fmaf(blk[0], as0, acc[0]);
+            acc[1] = fmaf(blk[1], as1, acc[1]);
+            acc[2] = fmaf(blk[2], as0, acc[2]);
+            acc[3] = fmaf(blk[3], as1, acc[3]);
         }
+    }
+    cp_async_wait<0>();  // no copy outlives the program
+    if (routed) {
         // the e4m3 operands are the codes' values times 2^-6 (e2m1) or 2^-9 (INT4); NVFP4 rows take their global scale
         float f0 = FMT == INT4 ? 512.f : 64.f, f1 = f0;
         if constexpr (FMT == NVFP4) {
             const float* gl = p.r_global + e * 3 + p.global_col;
-            f0 *= __ldg(gl + (row0 >= p.up_row ? 1 : 0));
-            f1 *= __ldg(gl + (row1 >= p.up_row ? 1 : 0));
+            f0 *= __ldg(gl + (n0 + r0 >= p.up_row ? 1 : 0));
+            f1 *= __ldg(gl + (n0 + r1 >= p.up_row ? 1 : 0));
         }
         acc[0] *= f0;
         acc[1] *= f0;
         acc[2] *= f1;
         acc[3] *= f1;
-    } else {
-        const int64_t sl = e - p.num_routed;
-        const uint8_t* w0 = p.s + sl * p.stride_se + row0 * p.stride_sn + 8 * c;
-        const uint8_t* w1 = w0 + 8 * p.stride_sn;
-        const int64_t b0row = row0 < p.up_row ? row0 / 128 : p.up_scale_row + (row0 - p.up_row) / 128;
-        const int64_t b1row = row1 < p.up_row ? row1 / 128 : p.up_scale_row + (row1 - p.up_row) / 128;
-        const float* ws0 = p.s_scale + sl * p.stride_sse + b0row * p.stride_ssn;
-        const float* ws1 = p.s_scale + sl * p.stride_sse + b1row * p.stride_ssn;
-        for (int64_t kb = first; kb < stop; kb += U) {
-            uint2 v0[U][4], v1[U][4], xv[U][4];
-            float as0[U], as1[U], bs0[U], bs1[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int64_t k = kb + u < stop ? kb + u : stop - 1;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    v0[u][j] = ld64(w0 + k * 128 + 32 * j);
-                    v1[u][j] = ld64(w1 + k * 128 + 32 * j);
-                    xv[u][j] = ok_g ? ld64(x + k * 128 + 32 * j) : make_uint2(0u, 0u);
-                }
-                as0[u] = ok_0 ? __ldg(xs0 + k) : 0.f;
-                as1[u] = ok_1 ? __ldg(xs1 + k) : 0.f;
-                bs0[u] = __ldg(ws0 + k);
-                bs1[u] = __ldg(ws1 + k);
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (kb + u >= stop) break;
-                float blk[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const uint32_t b0 = prmt(xv[u][j].x, xv[u][j].y, 0x6420u);
-                    const uint32_t b1 = prmt(xv[u][j].x, xv[u][j].y, 0x7531u);
-                    mma_e4m3(blk, prmt(v0[u][j].x, v0[u][j].y, 0x6420u), prmt(v1[u][j].x, v1[u][j].y, 0x6420u),
-                             prmt(v0[u][j].x, v0[u][j].y, 0x7531u), prmt(v1[u][j].x, v1[u][j].y, 0x7531u), b0, b1);
-                }
-                acc[0] = fmaf(blk[0], as0[u] * bs0[u], acc[0]);
-                acc[1] = fmaf(blk[1], as1[u] * bs0[u], acc[1]);
-                acc[2] = fmaf(blk[2], as0[u] * bs1[u], acc[2]);
-                acc[3] = fmaf(blk[3], as1[u] * bs1[u], acc[3]);
-            }
-        }
     }
     float* out = p.c + pid_k * p.c_split_stride;
+    const int64_t row0 = n0 + r0, row1 = n0 + r1;
     if (ok_0) {
         const float w = p.mul_w ? p.topk_w[pair_0] : 1.f;
         out[pair_0 * p.stride_cm + row0] = acc[0] * w;
@@ -304,32 +378,27 @@ __global__ void __launch_bounds__(WARPS * 32) mixed_decode_kernel(const Params p
     }
 }
 
-template <int FMT>
-int launch(const Params* p, dim3 grid, int64_t unroll, cudaStream_t st) {
-    switch (unroll) {
-        case 1: mixed_decode_kernel<FMT, 1><<<grid, WARPS * 32, 0, st>>>(*p); break;
-        case 2: mixed_decode_kernel<FMT, 2><<<grid, WARPS * 32, 0, st>>>(*p); break;
-        case 4: mixed_decode_kernel<FMT, 4><<<grid, WARPS * 32, 0, st>>>(*p); break;
-        default: return (int)cudaErrorInvalidValue;
-    }
+template <int FMT, int SHIFT>
+int launch(const Params* p, dim3 grid, cudaStream_t st) {
+    mixed_decode_kernel<FMT, SHIFT><<<grid, THREADS, 0, st>>>(*p);
     return (int)cudaGetLastError();
 }
 
 }  // namespace
 
-// Returns the CUDA error code of the launch (0: launched). fmt: 0 MXFP4, 1 INT4, 2 NVFP4; unroll: K steps of 128
-// inputs loaded ahead (1, 2 or 4).
+// Returns the CUDA error code of the launch (0: launched). fmt: 0 MXFP4, 1 INT4, 2 NVFP4; shift: INT4's scale groups
+// are 32 << shift inputs (0, 1 or 2).
 // (Params is the caller's struct, passed as void*: a signature naming a type of the unnamed namespace would give the
 // function internal linkage, and the library would not export it)
-extern "C" int fuse_shared_mixed_decode(const void* params, int64_t fmt, int64_t grid_m, int64_t unroll,
+extern "C" int fuse_shared_mixed_decode(const void* params, int64_t fmt, int64_t grid_m, int64_t shift,
                                         void* stream) {
     const Params* p = static_cast<const Params*>(params);
-    const dim3 grid((unsigned)((p->N + WARPS * 16 - 1) / (WARPS * 16)), (unsigned)grid_m, (unsigned)p->split_k);
+    const dim3 grid((unsigned)((p->N + ROWS - 1) / ROWS), (unsigned)grid_m, (unsigned)(p->split_k * p->shared_split));
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    switch (fmt) {
-        case MXFP4: return launch<MXFP4>(p, grid, unroll, st);
-        case INT4: return launch<INT4>(p, grid, unroll, st);
-        case NVFP4: return launch<NVFP4>(p, grid, unroll, st);
-        default: return (int)cudaErrorInvalidValue;
-    }
+    if (fmt == MXFP4) return launch<MXFP4, 0>(p, grid, st);
+    if (fmt == NVFP4) return launch<NVFP4, 0>(p, grid, st);
+    if (fmt == INT4 && shift == 0) return launch<INT4, 0>(p, grid, st);
+    if (fmt == INT4 && shift == 1) return launch<INT4, 1>(p, grid, st);
+    if (fmt == INT4 && shift == 2) return launch<INT4, 2>(p, grid, st);
+    return (int)cudaErrorInvalidValue;
 }

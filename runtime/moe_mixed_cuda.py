@@ -1,15 +1,16 @@
 """Decode-regime GEMM over mixed slots in CUDA C++ (``moe_mixed_cuda.cu``), with its PyTorch twin.
 
 :func:`decode_gemm` is one GEMM of :func:`runtime.moe_mixed_triton.fused_moe_mixed_triton` (GEMM1 over gate | up or
-GEMM2 over down) for four-bit routed slots (MXFP4, INT4, NVFP4) and FP8 shared slots when each slot has few pairs:
-M blocks of 8 pairs, the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by a
+GEMM2 over down) for four-bit routed slots (MXFP4, INT4, NVFP4) and FP8 shared slots when each slot has few pairs: M
+blocks of 8 pairs, the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by a
 few bit operations (e2m1 ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``; INT4 ``q + 8`` -> sign and ``|q|``; both exact), one MMA
-per scale group. On a CUDA device it runs the kernel, built by ``nvcc`` at first use into
-the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``, never the package folder); elsewhere it runs
-:func:`decode_gemm_reference`, which takes the same operands in the same permuted order, expands them with the same
-bit operations and sums them per 32-input group as the kernel does, so the CPU tests check the kernel's data flow.
-:func:`available` says whether the kernel can be built here (a CUDA device of compute capability 8.9 or later, for
-e4m3 MMAs, and ``nvcc``); the caller falls back to the Triton kernel where it cannot.
+per scale group, the weights streamed through a 3-stage shared-memory ring by ``cp.async``. On a CUDA device it runs
+the kernel, built by ``nvcc`` at first use into the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``,
+never the package folder); elsewhere it runs :func:`decode_gemm_reference`, which takes the same operands in the same
+permuted order, expands them with the same bit operations and sums them per 32-input group as the kernel does, so the
+CPU tests check the kernel's data flow. :func:`available` says whether the kernel can be built here (a CUDA device of
+compute capability 8.9 or later, for e4m3 MMAs, and ``nvcc``); the caller falls back to the Triton kernel where it
+cannot.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ BLOCK_M = 8  # pairs per M block: the MMA's N
 FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernels (this one's and the Triton one's)
 SCALE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # INT4 group scales
 ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
-UNROLLS = (1, 2, 4)
+SHARED_SPLITS = (1, 2, 4)  # the FP8 shared slots' K parts per routed part (twice the bytes per input: 2 balances)
 
 
 class _Params(ctypes.Structure):
@@ -45,9 +46,9 @@ class _Params(ctypes.Structure):
     ] + [
         (name, ctypes.c_int64)
         for name in (
-            "N K numel num_routed num_slots up_row up_scale_row a_div global_col group_shift scale_dtype "
+            "N K numel num_routed num_slots up_row up_scale_row a_div global_col scale_dtype scale_bytes "
             "stride_am stride_asm stride_re stride_rn stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn "
-            "stride_cm c_split_stride split_k naive has_nvalid mul_w"
+            "stride_cm c_split_stride split_k shared_split naive has_nvalid mul_w"
         ).split()
     ]
 
@@ -160,16 +161,28 @@ def _usable(capability: tuple[int, int]) -> bool:
     return lib is not None
 
 
-def supports(routed_format: str, hidden: int, intermediate: int, group: int | None = None) -> bool:
-    """The shapes and formats the kernel serves: MXFP4, NVFP4, or INT4 in scale groups of 32 times a power of two,
-    with H and I multiples of 128."""
+def supports(routed_format: str, hidden: int, intermediate: int, group: int | None = None, scale_size: int = 2) -> bool:
+    """The shapes and formats the kernel serves: MXFP4, NVFP4, or INT4 in scale groups of 32, 64 or 128 inputs
+    (``scale_size``: the bytes of one INT4 scale), with H and I multiples of 128, and of 256 where a row's scales for
+    128 inputs are fewer than 4 bytes (INT4 in groups of 128 with 2-byte scales: the kernel copies them in 4-byte
+    words, two steps of 128 inputs at a time)."""
     if routed_format not in FORMATS or hidden % 128 or intermediate % 128:
         return False
-    return routed_format != "int4" or (group is not None and group >= 32 and group % 32 == 0 and _pow2(group // 32))
+    if routed_format == "int4" and group not in (32, 64, 128):
+        return False
+    return scale_bytes_per_step(routed_format, group, scale_size) >= 4 or (
+        hidden % 256 == 0 and intermediate % 256 == 0
+    )
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+def scale_bytes_per_step(routed_format: str, group: int | None, scale_size: int) -> int:
+    """A routed row's scale bytes per 128 inputs: MXFP4 4 (E8M0 per 32), NVFP4 8 (e4m3 per 16), INT4
+    ``128 / group * scale_size``."""
+    if routed_format == "mxfp4":
+        return 4
+    if routed_format == "nvfp4":
+        return 8
+    return 128 // group * scale_size
 
 
 def decode_gemm(
@@ -196,10 +209,11 @@ def decode_gemm(
     routed_global=None,
     global_col=0,
     split_k=1,
-    unroll=2,
+    shared_split=2,
 ):
-    """One GEMM over mixed slots into ``c`` float32 ``[split_k, numel, N]`` (each K split's part; rows of pairs
-    that no M block holds are left as they are).
+    """One GEMM over mixed slots into ``c`` float32 ``[split_k * shared_split, numel, N]``: part ``k`` holds each
+    pair's sum over its slot's K part ``k``, routed slots in ``split_k`` parts (the rest zeros) and FP8 shared slots in
+    ``split_k * shared_split`` (:func:`k_parts`); rows of pairs that no M block holds are left as they are.
 
     ``a`` e4m3 ``[rows, K]`` with float32 1x128 scales ``a_scale [rows, K / 128]``; pair ``p`` reads row
     ``p // a_div``. Routed slots (``routed_format``, :class:`runtime.moe.FourBitExperts`' tensors):
@@ -216,7 +230,8 @@ def decode_gemm(
     scale rows from ``up_scale_row``. ``pairs`` is ``(sorted_ids, expert_ids, total, num_blocks, naive,
     has_nvalid)``: the alignment by slot in M blocks of :data:`BLOCK_M` (naive: one token, block ``m`` is pair
     ``m``, ``sorted_ids`` the flat slot ids and ``total`` the valid token count when ``has_nvalid``). ``mul_w``:
-    times the routing weight ``topk_w [numel]`` of each pair. K must be a multiple of 128 and N of 16."""
+    times the routing weight ``topk_w [numel]`` of each pair. :func:`supports` says which shapes and formats it
+    serves; the weights' rows must start 16-byte aligned and their scales' rows 4-byte aligned."""
     if routed_format not in FORMATS:
         raise ValueError(f"the decode kernel serves {', '.join(FORMATS)} routed slots, got {routed_format!r}")
     if routed_format == "nvfp4" and routed_global is None:
@@ -230,11 +245,15 @@ def decode_gemm(
             a, a_scale, routed, routed_scale, shared, shared_scale, c, pairs, N=N, K=K, numel=numel,
             num_routed=num_routed, up_row=up_row, up_scale_row=up_scale_row, a_div=a_div, mul_w=mul_w, topk_w=topk_w,
             routed_format=routed_format, group=group, routed_global=routed_global, global_col=global_col,
-            split_k=split_k,
+            split_k=split_k, shared_split=shared_split,
         )  # fmt: skip
         return c
-    if unroll not in UNROLLS:
-        raise ValueError(f"decode_unroll must be one of {UNROLLS}, got {unroll!r}")
+    if shared_split not in SHARED_SPLITS:
+        raise ValueError(f"decode_shared_split must be one of {SHARED_SPLITS}, got {shared_split!r}")
+    if c.shape[0] != split_k * shared_split:
+        raise ValueError(f"c must hold split_k * shared_split = {split_k * shared_split} parts, got {c.shape[0]}")
+    scale_bytes = scale_bytes_per_step(routed_format, group, routed_scale.element_size())
+    _check_operands(a, a_scale, routed, routed_scale, shared, N, K, up_row, scale_bytes)
     scale_dtype = 0
     if routed_format == "int4":
         if routed_scale.dtype not in SCALE_DTYPES:
@@ -249,19 +268,51 @@ def decode_gemm(
         a.data_ptr(), a_scale.data_ptr(), routed.data_ptr(), routed_scale.data_ptr(), shared.data_ptr(),
         shared_scale.data_ptr(), c.data_ptr(), sorted_ids.data_ptr(), expert_ids.data_ptr(), total.data_ptr(),
         topk_w.data_ptr(), g_ptr,
-        N, K, numel, num_routed, num_routed + shared.shape[0], up_row, up_scale_row, a_div, global_col,
-        (group // 32).bit_length() - 1 if routed_format == "int4" else 0, scale_dtype,
+        N, K, numel, num_routed, num_routed + shared.shape[0], up_row, up_scale_row, a_div, global_col, scale_dtype,
+        scale_bytes,
         a.stride(0), a_scale.stride(0), routed.stride(0), routed.stride(1), routed_scale.stride(0) * rs_size,
         routed_scale.stride(1) * rs_size, shared.stride(0), shared.stride(1), shared_scale.stride(0),
-        shared_scale.stride(1), c.stride(1), c.stride(0), split_k, int(naive), int(has_nvalid), int(mul_w),
+        shared_scale.stride(1), c.stride(1), c.stride(0), split_k, shared_split, int(naive), int(has_nvalid),
+        int(mul_w),
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
+    shift = (group // 32).bit_length() - 1 if routed_format == "int4" else 0  # INT4 groups of 32 << shift
     err = lib.fuse_shared_mixed_decode(
-        ctypes.byref(p), FORMATS[routed_format], num_blocks, unroll, ctypes.c_void_p(stream)
+        ctypes.byref(p), FORMATS[routed_format], num_blocks, shift, ctypes.c_void_p(stream)
     )
     if err:
         raise RuntimeError(f"the mixed-slot decode kernel did not launch (CUDA error {err})")
     return c
+
+
+def k_parts(nk: int, split_k: int, shared_split: int, routed: bool) -> list[slice]:
+    """The K parts of one slot, as slices of its ``nk`` steps of 128 inputs, one per part of ``c``: a routed slot's
+    stages of 256 inputs over ``split_k`` parts (the rest empty), a shared slot's steps over
+    ``split_k * shared_split``."""
+    parts = split_k * shared_split
+    if routed:
+        per = -(-((nk + 1) // 2) // split_k) * 2
+        return [slice(min(k * per, nk), min((k + 1) * per, nk)) if k < split_k else slice(0, 0) for k in range(parts)]
+    per = -(-nk // parts)
+    return [slice(min(k * per, nk), min((k + 1) * per, nk)) for k in range(parts)]
+
+
+def _check_operands(a, a_scale, routed, routed_scale, shared, N, K, up_row, scale_bytes):
+    """What the kernel's copies assume, as one ValueError naming the operand: 16-byte copies of weight and activation
+    rows, 4-byte copies of scale words, 64-row programs that never straddle a 128-row scale block."""
+    if K % 128 or N % 64 or up_row % 128 or (scale_bytes < 4 and K % 256):
+        raise ValueError(
+            f"the decode kernel needs K a multiple of 128 (256 for these scales), N of 64, got K {K}, N {N}"
+        )
+    for name, t, row_bytes, align in (
+        ("activations", a, a.stride(0) * a.element_size(), 16),
+        ("routed weights", routed, routed.stride(1), 16),
+        ("shared weights", shared, shared.stride(1) * shared.element_size(), 16),
+        ("routed scales", routed_scale, routed_scale.stride(1) * routed_scale.element_size(), 4),
+        ("activation scales", a_scale, a_scale.stride(0) * 4, 4),
+    ):
+        if t.data_ptr() % align or row_bytes % align:
+            raise ValueError(f"the decode kernel needs the {name}' rows {align}-byte aligned")
 
 
 def e2m1_to_e4m3_bits(codes: torch.Tensor, high: bool) -> torch.Tensor:
@@ -345,16 +396,16 @@ def decode_gemm_reference(
     routed_global=None,
     global_col=0,
     split_k=1,
+    shared_split=2,
 ):
     """:func:`decode_gemm` in PyTorch, the kernel's twin: the same arguments and result, the same operand order
     (:func:`mma_slot_order`), expansions (:func:`e2m1_to_e4m3_bits`, :func:`int4_to_e4m3_bits`) and sums (float32
     per scale group times its scale, per 128 inputs times the activations' scale, per K split; NVFP4 rows times
-    their global scale)."""
+    their global scale), the same K parts (:func:`k_parts`)."""
     routed = routed.view(torch.uint8)
     sorted_ids, expert_ids, total, num_blocks, naive, has_nvalid = pairs
     E = routed.shape[0]
     nk = K // 128
-    per = -(-nk // split_k)
     n = torch.arange(N)
     for m in range(num_blocks):
         if naive:
@@ -387,8 +438,8 @@ def decode_gemm_reference(
             srow = torch.where(n < up_row, n // 128, up_scale_row + (n - up_row) // 128)
             per128 = blocks * shared_scale[sl][srow, :nk].float()
         per128 = per128 * xs[:, None, :]
-        for k in range(split_k):
-            part = per128[:, :, k * per : (k + 1) * per].sum(-1)
+        for k, steps in enumerate(k_parts(nk, split_k, shared_split, routed=e < E)):
+            part = per128[:, :, steps].sum(-1)
             if mul_w:
                 part = part * topk_w[block].float()[:, None]
             c[k, block] = part

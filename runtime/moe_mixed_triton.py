@@ -74,7 +74,7 @@ MIXED_TILE_KEYS = (
     "int4_mma",
     "mxfp4_mma",
     "decode_kernel",
-    "decode_unroll",
+    "decode_shared_split",
 )
 DECODE_KERNELS = ("auto", "cuda", "triton")
 # the CUDA decode GEMM (moe_mixed_cuda) while slots hold few pairs each: it reads each slot's weights once per M block
@@ -267,8 +267,8 @@ def _mixed_gemm_kernel(
     ``s`` FP8 ``[S, N, K]`` with 128x128 scales ``s_scale``, whose rows from ``up_row`` on (GEMM1's up half) take
     their scales from row ``up_scale_row``. R_TMA: ``r_ptr`` is a tensor descriptor over the routed weights seen as
     ``[E * N, row bytes or words]`` (Hopper's copy engine loads their tiles, which Triton's pipeline then overlaps
-    with the MMAs; a plain load of a tile that is expanded in registers is not pipelined). NAIVE (one token): M block ``m`` is pair ``m``, its slot
-    ``sorted_ptr[m]``."""
+    with the MMAs; a plain load of a tile that is expanded in registers is not pipelined). NAIVE (one token): M block
+    ``m`` is pair ``m``, its slot ``sorted_ptr[m]``."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
@@ -439,7 +439,8 @@ def mixed_tile_config(
         # kernel has passed its GPU tests (tests/runtime/test_gpu_mixed.py) and been timed on a card: it has not
         # yet run on one
         "decode_kernel": "triton",
-        "decode_unroll": 2,  # the CUDA decode GEMM's K steps of 128 inputs loaded ahead (1, 2 or 4)
+        # the CUDA decode GEMM: the FP8 shared slots' K parts per routed part (twice the bytes per input)
+        "decode_shared_split": 2,
     }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
@@ -449,8 +450,8 @@ def mixed_tile_config(
         raise ValueError(
             f"mixed tile config decode_kernel must be one of {DECODE_KERNELS}, got {cfg['decode_kernel']!r}"
         )
-    if cfg["decode_unroll"] not in moe_mixed_cuda.UNROLLS:
-        raise ValueError(f"mixed tile config decode_unroll must be one of {moe_mixed_cuda.UNROLLS}")
+    if cfg["decode_shared_split"] not in moe_mixed_cuda.SHARED_SPLITS:
+        raise ValueError(f"mixed tile config decode_shared_split must be one of {moe_mixed_cuda.SHARED_SPLITS}")
     if cfg["mxfp4_mma"] not in ("scaled", "fold"):
         raise ValueError(f"mixed tile config mxfp4_mma must be 'scaled' or 'fold', got {cfg['mxfp4_mma']!r}")
     if cfg["int4_mma"] not in ("fp8", "fp16"):
@@ -466,12 +467,13 @@ def _use_decode_kernel(cfg, pairs_per_slot, routed, H, I, device, compiled) -> b
     choice = cfg["decode_kernel"]
     if choice == "triton":
         return False
-    served = moe_mixed_cuda.supports(routed.format, H, I, routed.group)
+    served = moe_mixed_cuda.supports(routed.format, H, I, routed.group, routed.gate_up_scale.element_size())
     if choice == "cuda":
         if not served:
             raise ValueError(
-                "decode_kernel 'cuda' serves MXFP4, NVFP4 and INT4 (scale groups of 32 times a power of two) routed "
-                f"slots with H and I multiples of 128, got {routed.format} (group {routed.group}), H {H}, I {I}"
+                "decode_kernel 'cuda' serves MXFP4, NVFP4 and INT4 (scale groups of 32, 64 or 128) routed slots with "
+                f"H and I multiples of 128 (moe_mixed_cuda.supports), got {routed.format} (group {routed.group}), "
+                f"H {H}, I {I}"
             )
         return True
     return served and compiled and pairs_per_slot <= DECODE_MAX_PAIRS_PER_SLOT and moe_mixed_cuda.usable(device)
@@ -544,15 +546,17 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         r, rs, w, ws = (t.contiguous() for t in weights)
         if rs.dtype == torch.float8_e4m3fn:  # NVFP4's scales, decoded from their bits in the kernel
             rs = rs.view(torch.uint8)
-        c = _alloc((split, numel, N), torch.float32, x)
-        if decode:
+        if decode:  # K parts: the routed slots' split, the shared slots' times decode_shared_split
+            ss = cfg["decode_shared_split"]
+            c = _alloc((split * ss, numel, N), torch.float32, x)
             pairs = (sorted_ids, expert_ids, bound, num_pid_m, naive, has_nv)
             return moe_mixed_cuda.decode_gemm(
                 a, a_s, r, rs, w, ws, c, pairs, N=N, K=K, numel=numel, num_routed=E, up_row=up_row,
                 up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1),
                 routed_format=routed.format, group=routed.group, routed_global=r_global, global_col=global_col,
-                split_k=split, unroll=cfg["decode_unroll"],
+                split_k=split, shared_split=ss,
             )  # fmt: skip
+        c = _alloc((split, numel, N), torch.float32, x)
         r_strides = r.stride(0), r.stride(1)
         if cfg["weight_tma"]:  # the routed tiles by the copy engine: [BN, 128 inputs] of four-bit bytes or INT4 words
             r = _weight_tiles(r, BN, 16 if i4_f16 else common["KSTEP"] // 8 if routed.format == "int4" else 64)
@@ -603,20 +607,20 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     xq, xs = _quantize_rows(launch, x, T, H, x.stride(0), x.stride(1))
     # GEMM1 over gate | up (2I rows), then one launch sums its K splits, applies each slot's SwiGLU and quantizes h
     # per 128 columns (the FP8 path's own kernel); a split K keeps every SM busy when few tokens leave few M blocks.
-    split1 = cfg["gemm1_split_k"]
     c1 = gemm(
         xq,
         xs,
         (routed.gate_up, routed.gate_up_scale, shared.gate_up, shared.gate_up_scale),
         2 * I,
         H,
-        split1,
+        cfg["gemm1_split_k"],
         I,
         triton.cdiv(I, 128),
         0,
         KS,
         False,
     )
+    split1 = c1.shape[0]  # the K parts each pair's sum lies in
     act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     h, h_s = _quantize_rows(
         launch,
@@ -630,7 +634,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
         slots=(ids_c.view(-1), act, NE),
         post_clamp=experts.post_clamp,
     )
-    split2 = cfg["gemm2_split_k"]
-    c = gemm(h, h_s, (routed.down, routed.down_scale, shared.down, shared.down_scale), H, I, split2, H, 0, 2, 1, True)
-    _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, NE, split2)
+    down = (routed.down, routed.down_scale, shared.down, shared.down_scale)
+    c = gemm(h, h_s, down, H, I, cfg["gemm2_split_k"], H, 0, 2, 1, True)
+    _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, NE, c.shape[0])
     return out

@@ -21,8 +21,12 @@ SHAPES = {
 }
 
 
+# small shapes whose K runs end on a half stage (3 and 1 steps of 128 inputs) and whose N is one program of 64 rows
+ODD_SHAPES = {f"odd-{fmt}": (384, 128, 8, 1, 3, fmt, 10.0) for fmt in ("mxfp4", "int4", "nvfp4")}
+
+
 def mixed_experts(name, seed=0):
-    H, I, E, S, K, fmt, limit = SHAPES[name]
+    H, I, E, S, K, fmt, limit = {**SHAPES, **ODD_SHAPES}[name]
     g = torch.Generator(device="cuda").manual_seed(seed)
     routed = random_four_bit_experts(E, H, I, fmt, gen=g, device="cuda")
     shared = random_fp8_experts(S, H, I, device="cuda", seed=seed + 1)
@@ -69,7 +73,7 @@ def test_mixed_padding_rows_under_a_fixed_shape(name):
     assert rel(out[:9], fused_moe(x[:9], ew, ids[:9], w[:9], backend="triton", tile_config=tiles)) < 1e-6
 
 
-def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, unroll, gemm1):
+def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, shared_split, gemm1):
     """One GEMM of the CUDA decode kernel and of its PyTorch twin (on CPU copies) on the same operands; ``pairs`` is
     (sorted ids, slot per block, total, blocks, naive, a_div, numel)."""
     from runtime.moe_mixed_cuda import decode_gemm
@@ -87,46 +91,48 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, unroll, gemm1):
     P = (pairs[0], pairs[1], pairs[2], pairs[3], pairs[4], False)
     topk_w = torch.rand(numel, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     kw = dict(N=N, K=K, numel=numel, num_routed=E, up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0,
-              a_div=pairs[5], mul_w=mul_w, split_k=split_k, routed_format=r.format, group=r.group,
-              global_col=0 if gemm1 else 2)  # fmt: skip
+              a_div=pairs[5], mul_w=mul_w, split_k=split_k, shared_split=shared_split, routed_format=r.format,
+              group=r.group, global_col=0 if gemm1 else 2)  # fmt: skip
     g = r.global_scale
-    c = torch.full((split_k, numel, N), float("nan"), device="cuda")
-    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, unroll=unroll, routed_global=g, **kw)
+    parts = split_k * shared_split
+    c = torch.full((parts, numel, N), float("nan"), device="cuda")
+    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, routed_global=g, **kw)
     cpu = [t.cpu() for t in (a, a_s, *ops)]
-    c_ref = torch.full((split_k, numel, N), float("nan"))
+    c_ref = torch.full((parts, numel, N), float("nan"))
     Pc = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in P)
     decode_gemm(*cpu, c_ref, Pc, topk_w=topk_w.cpu(), routed_global=None if g is None else g.cpu(), **kw)
     return c.cpu(), c_ref
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("unroll", [1, 2, 4])
+@pytest.mark.parametrize("name", list(SHAPES) + list(ODD_SHAPES))
+@pytest.mark.parametrize("shared_split", [1, 2])
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
-def test_decode_kernel_equals_its_twin(name, unroll, gemm1):
-    """The CUDA decode GEMM against its PyTorch twin at each release's shape and format: one token (each pair its
-    own block) and blocks of 8 pairs with padding, K splits; the same products in another float32 order."""
+def test_decode_kernel_equals_its_twin(name, shared_split, gemm1):
+    """The CUDA decode GEMM against its PyTorch twin at each release's shape and format (and at small shapes whose K
+    ends on half a stage): one token (each pair its own block) and blocks of 8 pairs with padding, K splits, the
+    shared slot's K in shared_split times as many parts; the same products in another float32 order."""
     torch.manual_seed(0)
-    H, I, E, S, K, _, _ = SHAPES[name]
+    H, I, E, S, K, _, _ = {**SHAPES, **ODD_SHAPES}[name]
     ew = mixed_experts(name, seed=11)
     Kin = H if gemm1 else I
     # one token: its K slots (6 routed, the shared one), each a block
-    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda")
+    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda") % (E + 1)
     rows = 1 if gemm1 else 7
     a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
     a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
     naive = (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)  # pairs, blocks, naive, a_div, numel
-    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, unroll, gemm1)
+    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, shared_split, gemm1)
     assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
     # 3 blocks of 8: a routed slot with 5 pairs, the shared slot with 8, a routed slot with 1
     numel = 14
     sorted_ids = torch.tensor([0, 3, 5, 7, 12] + [numel] * 3 + [1, 2, 4, 6, 8, 9, 10, 11] + [13] + [numel] * 7,
                               dtype=torch.int32, device="cuda")  # fmt: skip
-    expert_ids = torch.tensor([17, E, 250], dtype=torch.int32, device="cuda")
+    expert_ids = torch.tensor([17 % E, E, 250 % E], dtype=torch.int32, device="cuda")
     total = torch.tensor([24], dtype=torch.int32, device="cuda")
     a = (torch.randn(numel, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
     a_s = torch.rand(numel, Kin // 128, device="cuda") + 0.5
     c, c_ref = _decode_gemm_both(
-        ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, unroll, gemm1
+        ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, shared_split, gemm1
     )
     assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
 

@@ -10,10 +10,13 @@ from runtime import fused_moe
 from runtime._backend import triton_available
 from runtime.fp8 import dequantize_block_fp8
 from runtime.moe_mixed_cuda import (
+    SOURCE,
+    _Params,
     build_command,
     decode_gemm_reference,
     e2m1_to_e4m3_bits,
     int4_to_e4m3_bits,
+    k_parts,
     library_path,
     mma_slot_order,
     nvcc_path,
@@ -88,7 +91,7 @@ def test_twin_gemm_equals_a_plain_product(fmt, group, gemm1):
     sorted_ids = torch.tensor([0, 2, 4, P, P, P, P, P, 1, 3, P, P, P, P, P, P], dtype=torch.int32)
     expert_ids = torch.tensor([1, 2], dtype=torch.int32)  # a routed slot, then the shared one
     total = torch.tensor([16], dtype=torch.int32)
-    c = torch.full((2, P, N), float("nan"))
+    c = torch.full((4, P, N), float("nan"))  # split_k 2 times shared_split 2
     decode_gemm_reference(
         a, a_s, *ops, c, (sorted_ids, expert_ids, total, 2, False, False), N=N, K=K, numel=P, num_routed=E,
         up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0, a_div=1, mul_w=False, topk_w=torch.ones(P),
@@ -145,12 +148,51 @@ def test_decode_kernel_choice_is_checked():
     assert mixed_tile_config(1, 7, 257, {"decode_kernel": "auto"})["decode_kernel"] == "auto"
     with pytest.raises(ValueError, match="decode_kernel"):
         mixed_tile_config(1, 7, 257, {"decode_kernel": "fast"})
-    with pytest.raises(ValueError, match="decode_unroll"):
-        mixed_tile_config(1, 7, 257, {"decode_unroll": 3})
-    assert supports("mxfp4", 4096, 2048) and supports("nvfp4", 4096, 2048)
+    with pytest.raises(ValueError, match="decode_shared_split"):
+        mixed_tile_config(1, 7, 257, {"decode_shared_split": 3})
+    assert supports("mxfp4", 4096, 2048) and supports("nvfp4", 4096, 2048) and supports("mxfp4", 4096, 1408)
     assert supports("int4", 7168, 2048, 32) and supports("int4", 7168, 2048, 128)
     assert not supports("int4", 7168, 2048, 16) and not supports("int4", 7168, 2048, 96)
+    assert not supports("int4", 7168, 2048, 256)  # one 2-byte scale per 256 inputs: not a 4-byte word per stage
+    # groups of 128 with 2-byte scales: 2 bytes per 128 inputs, copied 4 at a time, so K a multiple of 256
+    assert not supports("int4", 7168, 1408, 128, scale_size=2) and supports("int4", 7168, 1408, 128, scale_size=4)
     assert not supports("mxfp4", 4096, 2080) and not supports("fp8", 4096, 2048)
+
+
+@pytest.mark.parametrize("nk", [1, 2, 5, 16, 32, 56])
+@pytest.mark.parametrize("split_k,shared_split", [(1, 1), (1, 2), (2, 2), (3, 2), (4, 1), (2, 4)])
+def test_k_parts_cover_every_step_once(nk, split_k, shared_split):
+    """Both slots' K parts, one per part of c, cover the steps of 128 inputs once each, in order; a routed part
+    starts on a stage of 256 inputs (the kernel's copies), and parts past a routed slot's split are empty."""
+    for routed in (True, False):
+        parts = k_parts(nk, split_k, shared_split, routed)
+        assert len(parts) == split_k * shared_split
+        steps = [i for s in parts for i in range(nk)[s]]
+        assert steps == list(range(nk))
+        if routed:
+            assert all(s.start % 2 == 0 or s.start == s.stop for s in parts)
+            assert all(s.start == s.stop for s in parts[split_k:])
+    # the shared slot's parts are shared_split times shorter: no program carries twice the others' bytes
+    assert len(range(nk)[k_parts(nk, 1, 2, False)[0]]) == -(-nk // 2)
+
+
+def test_params_struct_matches_the_kernel_source():
+    """The ctypes struct and the .cu's Params, field for field (a reordered or missing field would shift every
+    later one: the kernel would read strides as counts)."""
+    import re
+
+    body = re.search(r"struct Params \{(.*?)\n\};", SOURCE.read_text(), re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        kind, names = re.match(r"(const \w+\*|\w+\*|int64_t)\s+(.*)", decl, re.S).groups()
+        for name in names.split(","):
+            fields.append((name.strip(), "ptr" if "*" in kind else "i64"))
+    expected = [(n, "ptr" if t.__name__ == "c_void_p" else "i64") for n, t in _Params._fields_]
+    assert fields == expected
 
 
 @needs_triton
