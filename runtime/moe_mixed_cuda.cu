@@ -52,13 +52,14 @@ struct Params {
     int64_t stride_am, stride_asm, stride_re, stride_rn, stride_rse, stride_rsn;  // routed strides in bytes
     int64_t stride_se, stride_sn, stride_sse, stride_ssn, stride_cm, c_split_stride;
     int64_t split_k, shared_split, naive, has_nvalid, mul_w;
+    int64_t stages;             // the ring's depth (3, 4 or 6)
+    int64_t pdl;                // launched as a programmatic dependent launch (waits for the previous launch's data)
 };
 
 constexpr int BM = 8;          // pairs per M block (the MMA's N)
 constexpr int WARPS = 4;       // warps per program, 16 rows each
 constexpr int ROWS = WARPS * 16;
 constexpr int THREADS = WARPS * 32;
-constexpr int STAGES = 3;
 constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_cuda.FORMATS
 constexpr int SCALE_BF16 = 0, SCALE_F32 = 2;  // INT4's scale dtypes (Params.scale_dtype; 1: FP16)
 
@@ -66,14 +67,21 @@ constexpr int SCALE_BF16 = 0, SCALE_F32 = 2;  // INT4's scale dtypes (Params.sca
 // shared slot's block scale
 constexpr int W4_STRIDE = 144;  // a four-bit row's 128 bytes + 16: thread (g, c)'s 4-byte loads hit 32 banks
 constexpr int W8_STRIDE = 160;  // an FP8 row's 128 bytes + 32: conflict-free 8-byte loads
-constexpr int SC_STRIDE = 48;   // up to 32 scale bytes per row (INT4 F32 in groups of 32), 16-byte aligned
 constexpr int X_STRIDE = 288;   // a pair's 256 activation bytes + 32
 constexpr int SC_OFF = ROWS * W8_STRIDE;
-constexpr int X_OFF = SC_OFF + ROWS * SC_STRIDE;
-constexpr int AS_OFF = X_OFF + BM * X_STRIDE;
-constexpr int BS_OFF = AS_OFF + 2 * BM * 4;
-constexpr int STAGE_BYTES = BS_OFF + 16;
-static_assert(STAGES * STAGE_BYTES <= 48 * 1024, "the ring must fit the static shared memory limit");
+
+// a routed row's scale bytes in a stage, as laid out (MXFP4 8, read as one 8-byte word; else at least 16, read as
+// 16-byte words)
+__host__ __device__ constexpr int scale_stride(int fmt, int64_t scale_bytes) {
+    return fmt == MXFP4 ? 8 : (int)(2 * scale_bytes > 16 ? 2 * scale_bytes : 16);
+}
+
+struct StageLayout {
+    int x_off, as_off, bs_off, bytes;
+    __host__ __device__ StageLayout(int sc_stride)
+        : x_off(SC_OFF + ROWS * sc_stride), as_off(x_off + BM * X_STRIDE), bs_off(as_off + 2 * BM * 4),
+          bytes(bs_off + 16) {}
+};
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -158,14 +166,15 @@ struct StageScales {
 };
 
 template <int FMT>
-__device__ __forceinline__ StageScales<FMT> load_stage_scales(const uint8_t* row) {
-    StageScales<FMT> s;
+__device__ __forceinline__ StageScales<FMT> load_stage_scales(const uint8_t* row, int sc_stride) {
+    StageScales<FMT> s = {};
     if constexpr (FMT == MXFP4) {
         const uint2 v = *reinterpret_cast<const uint2*>(row);
         s.w[0] = v.x, s.w[1] = v.y;
     } else {
 #pragma unroll
         for (int i = 0; i < (FMT == NVFP4 ? 1 : 2); ++i) {
+            if (16 * i >= sc_stride) break;  // INT4: only F32 scales in groups of 32 fill a second word
             const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * i);
             s.w[4 * i] = v.x, s.w[4 * i + 1] = v.y, s.w[4 * i + 2] = v.z, s.w[4 * i + 3] = v.w;
         }
@@ -188,9 +197,11 @@ __device__ __forceinline__ float group_scale(const StageScales<FMT>& s, int pos,
     }
 }
 
-template <int FMT, int SHIFT>
+template <int FMT, int SHIFT, int STAGES>
 __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p) {
-    __shared__ __align__(16) uint8_t ring[STAGES][STAGE_BYTES];
+    extern __shared__ __align__(16) uint8_t ring[];  // STAGES stages of StageLayout(sc_stride).bytes
+    const int sc_stride = scale_stride(FMT, p.scale_bytes);
+    const StageLayout L(sc_stride);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
     const int64_t pid_m = blockIdx.y, pid_k = blockIdx.z;
@@ -244,39 +255,52 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     const int64_t srow = n0 < p.up_row ? n0 / 128 : p.up_scale_row + (n0 - p.up_row) / 128;
     const float* bs_src = p.s_scale + (routed ? 0 : sl * p.stride_sse + srow * p.stride_ssn);
 
-    auto issue = [&](int64_t i) {
-        if (i < count) {
-            uint8_t* st = ring[i % STAGES];
-            const int64_t k = first + i;  // stage index: four-bit 256 inputs, FP8 128
-            if (routed) {
-                const int nks = 2 * k + 1 < nk ? 2 : 1;
+    auto stage = [&](int64_t i) { return ring + (i % STAGES) * L.bytes; };
+    // stage i's weights and their scales: they never depend on the launch before this one
+    auto copy_weights = [&](int64_t i) {
+        uint8_t* st = stage(i);
+        const int64_t k = first + i;  // stage index: four-bit 256 inputs, FP8 128
+        if (routed) {
+            const int nks = 2 * k + 1 < nk ? 2 : 1;
 #pragma unroll
-                for (int t = 0; t < 4; ++t) {
-                    const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
-                    if (ch < 4 * nks)
-                        cp_async16(st + r * W4_STRIDE + 16 * ch, w_src + r * w_stride + k * 128 + 16 * ch);
-                }
-                const int nw = (int)(nks * p.scale_bytes) >> 2;  // scale words per row (1..8)
-                for (int idx = tid; idx < ROWS * nw; idx += THREADS) {
-                    const int r = idx / nw, w = idx - r * nw;
-                    cp_async4(st + SC_OFF + r * SC_STRIDE + 4 * w,
-                              sc_src + r * p.stride_rsn + k * 2 * p.scale_bytes + 4 * w);
-                }
-                if (x_pair < p.numel && xch < 8 * nks)
-                    cp_async16(st + X_OFF + xq * X_STRIDE + 16 * xch, x_src + k * 256);
-                if (as_pair < p.numel && (tid & 1) < nks) cp_async4(st + AS_OFF + 4 * tid, as_src + 2 * k + (tid & 1));
-            } else {
-#pragma unroll
-                for (int t = 0; t < 4; ++t) {
-                    const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
-                    cp_async16(st + r * W8_STRIDE + 16 * ch, w_src + r * w_stride + k * 128 + 16 * ch);
-                }
-                if (x_pair < p.numel) cp_async16(st + X_OFF + xq * X_STRIDE + 16 * xch, x_src + k * 128);
-                if (as_pair < p.numel) cp_async4(st + AS_OFF + 4 * asq, as_src + k);
-                if (tid == 72) cp_async4(st + BS_OFF, bs_src + k);
+            for (int t = 0; t < 4; ++t) {
+                const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
+                if (ch < 4 * nks) cp_async16(st + r * W4_STRIDE + 16 * ch, w_src + r * w_stride + k * 128 + 16 * ch);
             }
+            const int nw = (int)(nks * p.scale_bytes) >> 2;  // scale words per row (1..8)
+            for (int idx = tid; idx < ROWS * nw; idx += THREADS) {
+                const int r = idx / nw, w = idx - r * nw;
+                cp_async4(st + SC_OFF + r * sc_stride + 4 * w,
+                          sc_src + r * p.stride_rsn + k * 2 * p.scale_bytes + 4 * w);
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
+                cp_async16(st + r * W8_STRIDE + 16 * ch, w_src + r * w_stride + k * 128 + 16 * ch);
+            }
+            if (tid == 72) cp_async4(st + L.bs_off, bs_src + k);
         }
-        cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+    };
+    // stage i's activations and their scales (the previous launch's output): by cp.async, or by plain loads and
+    // stores for the stages the prologue fetched before waiting for that launch
+    auto copy_activations = [&](int64_t i, bool async) {
+        uint8_t* st = stage(i);
+        const int64_t k = first + i;
+        const int nks = routed && 2 * k + 1 >= nk ? 1 : 2;
+        const bool x_ok = x_pair < p.numel && (!routed || xch < 8 * nks);
+        const bool as_ok = as_pair < p.numel && (!routed || (tid & 1) < nks);
+        uint8_t* x_dst = st + L.x_off + xq * X_STRIDE + 16 * xch;
+        const uint8_t* x_at = x_src + k * (routed ? 256 : 128);
+        uint8_t* as_dst = st + L.as_off + 4 * (routed ? tid : asq);
+        const float* as_at = as_src + (routed ? 2 * k + (tid & 1) : k);
+        if (async) {
+            if (x_ok) cp_async16(x_dst, x_at);
+            if (as_ok) cp_async4(as_dst, as_at);
+        } else {
+            if (x_ok) *reinterpret_cast<uint4*>(x_dst) = *reinterpret_cast<const uint4*>(x_at);
+            if (as_ok) *reinterpret_cast<float*>(as_dst) = *as_at;
+        }
     };
 
     // the accumulator's pairs: B's column g, the accumulator's columns 2c and 2c + 1
@@ -286,19 +310,38 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the program
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 
+    // the prologue: the first STAGES - 1 stages' weights, one copy group each, in flight before this program waits
+    // for the launch before it (a programmatic dependent launch starts while that one drains); then their
+    // activations, which that launch wrote
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(i);
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < count) copy_weights(i);
+        cp_async_commit();
+    }
+    if (p.pdl) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;");
+    }
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i)
+        if (i < count) copy_activations(i, false);
     for (int64_t i = 0; i < count; ++i) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        issue(i + STAGES - 1);  // into the buffer computed in the last iteration, which every thread has left
-        const uint8_t* st = ring[i % STAGES];
-        const uint8_t* xg = st + X_OFF + g * X_STRIDE + 8 * c;
-        const float* as = reinterpret_cast<const float*>(st + AS_OFF);
+        // into the buffer computed in the last iteration, which every thread has left; an empty group past the end
+        // keeps the wait counts uniform
+        if (i + STAGES - 1 < count) {
+            copy_weights(i + STAGES - 1);
+            copy_activations(i + STAGES - 1, true);
+        }
+        cp_async_commit();
+        const uint8_t* st = stage(i);
+        const uint8_t* xg = st + L.x_off + g * X_STRIDE + 8 * c;
+        const float* as = reinterpret_cast<const float*>(st + L.as_off);
         if (routed) {
             const int nks = 2 * (first + i) + 1 < nk ? 2 : 1;
-            const StageScales<FMT> sc0 = load_stage_scales<FMT>(st + SC_OFF + r0 * SC_STRIDE);
-            const StageScales<FMT> sc1 = load_stage_scales<FMT>(st + SC_OFF + r1 * SC_STRIDE);
+            const StageScales<FMT> sc0 = load_stage_scales<FMT>(st + SC_OFF + r0 * sc_stride, sc_stride);
+            const StageScales<FMT> sc1 = load_stage_scales<FMT>(st + SC_OFF + r1 * sc_stride, sc_stride);
             const bool first_half = c < 2;  // NVFP4: this thread's inputs 8c .. 8c + 7 lie in the group's first 16
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
@@ -342,7 +385,7 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
                 mma_e4m3(blk, prmt(v0.x, v0.y, 0x6420u), prmt(v1.x, v1.y, 0x6420u), prmt(v0.x, v0.y, 0x7531u),
                          prmt(v1.x, v1.y, 0x7531u), prmt(xv.x, xv.y, 0x6420u), prmt(xv.x, xv.y, 0x7531u));
             }
-            const float bs = *reinterpret_cast<const float*>(st + BS_OFF);
+            const float bs = *reinterpret_cast<const float*>(st + L.bs_off);
             const float as0 = ok_0 ? as[2 * c] * bs : 0.f, as1 = ok_1 ? as[2 * c + 1] * bs : 0.f;
             acc[0] = fmaf(blk[0], as0, acc[0]);
             acc[1] = fmaf(blk[1], as1, acc[1]);
@@ -378,10 +421,34 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     }
 }
 
+template <int FMT, int SHIFT, int STAGES>
+int launch_stages(const Params* p, dim3 grid, cudaStream_t st) {
+    const auto kernel = mixed_decode_kernel<FMT, SHIFT, STAGES>;
+    const int smem = STAGES * StageLayout(scale_stride(FMT, p->scale_bytes)).bytes;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = p->pdl ? 1 : 0;
+    err = cudaLaunchKernelEx(&cfg, kernel, *p);
+    return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
 template <int FMT, int SHIFT>
 int launch(const Params* p, dim3 grid, cudaStream_t st) {
-    mixed_decode_kernel<FMT, SHIFT><<<grid, THREADS, 0, st>>>(*p);
-    return (int)cudaGetLastError();
+    switch (p->stages) {
+        case 3: return launch_stages<FMT, SHIFT, 3>(p, grid, st);
+        case 4: return launch_stages<FMT, SHIFT, 4>(p, grid, st);
+        case 6: return launch_stages<FMT, SHIFT, 6>(p, grid, st);
+        default: return (int)cudaErrorInvalidValue;
+    }
 }
 
 }  // namespace

@@ -34,6 +34,7 @@ BLOCK_M = 8  # pairs per M block: the MMA's N
 FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernels (this one's and the Triton one's)
 SCALE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # INT4 group scales
 ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
+STAGES = (3, 4, 6)  # the depths of the cp.async ring built
 SHARED_SPLITS = (1, 2, 4)  # the FP8 shared slots' K parts per routed part (twice the bytes per input: 2 balances)
 
 
@@ -48,7 +49,7 @@ class _Params(ctypes.Structure):
         for name in (
             "N K numel num_routed num_slots up_row up_scale_row a_div global_col scale_dtype scale_bytes "
             "stride_am stride_asm stride_re stride_rn stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn "
-            "stride_cm c_split_stride split_k shared_split naive has_nvalid mul_w"
+            "stride_cm c_split_stride split_k shared_split naive has_nvalid mul_w stages pdl"
         ).split()
     ]
 
@@ -210,6 +211,8 @@ def decode_gemm(
     global_col=0,
     split_k=1,
     shared_split=2,
+    stages=4,
+    dependent_launch=False,
 ):
     """One GEMM over mixed slots into ``c`` float32 ``[split_k * shared_split, numel, N]``: part ``k`` holds each
     pair's sum over its slot's K part ``k``, routed slots in ``split_k`` parts (the rest zeros) and FP8 shared slots in
@@ -221,7 +224,7 @@ def decode_gemm(
     - ``"mxfp4"``: ``routed`` uint8 codes ``[E, N, K / 2]`` (two per byte, the first in the low nibble) with uint8
       E8M0 scales ``routed_scale [E, N, K / 32]``;
     - ``"int4"``: ``routed`` int32 words ``[E, N, K / 8]`` (input ``8w + i`` in bits ``4i``, stored ``q + 8``) with
-      bf16, fp16 or float32 scales ``[E, N, K / group]``, ``group`` 32 times a power of two;
+      bf16, fp16 or float32 scales ``[E, N, K / group]``, ``group`` 32, 64 or 128;
     - ``"nvfp4"``: ``routed`` as MXFP4's, e4m3 scales (or their uint8 bits) ``[E, N, K / 16]`` and float32 global
       scales ``routed_global [E, 3]``: GEMM1 (gate | up) reads column ``global_col`` for rows below ``up_row`` and the
       next one from there, GEMM2 (down) column ``global_col``.
@@ -231,7 +234,11 @@ def decode_gemm(
     has_nvalid)``: the alignment by slot in M blocks of :data:`BLOCK_M` (naive: one token, block ``m`` is pair
     ``m``, ``sorted_ids`` the flat slot ids and ``total`` the valid token count when ``has_nvalid``). ``mul_w``:
     times the routing weight ``topk_w [numel]`` of each pair. :func:`supports` says which shapes and formats it
-    serves; the weights' rows must start 16-byte aligned and their scales' rows 4-byte aligned."""
+    serves; the weights' rows must start 16-byte aligned and their scales' rows 4-byte aligned. ``stages``: the depth
+    of the kernel's ``cp.async`` ring (:data:`STAGES`). ``dependent_launch``: launched as a programmatic dependent
+    launch, which may start before the launch ahead of it in the stream has finished; the kernel reads only the
+    weights and the routing (``pairs``, ``topk_w``: written before that launch) until it waits for it, then ``a`` and
+    ``a_scale``."""
     if routed_format not in FORMATS:
         raise ValueError(f"the decode kernel serves {', '.join(FORMATS)} routed slots, got {routed_format!r}")
     if routed_format == "nvfp4" and routed_global is None:
@@ -248,6 +255,8 @@ def decode_gemm(
             split_k=split_k, shared_split=shared_split,
         )  # fmt: skip
         return c
+    if stages not in STAGES:
+        raise ValueError(f"decode_stages must be one of {STAGES}, got {stages!r}")
     if shared_split not in SHARED_SPLITS:
         raise ValueError(f"decode_shared_split must be one of {SHARED_SPLITS}, got {shared_split!r}")
     if c.shape[0] != split_k * shared_split:
@@ -273,7 +282,7 @@ def decode_gemm(
         a.stride(0), a_scale.stride(0), routed.stride(0), routed.stride(1), routed_scale.stride(0) * rs_size,
         routed_scale.stride(1) * rs_size, shared.stride(0), shared.stride(1), shared_scale.stride(0),
         shared_scale.stride(1), c.stride(1), c.stride(0), split_k, shared_split, int(naive), int(has_nvalid),
-        int(mul_w),
+        int(mul_w), stages, int(dependent_launch),
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
     shift = (group // 32).bit_length() - 1 if routed_format == "int4" else 0  # INT4 groups of 32 << shift

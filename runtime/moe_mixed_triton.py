@@ -59,6 +59,7 @@ from .moe_triton import (
     _quantize_rows,
     _round_e4m3,
     _weight_tiles,
+    gdc_wait,
 )
 
 FORMAT_CODES = moe_mixed_cuda.FORMATS  # the same codes for both kernels
@@ -75,6 +76,8 @@ MIXED_TILE_KEYS = (
     "mxfp4_mma",
     "decode_kernel",
     "decode_shared_split",
+    "decode_stages",
+    "dependent_launch",
 )
 DECODE_KERNELS = ("auto", "cuda", "triton")
 # the CUDA decode GEMM (moe_mixed_cuda) while slots hold few pairs each: it reads each slot's weights once per M block
@@ -439,8 +442,12 @@ def mixed_tile_config(
         # kernel has passed its GPU tests (tests/runtime/test_gpu_mixed.py) and been timed on a card: it has not
         # yet run on one
         "decode_kernel": "triton",
-        # the CUDA decode GEMM: the FP8 shared slots' K parts per routed part (twice the bytes per input)
+        # the CUDA decode GEMM: the FP8 shared slots' K parts per routed part (twice the bytes per input), the depth
+        # of its cp.async ring, and programmatic dependent launches (Hopper) for its launches and the small kernels
+        # around them, so that each GEMM's first weights are in flight while the launch before it drains
         "decode_shared_split": 2,
+        "decode_stages": 4,
+        "dependent_launch": True,
     }
     for k, v in (overrides or {}).items():
         if k not in MIXED_TILE_KEYS:
@@ -450,6 +457,8 @@ def mixed_tile_config(
         raise ValueError(
             f"mixed tile config decode_kernel must be one of {DECODE_KERNELS}, got {cfg['decode_kernel']!r}"
         )
+    if cfg["decode_stages"] not in moe_mixed_cuda.STAGES:
+        raise ValueError(f"mixed tile config decode_stages must be one of {moe_mixed_cuda.STAGES}")
     if cfg["decode_shared_split"] not in moe_mixed_cuda.SHARED_SPLITS:
         raise ValueError(f"mixed tile config decode_shared_split must be one of {moe_mixed_cuda.SHARED_SPLITS}")
     if cfg["mxfp4_mma"] not in ("scaled", "fold"):
@@ -509,7 +518,8 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     if decode:
         cfg["block_m"] = moe_mixed_cuda.BLOCK_M
     BM, BN = cfg["block_m"], cfg["block_n"]
-    launch = _Launches()
+    # dependent launches where the CUDA decode GEMM runs (the Triton mixed GEMM does not wait for the launch before)
+    launch = _Launches(dependent=decode and cfg["dependent_launch"] and hopper and gdc_wait is not None)
     interp = interpreting()
     ids_c = ids.to(torch.int32).contiguous()
     w_c = weights.to(torch.float32).contiguous()
@@ -538,8 +548,9 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
     i4_f16 = routed.format == "int4" and cfg["int4_mma"] == "fp16" and 128 % routed.group == 0
     mx_fold = routed.format == "mxfp4" and cfg["mxfp4_mma"] == "fold" and _fold_is_exact(routed)
 
-    # NVFP4: the gate, up and down global scales per expert (any float32 tensor stands in for other formats)
-    r_global = routed.global_scale.contiguous() if routed.global_scale is not None else torch.ones(1, device=x.device)
+    # NVFP4: the gate, up and down global scales per expert; for other formats any float32 tensor stands in (the
+    # routing weights: a placeholder made here would cost a launch per call)
+    r_global = routed.global_scale.contiguous() if routed.global_scale is not None else w_c
 
     def gemm(a, a_s, weights, N, K, split, up_row, up_scale_row, global_col, A_DIV, MUL_W):
         # the kernel steps along K with unit stride: each tensor's last dimension contiguous (a no-op as loaded)
@@ -548,13 +559,15 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             rs = rs.view(torch.uint8)
         if decode:  # K parts: the routed slots' split, the shared slots' times decode_shared_split
             ss = cfg["decode_shared_split"]
+            pdl = launch.dependent and not launch.first
+            launch.first = False
             c = _alloc((split * ss, numel, N), torch.float32, x)
             pairs = (sorted_ids, expert_ids, bound, num_pid_m, naive, has_nv)
             return moe_mixed_cuda.decode_gemm(
                 a, a_s, r, rs, w, ws, c, pairs, N=N, K=K, numel=numel, num_routed=E, up_row=up_row,
                 up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1),
                 routed_format=routed.format, group=routed.group, routed_global=r_global, global_col=global_col,
-                split_k=split, shared_split=ss,
+                split_k=split, shared_split=ss, stages=cfg["decode_stages"], dependent_launch=pdl,
             )  # fmt: skip
         c = _alloc((split, numel, N), torch.float32, x)
         r_strides = r.stride(0), r.stride(1)

@@ -73,7 +73,7 @@ def test_mixed_padding_rows_under_a_fixed_shape(name):
     assert rel(out[:9], fused_moe(x[:9], ew, ids[:9], w[:9], backend="triton", tile_config=tiles)) < 1e-6
 
 
-def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, shared_split, gemm1):
+def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1):
     """One GEMM of the CUDA decode kernel and of its PyTorch twin (on CPU copies) on the same operands; ``pairs`` is
     (sorted ids, slot per block, total, blocks, naive, a_div, numel)."""
     from runtime.moe_mixed_cuda import decode_gemm
@@ -91,12 +91,12 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, shared_split, gemm1):
     P = (pairs[0], pairs[1], pairs[2], pairs[3], pairs[4], False)
     topk_w = torch.rand(numel, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     kw = dict(N=N, K=K, numel=numel, num_routed=E, up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0,
-              a_div=pairs[5], mul_w=mul_w, split_k=split_k, shared_split=shared_split, routed_format=r.format,
+              a_div=pairs[5], mul_w=mul_w, split_k=split_k, shared_split=ring[0], routed_format=r.format,
               group=r.group, global_col=0 if gemm1 else 2)  # fmt: skip
     g = r.global_scale
-    parts = split_k * shared_split
+    parts = split_k * ring[0]
     c = torch.full((parts, numel, N), float("nan"), device="cuda")
-    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, routed_global=g, **kw)
+    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, routed_global=g, stages=ring[1], dependent_launch=ring[2], **kw)
     cpu = [t.cpu() for t in (a, a_s, *ops)]
     c_ref = torch.full((parts, numel, N), float("nan"))
     Pc = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in P)
@@ -104,13 +104,18 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, shared_split, gemm1):
     return c.cpu(), c_ref
 
 
+# (shared_split, stages, dependent launch): the default, then the other ring depths and K splits
+RINGS = [(2, 4, True), (1, 3, False), (4, 6, False)]
+
+
 @pytest.mark.parametrize("name", list(SHAPES) + list(ODD_SHAPES))
-@pytest.mark.parametrize("shared_split", [1, 2])
+@pytest.mark.parametrize("ring", RINGS, ids=lambda r: f"ss{r[0]}-stages{r[1]}{'-pdl' if r[2] else ''}")
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
-def test_decode_kernel_equals_its_twin(name, shared_split, gemm1):
+def test_decode_kernel_equals_its_twin(name, ring, gemm1):
     """The CUDA decode GEMM against its PyTorch twin at each release's shape and format (and at small shapes whose K
     ends on half a stage): one token (each pair its own block) and blocks of 8 pairs with padding, K splits, the
-    shared slot's K in shared_split times as many parts; the same products in another float32 order."""
+    shared slot's K in shared_split times as many parts, each ring depth, launched as a dependent launch or not; the
+    same products in another float32 order."""
     torch.manual_seed(0)
     H, I, E, S, K, _, _ = {**SHAPES, **ODD_SHAPES}[name]
     ew = mixed_experts(name, seed=11)
@@ -121,7 +126,7 @@ def test_decode_kernel_equals_its_twin(name, shared_split, gemm1):
     a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
     a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
     naive = (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)  # pairs, blocks, naive, a_div, numel
-    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, shared_split, gemm1)
+    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, ring, gemm1)
     assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
     # 3 blocks of 8: a routed slot with 5 pairs, the shared slot with 8, a routed slot with 1
     numel = 14
@@ -131,9 +136,7 @@ def test_decode_kernel_equals_its_twin(name, shared_split, gemm1):
     total = torch.tensor([24], dtype=torch.int32, device="cuda")
     a = (torch.randn(numel, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
     a_s = torch.rand(numel, Kin // 128, device="cuda") + 0.5
-    c, c_ref = _decode_gemm_both(
-        ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, shared_split, gemm1
-    )
+    c, c_ref = _decode_gemm_both(ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, ring, gemm1)
     assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
 
 
@@ -151,6 +154,11 @@ def test_decode_kernel_forward_matches_reference(name, T):
     assert not torch.isnan(out).any()
     assert rel(out, ref) < 3e-2, rel(out, ref)
     assert rel(out, tri) < 3e-2, rel(out, tri)
+    # dependent launches change when a launch starts, never what it computes
+    serial = fused_moe(
+        x, ew, ids, w, backend="triton", tile_config={"decode_kernel": "cuda", "dependent_launch": False}
+    )
+    assert torch.equal(out, serial)
 
 
 def test_mxfp4_fold_is_exact_for_every_byte_and_power():
