@@ -18,7 +18,7 @@ TOKENS=${TOKENS:-1,8,64}
 # the base config is the CUDA decode kernel (profiled launch by launch), the Triton kernel and the CUDA kernel's K
 # splits the variants
 TILES=${TILES:-'{"decode_kernel": "cuda"}'}
-VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_stages": 3}, {"decode_stages": 6}, {"dependent_launch": false}, {"decode_shared_split": 1}, {"gemm1_split_k": 1}, {"gemm1_split_k": 4}]'}
+VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_mma": "mma.sync"}, {"decode_stages": 3}, {"decode_stages": 6}, {"dependent_launch": false}, {"decode_shared_split": 1}, {"gemm1_split_k": 1}]'}
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
     tee "$OUT/$TAG-card.txt"

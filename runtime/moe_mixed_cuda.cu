@@ -54,6 +54,7 @@ struct Params {
     int64_t split_k, shared_split, naive, has_nvalid, mul_w;
     int64_t stages;             // the ring's depth (3, 4 or 6)
     int64_t pdl;                // launched as a programmatic dependent launch (waits for the previous launch's data)
+    int64_t wgmma;              // the MMAs by wgmma (sm_90a), else by mma.sync
 };
 
 constexpr int BM = 8;          // pairs per M block (the MMA's N)
@@ -67,8 +68,12 @@ constexpr int SCALE_BF16 = 0, SCALE_F32 = 2;  // INT4's scale dtypes (Params.sca
 // shared slot's block scale
 constexpr int W4_STRIDE = 144;  // a four-bit row's 128 bytes + 16: thread (g, c)'s 4-byte loads hit 32 banks
 constexpr int W8_STRIDE = 160;  // an FP8 row's 128 bytes + 32: conflict-free 8-byte loads
-constexpr int X_STRIDE = 288;   // a pair's 256 activation bytes + 32
 constexpr int SC_OFF = ROWS * W8_STRIDE;
+// The pairs' activations of a stage, in the MMAs' K order: per 32-input group j, two 8 x 16-byte blocks (the even
+// inputs of the group's 8 pairs, then the odd ones), a pair's 16 bytes contiguous: the layout wgmma reads as a K-major
+// B operand without swizzle (core matrices of 8 rows of 16 bytes, the second K half LBO = 128 bytes on)
+constexpr int X_GROUP = 2 * BM * 16;
+constexpr int X_BYTES = 8 * X_GROUP;
 
 // a routed row's scale bytes in a stage, as laid out (MXFP4 8, read as one 8-byte word; else at least 16, read as
 // 16-byte words)
@@ -79,8 +84,7 @@ __host__ __device__ constexpr int scale_stride(int fmt, int64_t scale_bytes) {
 struct StageLayout {
     int x_off, as_off, bs_off, bytes;
     __host__ __device__ StageLayout(int sc_stride)
-        : x_off(SC_OFF + ROWS * sc_stride), as_off(x_off + BM * X_STRIDE), bs_off(as_off + 2 * BM * 4),
-          bytes(bs_off + 16) {}
+        : x_off(SC_OFF + ROWS * sc_stride), as_off(x_off + X_BYTES), bs_off(as_off + 2 * BM * 4), bytes(bs_off + 16) {}
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -142,6 +146,54 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FUSE_SHARED_WGMMA 1  // Hopper (sm_90a): wgmma, whose e4m3 MMAs are native (mma.sync's are emulated in FP16)
+#endif
+
+// a K-major B operand in shared memory without swizzle: start, the second K half 128 bytes on (LBO), one 8-row block
+__device__ __forceinline__ uint64_t b_desc(const void* smem) {
+    return (uint64_t)((smem_addr(smem) & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+}
+
+// d = (scale_d ? d : 0) + A (64 x 32 e4m3, in registers: this thread's rows g and g + 8 of its warp's 16) x B (32 x 8)
+// (the wgmma helpers trap where the build has no wgmma: the host launches them on sm_90a alone)
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint64_t desc, int scale_d) {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+// the generic proxy's shared-memory stores made visible to wgmma, which reads B through the async proxy
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// pins an accumulator after the wait: the compiler may not move its reads above it
+__device__ __forceinline__ void fence_operand(float (&d)[4]) {
+    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
+}
+
 __device__ __forceinline__ float e8m0(uint32_t s) {
     return s ? __uint_as_float(s << 23) : __uint_as_float(0x00400000u);  // 2^(s - 127); s = 0 is 2^-127
 }
@@ -197,7 +249,73 @@ __device__ __forceinline__ float group_scale(const StageScales<FMT>& s, int pos,
     }
 }
 
-template <int FMT, int SHIFT, int STAGES>
+// t[jj][h] = A x B for JB consecutive 32-input groups of routed rows: A this thread's operands a[jj] (NVFP4: those of
+// 16-input half h, the other half's zeroed), B the pairs' activations of the groups from xg0 on
+template <int FMT, int JB, int H, bool WG>
+__device__ __forceinline__ void routed_group_mmas(float (&t)[JB][H][4], const uint32_t (&a)[JB][4], const uint8_t* xg0,
+                                                  bool first_half, int g, int c) {
+    if constexpr (WG) {
+        // every operand made before the fence: operands written between wgmmas would serialize them
+        uint32_t am[JB][H][4];
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+                const uint32_t keep = FMT != NVFP4 || first_half == (h == 0) ? ~0u : 0u;
+#pragma unroll
+                for (int r = 0; r < 4; ++r) am[jj][h][r] = a[jj][r] & keep;
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+            for (int h = 0; h < H; ++h)
+                wgmma_e4m3(t[jj][h], am[jj][h][0], am[jj][h][1], am[jj][h][2], am[jj][h][3],
+                           b_desc(xg0 + jj * X_GROUP), 0);
+        wgmma_commit_and_wait();
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+            for (int h = 0; h < H; ++h) fence_operand(t[jj][h]);
+    } else {
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+            const uint8_t* xg = xg0 + jj * X_GROUP + 16 * g + 4 * c;
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xg);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xg + BM * 16);
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+                const uint32_t keep = FMT != NVFP4 || first_half == (h == 0) ? ~0u : 0u;
+                t[jj][h][0] = t[jj][h][1] = t[jj][h][2] = t[jj][h][3] = 0.f;
+                mma_e4m3(t[jj][h], a[jj][0] & keep, a[jj][1] & keep, a[jj][2] & keep, a[jj][3] & keep, b0, b1);
+            }
+        }
+    }
+}
+
+// blk = A x B over the 4 groups of an FP8 stage (128 inputs): A this thread's operands a[j], B the pairs' activations
+template <bool WG>
+__device__ __forceinline__ void shared_group_mmas(float (&blk)[4], const uint32_t (&a)[4][4], const uint8_t* xs, int g,
+                                                  int c) {
+    blk[0] = blk[1] = blk[2] = blk[3] = 0.f;
+    if constexpr (WG) {
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            wgmma_e4m3(blk, a[j][0], a[j][1], a[j][2], a[j][3], b_desc(xs + j * X_GROUP), j > 0);
+        wgmma_commit_and_wait();
+        fence_operand(blk);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint8_t* xg = xs + j * X_GROUP + 16 * g + 4 * c;
+            mma_e4m3(blk, a[j][0], a[j][1], a[j][2], a[j][3], *reinterpret_cast<const uint32_t*>(xg),
+                     *reinterpret_cast<const uint32_t*>(xg + BM * 16));
+        }
+    }
+}
+
+template <int FMT, int SHIFT, int STAGES, bool WG>
 __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p) {
     extern __shared__ __align__(16) uint8_t ring[];  // STAGES stages of StageLayout(sc_stride).bytes
     const int sc_stride = scale_stride(FMT, p.scale_bytes);
@@ -237,13 +355,15 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     }
     if (count < 0) count = 0;
 
-    // what this thread copies, fixed over the stages: its activation chunk's pair and its activation scale's pair
-    const int xq = routed ? tid >> 4 : tid >> 3, xch = routed ? tid & 15 : tid & 7;
-    const int64_t x_pair = routed || tid < 64 ? pair_of(xq) : p.numel;
+    // what this thread copies, fixed over the stages: one 32-input group of one pair's activations (routed stages
+    // hold 8 groups, FP8 ones 4) and one activation scale
+    const int groups = routed ? 8 : 4;
+    const int xq = tid / groups, xj = tid % groups;
+    const int64_t x_pair = xq < BM ? pair_of(xq) : p.numel;
     const int asq = routed ? tid >> 1 : tid - 64;
     const bool copies_as = routed ? tid < 16 : tid >= 64 && tid < 72;
     const int64_t as_pair = copies_as ? pair_of(asq) : p.numel;
-    const uint8_t* x_src = p.a + (x_pair < p.numel ? x_pair / p.a_div : 0) * p.stride_am + 16 * xch;
+    const uint8_t* x_src = p.a + (x_pair < p.numel ? x_pair / p.a_div : 0) * p.stride_am + 32 * xj;
     const float* as_src = p.a_scale + (as_pair < p.numel ? as_pair / p.a_div : 0) * p.stride_asm;
 
     const int64_t sl = e - p.num_routed;
@@ -256,12 +376,14 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     const float* bs_src = p.s_scale + (routed ? 0 : sl * p.stride_sse + srow * p.stride_ssn);
 
     auto stage = [&](int64_t i) { return ring + (i % STAGES) * L.bytes; };
-    // stage i's weights and their scales: they never depend on the launch before this one
+    auto steps_in = [&](int64_t i) { return routed && 2 * (first + i) + 1 >= nk ? 1 : 2; };  // routed: 128 inputs
+    // stage i's weights and their scales, and its activation scales, by cp.async; the weights never depend on the
+    // launch before this one (the activation scales do: only after the prologue's wait)
     auto copy_weights = [&](int64_t i) {
         uint8_t* st = stage(i);
         const int64_t k = first + i;  // stage index: four-bit 256 inputs, FP8 128
         if (routed) {
-            const int nks = 2 * k + 1 < nk ? 2 : 1;
+            const int nks = steps_in(i);
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
                 const int idx = tid + THREADS * t, r = idx >> 3, ch = idx & 7;
@@ -282,29 +404,43 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
             if (tid == 72) cp_async4(st + L.bs_off, bs_src + k);
         }
     };
-    // stage i's activations and their scales (the previous launch's output): by cp.async, or by plain loads and
-    // stores for the stages the prologue fetched before waiting for that launch
-    auto copy_activations = [&](int64_t i, bool async) {
-        uint8_t* st = stage(i);
+    auto copy_act_scale = [&](int64_t i, bool async) {
         const int64_t k = first + i;
-        const int nks = routed && 2 * k + 1 >= nk ? 1 : 2;
-        const bool x_ok = x_pair < p.numel && (!routed || xch < 8 * nks);
-        const bool as_ok = as_pair < p.numel && (!routed || (tid & 1) < nks);
-        uint8_t* x_dst = st + L.x_off + xq * X_STRIDE + 16 * xch;
-        const uint8_t* x_at = x_src + k * (routed ? 256 : 128);
-        uint8_t* as_dst = st + L.as_off + 4 * (routed ? tid : asq);
-        const float* as_at = as_src + (routed ? 2 * k + (tid & 1) : k);
-        if (async) {
-            if (x_ok) cp_async16(x_dst, x_at);
-            if (as_ok) cp_async4(as_dst, as_at);
-        } else {
-            if (x_ok) *reinterpret_cast<uint4*>(x_dst) = *reinterpret_cast<const uint4*>(x_at);
-            if (as_ok) *reinterpret_cast<float*>(as_dst) = *as_at;
+        if (as_pair >= p.numel || (routed && (tid & 1) >= steps_in(i))) return;
+        float* dst = reinterpret_cast<float*>(stage(i) + L.as_off) + (routed ? tid : asq);
+        const float* src = as_src + (routed ? 2 * k + (tid & 1) : k);
+        if (async) cp_async4(dst, src);
+        else *dst = *src;
+    };
+    // this thread's activation group of stage i (the previous launch's output): loaded into registers, then stored
+    // de-interleaved (even inputs, odd inputs: the MMAs' K order) once the stage's buffer is free
+    struct XGroup {
+        uint4 lo, hi;
+        bool ok;
+    };
+    auto load_x = [&](int64_t i) {
+        XGroup v;
+        v.ok = x_pair < p.numel && xj < 4 * steps_in(i);
+        if (v.ok) {
+            const uint8_t* src = x_src + (first + i) * (routed ? 256 : 128);
+            v.lo = *reinterpret_cast<const uint4*>(src);
+            v.hi = *reinterpret_cast<const uint4*>(src + 16);
         }
+        return v;
+    };
+    auto store_x = [&](int64_t i, const XGroup& v) {
+        if (!v.ok) return;
+        uint8_t* dst = stage(i) + L.x_off + xj * X_GROUP + 16 * xq;
+        *reinterpret_cast<uint4*>(dst) =
+            make_uint4(prmt(v.lo.x, v.lo.y, 0x6420u), prmt(v.lo.z, v.lo.w, 0x6420u), prmt(v.hi.x, v.hi.y, 0x6420u),
+                       prmt(v.hi.z, v.hi.w, 0x6420u));
+        *reinterpret_cast<uint4*>(dst + BM * 16) =
+            make_uint4(prmt(v.lo.x, v.lo.y, 0x7531u), prmt(v.lo.z, v.lo.w, 0x7531u), prmt(v.hi.x, v.hi.y, 0x7531u),
+                       prmt(v.hi.z, v.hi.w, 0x7531u));
+        if constexpr (WG) fence_proxy_async();
     };
 
-    // the accumulator's pairs: B's column g, the accumulator's columns 2c and 2c + 1
-    const bool ok_g = pair_of(g) < p.numel;
+    // the accumulator's pairs: the accumulator's columns 2c and 2c + 1
     const int64_t pair_0 = pair_of(2 * c), pair_1 = pair_of(2 * c + 1);
     const bool ok_0 = pair_0 < p.numel, ok_1 = pair_1 < p.numel;
     const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the program
@@ -318,56 +454,72 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
         if (i < count) copy_weights(i);
         cp_async_commit();
     }
+#if __CUDA_ARCH__ >= 900
     if (p.pdl) {
         asm volatile("griddepcontrol.wait;" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;");
     }
+#endif
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i)
-        if (i < count) copy_activations(i, false);
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < count) {
+            store_x(i, load_x(i));
+            copy_act_scale(i, false);
+        }
+    }
     for (int64_t i = 0; i < count; ++i) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        // into the buffer computed in the last iteration, which every thread has left; an empty group past the end
-        // keeps the wait counts uniform
-        if (i + STAGES - 1 < count) {
-            copy_weights(i + STAGES - 1);
-            copy_activations(i + STAGES - 1, true);
+        // the stage STAGES - 1 on, into the buffer computed in the last iteration, which every thread has left: its
+        // copies now (an empty group past the end keeps the wait counts uniform), its activations loaded now and
+        // stored after this stage's MMAs
+        const int64_t next = i + STAGES - 1;
+        XGroup xv;
+        xv.ok = false;
+        if (next < count) {
+            copy_weights(next);
+            copy_act_scale(next, true);
+            xv = load_x(next);
         }
         cp_async_commit();
         const uint8_t* st = stage(i);
-        const uint8_t* xg = st + L.x_off + g * X_STRIDE + 8 * c;
+        const uint8_t* xs = st + L.x_off;
         const float* as = reinterpret_cast<const float*>(st + L.as_off);
         if (routed) {
-            const int nks = 2 * (first + i) + 1 < nk ? 2 : 1;
+            const int nks = steps_in(i);
             const StageScales<FMT> sc0 = load_stage_scales<FMT>(st + SC_OFF + r0 * sc_stride, sc_stride);
             const StageScales<FMT> sc1 = load_stage_scales<FMT>(st + SC_OFF + r1 * sc_stride, sc_stride);
             const bool first_half = c < 2;  // NVFP4: this thread's inputs 8c .. 8c + 7 lie in the group's first 16
+            constexpr int H = FMT == NVFP4 ? 2 : 1;
+            constexpr int JB = 4 / H;  // 32-input groups per batch of MMAs (NVFP4's two per group: half as many)
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 if (u >= nks) break;
                 float blk[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int at = 64 * u + 16 * j + 4 * c;
-                    const uint32_t q0 = *reinterpret_cast<const uint32_t*>(st + r0 * W4_STRIDE + at);
-                    const uint32_t q1 = *reinterpret_cast<const uint32_t*>(st + r1 * W4_STRIDE + at);
-                    const uint2 xv = ok_g ? *reinterpret_cast<const uint2*>(xg + 128 * u + 32 * j) : make_uint2(0u, 0u);
-                    const uint32_t b0 = prmt(xv.x, xv.y, 0x6420u), b1 = prmt(xv.x, xv.y, 0x7531u);
-                    const uint32_t a0 = expand_low<FMT>(q0), a1 = expand_low<FMT>(q1);
-                    const uint32_t a2 = expand_high<FMT>(q0), a3 = expand_high<FMT>(q1);
+                for (int jb = 0; jb < 4; jb += JB) {
+                    uint32_t a[JB][4];
 #pragma unroll
-                    for (int h = 0; h < (FMT == NVFP4 ? 2 : 1); ++h) {
-                        const bool mine = FMT != NVFP4 || first_half == (h == 0);
-                        float t[4] = {0.f, 0.f, 0.f, 0.f};
-                        mma_e4m3(t, mine ? a0 : 0u, mine ? a1 : 0u, mine ? a2 : 0u, mine ? a3 : 0u, b0, b1);
-                        const float g0 = group_scale<FMT, SHIFT>(sc0, 4 * u + j, h, p.scale_dtype);
-                        const float g1 = group_scale<FMT, SHIFT>(sc1, 4 * u + j, h, p.scale_dtype);
-                        blk[0] = fmaf(t[0], g0, blk[0]);
-                        blk[1] = fmaf(t[1], g0, blk[1]);
-                        blk[2] = fmaf(t[2], g1, blk[2]);
-                        blk[3] = fmaf(t[3], g1, blk[3]);
+                    for (int jj = 0; jj < JB; ++jj) {
+                        const int at = 64 * u + 16 * (jb + jj) + 4 * c;
+                        const uint32_t q0 = *reinterpret_cast<const uint32_t*>(st + r0 * W4_STRIDE + at);
+                        const uint32_t q1 = *reinterpret_cast<const uint32_t*>(st + r1 * W4_STRIDE + at);
+                        a[jj][0] = expand_low<FMT>(q0), a[jj][1] = expand_low<FMT>(q1);
+                        a[jj][2] = expand_high<FMT>(q0), a[jj][3] = expand_high<FMT>(q1);
                     }
+                    float t[JB][H][4];
+                    routed_group_mmas<FMT, JB, H, WG>(t, a, xs + (4 * u + jb) * X_GROUP, first_half, g, c);
+#pragma unroll
+                    for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+                        for (int h = 0; h < H; ++h) {
+                            const float g0 = group_scale<FMT, SHIFT>(sc0, 4 * u + jb + jj, h, p.scale_dtype);
+                            const float g1 = group_scale<FMT, SHIFT>(sc1, 4 * u + jb + jj, h, p.scale_dtype);
+                            blk[0] = fmaf(t[jj][h][0], g0, blk[0]);
+                            blk[1] = fmaf(t[jj][h][1], g0, blk[1]);
+                            blk[2] = fmaf(t[jj][h][2], g1, blk[2]);
+                            blk[3] = fmaf(t[jj][h][3], g1, blk[3]);
+                        }
                 }
                 const float as0 = ok_0 ? as[2 * (2 * c) + u] : 0.f, as1 = ok_1 ? as[2 * (2 * c + 1) + u] : 0.f;
                 acc[0] = fmaf(blk[0], as0, acc[0]);
@@ -376,15 +528,16 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
                 acc[3] = fmaf(blk[3], as1, acc[3]);
             }
         } else {
-            float blk[4] = {0.f, 0.f, 0.f, 0.f};
+            uint32_t a[4][4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const uint2 v0 = *reinterpret_cast<const uint2*>(st + r0 * W8_STRIDE + 32 * j + 8 * c);
                 const uint2 v1 = *reinterpret_cast<const uint2*>(st + r1 * W8_STRIDE + 32 * j + 8 * c);
-                const uint2 xv = ok_g ? *reinterpret_cast<const uint2*>(xg + 32 * j) : make_uint2(0u, 0u);
-                mma_e4m3(blk, prmt(v0.x, v0.y, 0x6420u), prmt(v1.x, v1.y, 0x6420u), prmt(v0.x, v0.y, 0x7531u),
-                         prmt(v1.x, v1.y, 0x7531u), prmt(xv.x, xv.y, 0x6420u), prmt(xv.x, xv.y, 0x7531u));
+                a[j][0] = prmt(v0.x, v0.y, 0x6420u), a[j][1] = prmt(v1.x, v1.y, 0x6420u);
+                a[j][2] = prmt(v0.x, v0.y, 0x7531u), a[j][3] = prmt(v1.x, v1.y, 0x7531u);
             }
+            float blk[4];
+            shared_group_mmas<WG>(blk, a, xs, g, c);
             const float bs = *reinterpret_cast<const float*>(st + L.bs_off);
             const float as0 = ok_0 ? as[2 * c] * bs : 0.f, as1 = ok_1 ? as[2 * c + 1] * bs : 0.f;
             acc[0] = fmaf(blk[0], as0, acc[0]);
@@ -392,6 +545,7 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
             acc[2] = fmaf(blk[2], as0, acc[2]);
             acc[3] = fmaf(blk[3], as1, acc[3]);
         }
+        if (next < count) store_x(next, xv);
     }
     cp_async_wait<0>();  // no copy outlives the program
     if (routed) {
@@ -421,9 +575,9 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     }
 }
 
-template <int FMT, int SHIFT, int STAGES>
+template <int FMT, int SHIFT, int STAGES, bool WG>
 int launch_stages(const Params* p, dim3 grid, cudaStream_t st) {
-    const auto kernel = mixed_decode_kernel<FMT, SHIFT, STAGES>;
+    const auto kernel = mixed_decode_kernel<FMT, SHIFT, STAGES, WG>;
     const int smem = STAGES * StageLayout(scale_stride(FMT, p->scale_bytes)).bytes;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return (int)err;
@@ -443,10 +597,13 @@ int launch_stages(const Params* p, dim3 grid, cudaStream_t st) {
 
 template <int FMT, int SHIFT>
 int launch(const Params* p, dim3 grid, cudaStream_t st) {
-    switch (p->stages) {
-        case 3: return launch_stages<FMT, SHIFT, 3>(p, grid, st);
-        case 4: return launch_stages<FMT, SHIFT, 4>(p, grid, st);
-        case 6: return launch_stages<FMT, SHIFT, 6>(p, grid, st);
+    switch (p->stages * 2 + (p->wgmma ? 1 : 0)) {
+        case 6: return launch_stages<FMT, SHIFT, 3, false>(p, grid, st);
+        case 7: return launch_stages<FMT, SHIFT, 3, true>(p, grid, st);
+        case 8: return launch_stages<FMT, SHIFT, 4, false>(p, grid, st);
+        case 9: return launch_stages<FMT, SHIFT, 4, true>(p, grid, st);
+        case 12: return launch_stages<FMT, SHIFT, 6, false>(p, grid, st);
+        case 13: return launch_stages<FMT, SHIFT, 6, true>(p, grid, st);
         default: return (int)cudaErrorInvalidValue;
     }
 }

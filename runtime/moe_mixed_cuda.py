@@ -35,6 +35,7 @@ FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernel
 SCALE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # INT4 group scales
 ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
 STAGES = (3, 4, 6)  # the depths of the cp.async ring built
+MMAS = ("auto", "wgmma", "mma.sync")  # wgmma (sm_90a: native e4m3) or mma.sync (e4m3 native on sm_89, emulated on 90)
 SHARED_SPLITS = (1, 2, 4)  # the FP8 shared slots' K parts per routed part (twice the bytes per input: 2 balances)
 
 
@@ -49,7 +50,7 @@ class _Params(ctypes.Structure):
         for name in (
             "N K numel num_routed num_slots up_row up_scale_row a_div global_col scale_dtype scale_bytes "
             "stride_am stride_asm stride_re stride_rn stride_rse stride_rsn stride_se stride_sn stride_sse stride_ssn "
-            "stride_cm c_split_stride split_k shared_split naive has_nvalid mul_w stages pdl"
+            "stride_cm c_split_stride split_k shared_split naive has_nvalid mul_w stages pdl wgmma"
         ).split()
     ]
 
@@ -213,6 +214,7 @@ def decode_gemm(
     shared_split=2,
     stages=4,
     dependent_launch=False,
+    mma="auto",
 ):
     """One GEMM over mixed slots into ``c`` float32 ``[split_k * shared_split, numel, N]``: part ``k`` holds each
     pair's sum over its slot's K part ``k``, routed slots in ``split_k`` parts (the rest zeros) and FP8 shared slots in
@@ -238,7 +240,8 @@ def decode_gemm(
     of the kernel's ``cp.async`` ring (:data:`STAGES`). ``dependent_launch``: launched as a programmatic dependent
     launch, which may start before the launch ahead of it in the stream has finished; the kernel reads only the
     weights and the routing (``pairs``, ``topk_w``: written before that launch) until it waits for it, then ``a`` and
-    ``a_scale``."""
+    ``a_scale``. ``mma``: the MMA instructions (:data:`MMAS`; "auto": wgmma on compute capability 9.0, else
+    mma.sync)."""
     if routed_format not in FORMATS:
         raise ValueError(f"the decode kernel serves {', '.join(FORMATS)} routed slots, got {routed_format!r}")
     if routed_format == "nvfp4" and routed_global is None:
@@ -255,6 +258,8 @@ def decode_gemm(
             split_k=split_k, shared_split=shared_split,
         )  # fmt: skip
         return c
+    if mma not in MMAS:
+        raise ValueError(f"decode_mma must be one of {MMAS}, got {mma!r}")
     if stages not in STAGES:
         raise ValueError(f"decode_stages must be one of {STAGES}, got {stages!r}")
     if shared_split not in SHARED_SPLITS:
@@ -268,7 +273,11 @@ def decode_gemm(
         if routed_scale.dtype not in SCALE_DTYPES:
             raise ValueError(f"INT4 group scales must be bf16, fp16 or float32, got {routed_scale.dtype}")
         scale_dtype = SCALE_DTYPES[routed_scale.dtype]
-    lib, why = _load(torch.cuda.get_device_capability(a.device))
+    capability = torch.cuda.get_device_capability(a.device)
+    wgmma = mma == "wgmma" or (mma == "auto" and capability == (9, 0))
+    if wgmma and capability != (9, 0):
+        raise ValueError(f"decode_mma 'wgmma' needs compute capability 9.0 (sm_90a), got {capability}")
+    lib, why = _load(capability)
     if lib is None:
         raise RuntimeError(f"the mixed-slot decode kernel is not available: {why}")
     rs_size = routed_scale.element_size()  # the kernel takes the routed strides in bytes
@@ -282,7 +291,7 @@ def decode_gemm(
         a.stride(0), a_scale.stride(0), routed.stride(0), routed.stride(1), routed_scale.stride(0) * rs_size,
         routed_scale.stride(1) * rs_size, shared.stride(0), shared.stride(1), shared_scale.stride(0),
         shared_scale.stride(1), c.stride(1), c.stride(0), split_k, shared_split, int(naive), int(has_nvalid),
-        int(mul_w), stages, int(dependent_launch),
+        int(mul_w), stages, int(dependent_launch), int(wgmma),
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
     shift = (group // 32).bit_length() - 1 if routed_format == "int4" else 0  # INT4 groups of 32 << shift

@@ -77,6 +77,7 @@ MIXED_TILE_KEYS = (
     "decode_kernel",
     "decode_shared_split",
     "decode_stages",
+    "decode_mma",
     "dependent_launch",
 )
 DECODE_KERNELS = ("auto", "cuda", "triton")
@@ -447,6 +448,7 @@ def mixed_tile_config(
         # around them, so that each GEMM's first weights are in flight while the launch before it drains
         "decode_shared_split": 2,
         "decode_stages": 4,
+        "decode_mma": "auto",  # wgmma on Hopper (native e4m3), else mma.sync
         "dependent_launch": True,
     }
     for k, v in (overrides or {}).items():
@@ -457,6 +459,8 @@ def mixed_tile_config(
         raise ValueError(
             f"mixed tile config decode_kernel must be one of {DECODE_KERNELS}, got {cfg['decode_kernel']!r}"
         )
+    if cfg["decode_mma"] not in moe_mixed_cuda.MMAS:
+        raise ValueError(f"mixed tile config decode_mma must be one of {moe_mixed_cuda.MMAS}")
     if cfg["decode_stages"] not in moe_mixed_cuda.STAGES:
         raise ValueError(f"mixed tile config decode_stages must be one of {moe_mixed_cuda.STAGES}")
     if cfg["decode_shared_split"] not in moe_mixed_cuda.SHARED_SPLITS:
@@ -568,6 +572,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
                 up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1),
                 routed_format=routed.format, group=routed.group, routed_global=r_global, global_col=global_col,
                 split_k=split, shared_split=ss, stages=cfg["decode_stages"], dependent_launch=pdl,
+                mma=cfg["decode_mma"],
             )  # fmt: skip
         c = _alloc((split, numel, N), torch.float32, x)
         r_strides = r.stride(0), r.stride(1)

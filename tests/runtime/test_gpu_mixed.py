@@ -96,7 +96,9 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1):
     g = r.global_scale
     parts = split_k * ring[0]
     c = torch.full((parts, numel, N), float("nan"), device="cuda")
-    decode_gemm(a, a_s, *ops, c, P, topk_w=topk_w, routed_global=g, stages=ring[1], dependent_launch=ring[2], **kw)
+    decode_gemm(
+        a, a_s, *ops, c, P, topk_w=topk_w, routed_global=g, stages=ring[1], dependent_launch=ring[2], mma=ring[3], **kw
+    )
     cpu = [t.cpu() for t in (a, a_s, *ops)]
     c_ref = torch.full((parts, numel, N), float("nan"))
     Pc = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in P)
@@ -104,12 +106,12 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1):
     return c.cpu(), c_ref
 
 
-# (shared_split, stages, dependent launch): the default, then the other ring depths and K splits
-RINGS = [(2, 4, True), (1, 3, False), (4, 6, False)]
+# (shared_split, stages, dependent launch, MMAs): the default, then the other ring depths, K splits and MMAs
+RINGS = [(2, 4, True, "auto"), (1, 3, False, "mma.sync"), (4, 6, False, "auto"), (2, 4, False, "mma.sync")]
 
 
 @pytest.mark.parametrize("name", list(SHAPES) + list(ODD_SHAPES))
-@pytest.mark.parametrize("ring", RINGS, ids=lambda r: f"ss{r[0]}-stages{r[1]}{'-pdl' if r[2] else ''}")
+@pytest.mark.parametrize("ring", RINGS, ids=lambda r: f"ss{r[0]}-stages{r[1]}{'-pdl' if r[2] else ''}-{r[3]}")
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
 def test_decode_kernel_equals_its_twin(name, ring, gemm1):
     """The CUDA decode GEMM against its PyTorch twin at each release's shape and format (and at small shapes whose K
