@@ -199,9 +199,11 @@ __device__ __forceinline__ float e8m0(uint32_t s) {
 }
 
 __device__ __forceinline__ float e4m3_to_float(uint32_t b) {  // one e4m3 byte (NVFP4's scales, never NaN)
-    const uint32_t e = (b >> 3) & 15u, f = b & 7u;
-    const float v = e ? __uint_as_float(((e + 120u) << 23) | (f << 20)) : (float)f * 0.001953125f;
-    return (b & 128u) ? -v : v;
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(b & 255u)));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xFFFFu)));
+    return f;
 }
 
 __device__ __forceinline__ float half_to_float(uint32_t h) {

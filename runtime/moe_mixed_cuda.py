@@ -211,7 +211,7 @@ def decode_gemm(
     routed_global=None,
     global_col=0,
     split_k=1,
-    shared_split=2,
+    shared_split=1,
     stages=4,
     dependent_launch=False,
     mma="auto",
@@ -414,7 +414,7 @@ def decode_gemm_reference(
     routed_global=None,
     global_col=0,
     split_k=1,
-    shared_split=2,
+    shared_split=1,
 ):
     """:func:`decode_gemm` in PyTorch, the kernel's twin: the same arguments and result, the same operand order
     (:func:`mma_slot_order`), expansions (:func:`e2m1_to_e4m3_bits`, :func:`int4_to_e4m3_bits`) and sums (float32

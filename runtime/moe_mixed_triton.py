@@ -439,14 +439,14 @@ def mixed_tile_config(
         # and FP8 MMAs (where the experts' scales allow it exactly, else "scaled")
         "mxfp4_mma": "scaled",
         # "auto": the CUDA decode GEMM where it serves the call (few pairs per slot, built here), else Triton;
-        # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it. "triton" by default until the CUDA
-        # kernel has passed its GPU tests (tests/runtime/test_gpu_mixed.py) and been timed on a card: it has not
-        # yet run on one
-        "decode_kernel": "triton",
-        # the CUDA decode GEMM: the FP8 shared slots' K parts per routed part (twice the bytes per input), the depth
-        # of its cp.async ring, and programmatic dependent launches (Hopper) for its launches and the small kernels
-        # around them, so that each GEMM's first weights are in flight while the launch before it drains
-        "decode_shared_split": 2,
+        # "cuda" insists (its PyTorch twin off CUDA), "triton" refuses it. The CUDA GEMM is faster than the Triton
+        # one at T = 1..64 for every format on the H100 (docs/benchmarks.md, "issue 33")
+        "decode_kernel": "auto",
+        # the CUDA decode GEMM: the FP8 shared slots' K parts per routed part (2 balances their bytes per program,
+        # but its extra programs cost more on the H100: 1), the depth of its cp.async ring, and programmatic
+        # dependent launches (Hopper) for its launches and the small kernels around them, so that each GEMM's
+        # first weights are in flight while the launch before it drains
+        "decode_shared_split": 1,
         "decode_stages": 4,
         "decode_mma": "auto",  # wgmma on Hopper (native e4m3), else mma.sync
         "dependent_launch": True,
