@@ -301,12 +301,18 @@ __device__ __forceinline__ void shared_group_mmas(float (&blk)[4], const uint32_
                                                   int c) {
     blk[0] = blk[1] = blk[2] = blk[3] = 0.f;
     if constexpr (WG) {
+        // one accumulator per 32 inputs, summed in float32: wgmma adds FP8 products in reduced precision
+        float t[4][4];
         wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-            wgmma_e4m3(blk, a[j][0], a[j][1], a[j][2], a[j][3], b_desc(xs + j * X_GROUP), j > 0);
+        for (int j = 0; j < 4; ++j) wgmma_e4m3(t[j], a[j][0], a[j][1], a[j][2], a[j][3], b_desc(xs + j * X_GROUP), 0);
         wgmma_commit_and_wait();
-        fence_operand(blk);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            fence_operand(t[j]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) blk[r] += t[j][r];
+        }
     } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
