@@ -2,33 +2,39 @@
 // 128x128 shared slots, few tokens per slot. Built at first use by runtime/moe_mixed_cuda.py (nvcc, sm_90a), launched
 // through fuse_shared_mixed_decode.
 //
-// A program (4 warps) computes 64 weight rows (the MMA's M side, 16 per warp) times one M block of 8 (token, slot)
-// pairs (the MMA's N side) over a K range, with mma.sync m16n8k32 e4m3 x e4m3 -> f32. Decode is bound by the weight
-// bytes, so the K range streams through a 3-stage shared-memory ring filled by cp.async: 16-byte copies, each run of
-// 8 threads one 128-byte row segment, so every load instruction moves whole cache lines and two stages are in flight
-// while the third is computed. A stage is 128 bytes of each weight row: 256 inputs of a four-bit row, 128 of an FP8
-// one, with their scales, the activations of the 8 pairs and their 1x128 scales. The FP8 shared slots, twice the
-// bytes per input, take twice the K splits (shared_split), so that no program carries twice the others' bytes.
+// A program (4 warps, one warpgroup) computes 64 weight rows (the MMA's M side, 16 per warp) times one M block of 8
+// (token, slot) pairs (the MMA's N side) over a K range. Decode is bound by the weight bytes, so the K range streams
+// through a ring of STAGES shared-memory stages (3, 4 or 6; dynamic shared memory) filled by cp.async: 16-byte copies,
+// each run of 8 threads one 128-byte row segment, so every load instruction moves whole cache lines and STAGES - 1
+// stages are in flight while one is computed. A stage is 128 bytes of each weight row (256 inputs of a four-bit row,
+// 128 of an FP8 one) with the rows' scales, the activations of the 8 pairs and their 1x128 scales. The weights of the
+// first stages are requested before the program waits for the launch before it (a programmatic dependent launch).
+//
+// The MMAs, e4m3 x e4m3 -> f32, one per 32 inputs:
+// - on Hopper (sm_90a) wgmma m64n8k32, A (the weights) from registers, B (the activations) from shared memory, where
+//   each stage's activations are stored de-interleaved into the MMA's K order once, for all 64 rows; mma.sync's e4m3
+//   MMAs are emulated there (each becomes 12 conversions to FP16 and two FP16 MMAs), wgmma's are native;
+// - elsewhere (sm_89, or decode_mma "mma.sync") mma.sync m16n8k32 per warp, B read from the same layout.
 //
 // The K order inside each 32-input group is permuted, the same way for A and B, so that each thread's A fragment is
 // four contiguous bytes of the stored row:
 //   thread (g = lane / 4, c = lane % 4), group j: bytes 16j + 4c .. 16j + 4c + 3 of row g hold inputs
 //   32j + 8c .. 32j + 8c + 7, two per byte (the first in the low nibble). The low nibbles fill MMA slots 4c .. 4c+3,
-//   the high nibbles slots 16 + 4c .. 16 + 4c + 3; B (the activations of pair g) takes inputs 32j + 8c + 2i for slot
-//   4c + i and 32j + 8c + 2i + 1 for slot 16 + 4c + i, one 8-byte load and two byte permutes.
+//   the high nibbles slots 16 + 4c .. 16 + 4c + 3: slot s < 16 holds input 2s, slot 16 + s input 2s + 1, so B is the
+//   group's even inputs, then its odd ones.
 // FP8 shared rows use the same permutation (an 8-byte load and two permutes per row), so both kinds of slot share B.
-// The rows' shared-memory strides (144 and 160 bytes) make those loads free of bank conflicts.
+// The rows' shared-memory strides (144 and 160 bytes) make the A loads free of bank conflicts.
 //
 // The codes become e4m3 operands exactly, with no table, a few bit operations per four codes:
 // - e2m1 (MXFP4, NVFP4): the code s.e.e.m becomes s.0.0.e.e.m.0.0, which reads as the e2m1 value times 2^-6 (normal
 //   and subnormal alike);
 // - INT4 (stored q + 8, q in -8..7): sign and magnitude |q| <= 8 in the low four bits, which read as q times 2^-9 (the
 //   magnitudes 0..7 are e4m3's subnormals, 8 its least normal).
-// The power of two is folded into the output. Each scale group is its own MMA into a zeroed accumulator, scaled in
-// float32 by the group's scale (E8M0 per 32 inputs, INT4's float per 32 << SHIFT, NVFP4's e4m3 per 16: two MMAs per
-// 32 inputs, each thread's operands zeroed in the one whose half it does not hold); each 128 inputs are then scaled by
-// the activations' 1x128 scale and NVFP4 rows by their global scale, as the Triton kernel and the PyTorch reference
-// do.
+// The power of two is folded into the output. Each scale group is its own MMA into a fresh accumulator (so wgmma's
+// reduced-precision FP8 sums never run past 32 products), scaled in float32 by the group's scale (E8M0 per 32
+// inputs, INT4's float per 32 << SHIFT, NVFP4's e4m3 per 16: two MMAs per 32 inputs, each thread's operands zeroed in
+// the one whose half it does not hold); each 128 inputs are then scaled by the activations' 1x128 scale and NVFP4
+// rows by their global scale, as the Triton kernel and the PyTorch reference do.
 #include <cstdint>
 #include <cuda_runtime.h>
 
