@@ -86,6 +86,20 @@ def fp8_conversion(routed, shared: ExpertWeights) -> ExpertWeights:
     )
 
 
+def model_weights(name: str):
+    """``(mixed, fp8, routing config)`` for one model of :data:`SHAPES`: random four-bit routed experts as released
+    beside random FP8 shared experts, and the FP8 conversion of the same weights (the same seeds every call)."""
+    H, I, E, S, K, scoring, rsf, fmt, limit = SHAPES[name]  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(1)
+    routed = random_four_bit_experts(E, H, I, fmt, gen=g, device="cuda")
+    shared = random_fp8_experts(S, H, I, device="cuda", seed=2)
+    limits = torch.full((E + S,), limit, device="cuda")
+    mixed = MixedExpertWeights(routed, shared, gemm1_clamp_limit=limits)
+    fp8 = fp8_conversion(routed, mixed.shared)
+    fp8.gemm1_clamp_limit = limits
+    return mixed, fp8, RoutingConfig(E, K, S, scoring, 1, 1, True, rsf)
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -118,14 +132,8 @@ def main():
 
     for name in args.models.split(","):
         H, I, E, S, K, scoring, rsf, fmt, limit = SHAPES[name]
-        g = torch.Generator(device="cuda").manual_seed(1)
-        routed = random_four_bit_experts(E, H, I, fmt, gen=g, device="cuda")
-        shared = random_fp8_experts(S, H, I, device="cuda", seed=2)
-        limits = torch.full((E + S,), limit, device="cuda")
-        mixed = MixedExpertWeights(routed, shared, gemm1_clamp_limit=limits)
-        fp8 = fp8_conversion(routed, mixed.shared)
-        fp8.gemm1_clamp_limit = limits
-        cfg = RoutingConfig(E, K, S, scoring, 1, 1, True, rsf)
+        mixed, fp8, cfg = model_weights(name)
+        routed = mixed.routed
         four_bit = (routed.gate_up, routed.gate_up_scale, routed.down, routed.down_scale, routed.global_scale)
         per_routed = sum(nbytes(t[0]) for t in four_bit if t is not None)
         per_fp8 = sum(nbytes(t[0]) for t in (fp8.gate_up, fp8.gate_up_scale, fp8.down, fp8.down_scale))
@@ -201,7 +209,7 @@ def main():
                 flush=True,
             )
             save()
-        del routed, shared, mixed, fp8
+        del routed, mixed, fp8
         torch.cuda.empty_cache()
     print("\n| model | T | mixed us | FP8 us | FP8/mixed | mixed % copy | FP8 % copy | ok |")
     print("|---|---|---|---|---|---|---|---|")

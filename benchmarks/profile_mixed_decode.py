@@ -11,18 +11,16 @@ last call's launches."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mixed_moe import SHAPES, fp8_conversion  # noqa: E402
-from common import random_fp8_experts  # noqa: E402
+from bench_mixed_moe import SHAPES, model_weights  # noqa: E402
 
-from rt_helpers import random_four_bit_experts  # noqa: E402
-from runtime import RoutingConfig, fused_moe, route  # noqa: E402
-from runtime.moe import MixedExpertWeights  # noqa: E402
+from runtime import fused_moe, route  # noqa: E402
 
 WARM = 3
 
@@ -33,17 +31,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--tile-config", default='{"decode_kernel": "cuda"}')
     args = ap.parse_args()
-    import json
 
-    H, I, E, S, K, scoring, rsf, fmt, limit = SHAPES[args.model]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    routed = random_four_bit_experts(E, H, I, fmt, gen=g, device="cuda")
-    shared = random_fp8_experts(S, H, I, device="cuda", seed=2)
-    limits = torch.full((E + S,), limit, device="cuda")
-    mixed = MixedExpertWeights(routed, shared, gemm1_clamp_limit=limits)
-    fp8 = fp8_conversion(routed, mixed.shared)
-    fp8.gemm1_clamp_limit = limits
-    cfg = RoutingConfig(E, K, S, scoring, 1, 1, True, rsf)
+    H, _, E, S = SHAPES[args.model][:4]
+    mixed, fp8, cfg = model_weights(args.model)
+    g = torch.Generator(device="cuda").manual_seed(3)
     T = args.tokens
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     ids, w = route(torch.randn(T, E, device="cuda", generator=g), torch.zeros(E, device="cuda"), cfg)
