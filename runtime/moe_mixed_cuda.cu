@@ -29,7 +29,9 @@
 // - e2m1 (MXFP4, NVFP4): the code s.e.e.m becomes s.0.0.e.e.m.0.0, which reads as the e2m1 value times 2^-6 (normal
 //   and subnormal alike);
 // - INT4 (stored q + 8, q in -8..7): sign and magnitude |q| <= 8 in the low four bits, which read as q times 2^-9 (the
-//   magnitudes 0..7 are e4m3's subnormals, 8 its least normal).
+//   magnitudes 0..7 are e4m3's subnormals, 8 its least normal); or (INT4U, int4_codes "unsigned") the stored code
+//   u = q + 8 itself, which reads as u times 2^-9, each group's sum then less 8 times the pair's activation sum over
+//   the group (summed once per stage, for all 64 rows): one mask per four codes instead of seven operations.
 // The power of two is folded into the output. Each scale group is its own MMA into a fresh accumulator (so wgmma's
 // reduced-precision FP8 sums never run past 32 products), scaled in float32 by the group's scale (E8M0 per 32
 // inputs, INT4's float per 32 << SHIFT, NVFP4's e4m3 per 16: two MMAs per 32 inputs, each thread's operands zeroed in
@@ -68,6 +70,10 @@ constexpr int WARPS = 4;       // warps per program, 16 rows each
 constexpr int ROWS = WARPS * 16;
 constexpr int THREADS = WARPS * 32;
 constexpr int MXFP4 = 0, INT4 = 1, NVFP4 = 2;  // runtime.moe_mixed_cuda.FORMATS
+// INT4 read as its stored codes u = q + 8 (runtime.moe_mixed_cuda.INT4_UNSIGNED): each nibble, alone in a byte, is the
+// e4m3 value u times 2^-9 with no arithmetic; each group's sum then takes 8 times the pair's activation sum off
+constexpr int INT4U = 3;
+__host__ __device__ constexpr bool is_int4(int fmt) { return fmt == INT4 || fmt == INT4U; }
 constexpr int SCALE_BF16 = 0, SCALE_F32 = 2;  // INT4's scale dtypes (Params.scale_dtype; 1: FP16)
 
 // one stage in shared memory: weight rows, the routed rows' scales, the pairs' activations and their scales, the
@@ -87,10 +93,12 @@ __host__ __device__ constexpr int scale_stride(int fmt, int64_t scale_bytes) {
     return fmt == MXFP4 ? 8 : (int)(2 * scale_bytes > 16 ? 2 * scale_bytes : 16);
 }
 
+// ... then the pairs' activation scales, the shared slot's block scale, and (INT4U) each group's activation sums
 struct StageLayout {
-    int x_off, as_off, bs_off, bytes;
+    int x_off, as_off, bs_off, gs_off, bytes;
     __host__ __device__ StageLayout(int sc_stride)
-        : x_off(SC_OFF + ROWS * sc_stride), as_off(x_off + X_BYTES), bs_off(as_off + 2 * BM * 4), bytes(bs_off + 16) {}
+        : x_off(SC_OFF + ROWS * sc_stride), as_off(x_off + X_BYTES), bs_off(as_off + 2 * BM * 4), gs_off(bs_off + 16),
+          bytes(gs_off + 8 * BM * 4) {}
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -129,11 +137,13 @@ __device__ __forceinline__ uint32_t int4_to_e4m3(uint32_t u) {
 
 template <int FMT>
 __device__ __forceinline__ uint32_t expand_low(uint32_t q) {
+    if constexpr (FMT == INT4U) return q & 0x0F0F0F0Fu;
     return FMT == INT4 ? int4_to_e4m3(q & 0x0F0F0F0Fu) : e2m1_low_to_e4m3(q);
 }
 
 template <int FMT>
 __device__ __forceinline__ uint32_t expand_high(uint32_t q) {
+    if constexpr (FMT == INT4U) return (q >> 4) & 0x0F0F0F0Fu;
     return FMT == INT4 ? int4_to_e4m3((q >> 4) & 0x0F0F0F0Fu) : e2m1_high_to_e4m3(q);
 }
 
@@ -216,6 +226,15 @@ __device__ __forceinline__ float half_to_float(uint32_t h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
     return f;
+}
+
+// the sum of four e4m3 values (one word), in float32
+__device__ __forceinline__ float e4m3x4_sum(uint32_t w) {
+    uint32_t lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(w & 0xFFFFu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+    return (half_to_float(lo & 0xFFFFu) + half_to_float(lo >> 16)) +
+           (half_to_float(hi & 0xFFFFu) + half_to_float(hi >> 16));
 }
 
 // A routed row's scales for one stage (256 inputs), as copied: MXFP4 eight E8M0 bytes, NVFP4 sixteen e4m3 bytes,
@@ -451,6 +470,11 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
         *reinterpret_cast<uint4*>(dst + BM * 16) =
             make_uint4(prmt(v.lo.x, v.lo.y, 0x7531u), prmt(v.lo.z, v.lo.w, 0x7531u), prmt(v.hi.x, v.hi.y, 0x7531u),
                        prmt(v.hi.z, v.hi.w, 0x7531u));
+        if constexpr (FMT == INT4U) {
+            const float sum = (e4m3x4_sum(v.lo.x) + e4m3x4_sum(v.lo.y)) + (e4m3x4_sum(v.lo.z) + e4m3x4_sum(v.lo.w)) +
+                              ((e4m3x4_sum(v.hi.x) + e4m3x4_sum(v.hi.y)) + (e4m3x4_sum(v.hi.z) + e4m3x4_sum(v.hi.w)));
+            reinterpret_cast<float*>(stage(i) + L.gs_off)[xj * BM + xq] = sum;
+        }
         if constexpr (WG) fence_proxy_async();
     };
 
@@ -523,6 +547,18 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
                     }
                     float t[JB][H][4];
                     routed_group_mmas<FMT, JB, H, WG>(t, a, xs + (4 * u + jb) * X_GROUP, first_half, g, c);
+                    if constexpr (FMT == INT4U) {  // sum (u - 8) x = sum u x - 8 sum x, in units of 2^-9
+                        const float* gs = reinterpret_cast<const float*>(st + L.gs_off) + (4 * u + jb) * BM;
+#pragma unroll
+                        for (int jj = 0; jj < JB; ++jj) {
+                            const float s0 = ok_0 ? gs[jj * BM + 2 * c] : 0.f;
+                            const float s1 = ok_1 ? gs[jj * BM + 2 * c + 1] : 0.f;
+                            t[jj][0][0] = fmaf(-0.015625f, s0, t[jj][0][0]);
+                            t[jj][0][1] = fmaf(-0.015625f, s1, t[jj][0][1]);
+                            t[jj][0][2] = fmaf(-0.015625f, s0, t[jj][0][2]);
+                            t[jj][0][3] = fmaf(-0.015625f, s1, t[jj][0][3]);
+                        }
+                    }
 #pragma unroll
                     for (int jj = 0; jj < JB; ++jj)
 #pragma unroll
@@ -564,7 +600,7 @@ __global__ void __launch_bounds__(THREADS, 4) mixed_decode_kernel(const Params p
     cp_async_wait<0>();  // no copy outlives the program
     if (routed) {
         // the e4m3 operands are the codes' values times 2^-6 (e2m1) or 2^-9 (INT4); NVFP4 rows take their global scale
-        float f0 = FMT == INT4 ? 512.f : 64.f, f1 = f0;
+        float f0 = is_int4(FMT) ? 512.f : 64.f, f1 = f0;
         if constexpr (FMT == NVFP4) {
             const float* gl = p.r_global + e * 3 + p.global_col;
             f0 *= __ldg(gl + (n0 + r0 >= p.up_row ? 1 : 0));
@@ -624,7 +660,8 @@ int launch(const Params* p, dim3 grid, cudaStream_t st) {
 
 }  // namespace
 
-// Returns the CUDA error code of the launch (0: launched). fmt: 0 MXFP4, 1 INT4, 2 NVFP4; shift: INT4's scale groups
+// Returns the CUDA error code of the launch (0: launched). fmt: 0 MXFP4, 1 INT4, 2 NVFP4, 3 INT4 read unsigned; shift:
+// INT4's scale groups
 // are 32 << shift inputs (0, 1 or 2).
 // (Params is the caller's struct, passed as void*: a signature naming a type of the unnamed namespace would give the
 // function internal linkage, and the library would not export it)
@@ -638,5 +675,8 @@ extern "C" int fuse_shared_mixed_decode(const void* params, int64_t fmt, int64_t
     if (fmt == INT4 && shift == 0) return launch<INT4, 0>(p, grid, st);
     if (fmt == INT4 && shift == 1) return launch<INT4, 1>(p, grid, st);
     if (fmt == INT4 && shift == 2) return launch<INT4, 2>(p, grid, st);
+    if (fmt == INT4U && shift == 0) return launch<INT4U, 0>(p, grid, st);
+    if (fmt == INT4U && shift == 1) return launch<INT4U, 1>(p, grid, st);
+    if (fmt == INT4U && shift == 2) return launch<INT4U, 2>(p, grid, st);
     return (int)cudaErrorInvalidValue;
 }

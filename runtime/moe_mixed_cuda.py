@@ -32,6 +32,8 @@ from .moe_tiles import cache_dir
 SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
 BLOCK_M = 8  # pairs per M block: the MMA's N
 FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernels (this one's and the Triton one's)
+INT4_UNSIGNED = 3  # this kernel's code for INT4 read as its stored codes (int4_codes "unsigned")
+INT4_CODES = ("signed", "unsigned")
 SCALE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # INT4 group scales
 ROWS_PER_PROGRAM = 64  # four warps of 16 weight rows
 STAGES = (3, 4, 6)  # the depths of the cp.async ring built
@@ -215,6 +217,7 @@ def decode_gemm(
     stages=4,
     dependent_launch=False,
     mma="auto",
+    int4_codes="signed",
 ):
     """One GEMM over mixed slots into ``c`` float32 ``[split_k * shared_split, numel, N]``: part ``k`` holds each
     pair's sum over its slot's K part ``k``, routed slots in ``split_k`` parts (the rest zeros) and FP8 shared slots in
@@ -241,7 +244,9 @@ def decode_gemm(
     launch, which may start before the launch ahead of it in the stream has finished; the kernel reads only the
     weights and the routing (``pairs``, ``topk_w``: written before that launch) until it waits for it, then ``a`` and
     ``a_scale``. ``mma``: the MMA instructions (:data:`MMAS`; "auto": wgmma on compute capability 9.0, else
-    mma.sync)."""
+    mma.sync). ``int4_codes``: INT4's codes expanded to their values q ("signed") or taken as stored, q + 8, with 8
+    times each group's activation sum taken off ("unsigned": one operation per four codes, not seven); the same
+    products in another float order (:func:`decode_gemm_reference` follows either)."""
     if routed_format not in FORMATS:
         raise ValueError(f"the decode kernel serves {', '.join(FORMATS)} routed slots, got {routed_format!r}")
     if routed_format == "nvfp4" and routed_global is None:
@@ -255,9 +260,11 @@ def decode_gemm(
             a, a_scale, routed, routed_scale, shared, shared_scale, c, pairs, N=N, K=K, numel=numel,
             num_routed=num_routed, up_row=up_row, up_scale_row=up_scale_row, a_div=a_div, mul_w=mul_w, topk_w=topk_w,
             routed_format=routed_format, group=group, routed_global=routed_global, global_col=global_col,
-            split_k=split_k, shared_split=shared_split,
+            split_k=split_k, shared_split=shared_split, int4_codes=int4_codes,
         )  # fmt: skip
         return c
+    if int4_codes not in INT4_CODES:
+        raise ValueError(f"int4_codes must be one of {INT4_CODES}, got {int4_codes!r}")
     if mma not in MMAS:
         raise ValueError(f"decode_mma must be one of {MMAS}, got {mma!r}")
     if stages not in STAGES:
@@ -295,9 +302,8 @@ def decode_gemm(
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
     shift = (group // 32).bit_length() - 1 if routed_format == "int4" else 0  # INT4 groups of 32 << shift
-    err = lib.fuse_shared_mixed_decode(
-        ctypes.byref(p), FORMATS[routed_format], num_blocks, shift, ctypes.c_void_p(stream)
-    )
+    code = INT4_UNSIGNED if routed_format == "int4" and int4_codes == "unsigned" else FORMATS[routed_format]
+    err = lib.fuse_shared_mixed_decode(ctypes.byref(p), code, num_blocks, shift, ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"the mixed-slot decode kernel did not launch (CUDA error {err})")
     return c
@@ -367,13 +373,24 @@ def mma_slot_order(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
 _FIRST_HALF_SLOTS = (torch.arange(32) % 16) < 8
 
 
-def _routed_group_sums(codes, scales, x, K, routed_format, group):
+def int4_unsigned_to_e4m3_bits(codes: torch.Tensor, high: bool) -> torch.Tensor:
+    """INT4's stored code ``u = q + 8`` (the low or high nibble of each byte of ``codes``) alone in a byte: the e4m3
+    value ``u`` times 2^-9 (0..7 subnormal, 8..15 with the least exponent)."""
+    return ((codes.to(torch.int32) >> (4 if high else 0)) & 15).to(torch.uint8)
+
+
+def _routed_group_sums(codes, scales, x, K, routed_format, group, int4_codes="signed"):
     """``[P, N, K / 32]``: each 32-input group's MMA sums times their scales, the e4m3 operands' power of two undone
     (the kernel's routed loop before the activations' scale). ``codes`` uint8 ``[N, K / 2]``, ``x`` ``[P, K]`` float
-    in slot order."""
+    in slot order. INT4 ``int4_codes="unsigned"``: the stored codes' sums, then 8 times each group's activation sum
+    off, as the kernel does."""
     N = codes.shape[0]
     b = codes.view(N, K // 32, 16)  # [N, groups, 16 bytes]
-    expand = int4_to_e4m3_bits if routed_format == "int4" else e2m1_to_e4m3_bits
+    unsigned = routed_format == "int4" and int4_codes == "unsigned"
+    if unsigned:
+        expand = int4_unsigned_to_e4m3_bits
+    else:
+        expand = int4_to_e4m3_bits if routed_format == "int4" else e2m1_to_e4m3_bits
     low, high = (expand(b, h).view(torch.float8_e4m3fn).float() for h in (False, True))
     # slot order within a group: the low nibbles of bytes 4c .. 4c+3 fill slots 4c .., the high ones 16 + 4c ..
     w = torch.cat([low.view(N, -1, 4, 4).flatten(2), high.view(N, -1, 4, 4).flatten(2)], dim=2)  # [N, groups, 32]
@@ -384,6 +401,8 @@ def _routed_group_sums(codes, scales, x, K, routed_format, group):
         s = scales.view(torch.float8_e4m3fn).float().view(N, K // 32, 2)
         return (halves * s).sum(-1) * 64.0
     sums = torch.einsum("ngs,pgs->png", w, xg)  # [P, N, groups]
+    if unsigned:
+        sums = sums - 2.0**-6 * xg.sum(-1)[:, None, :]  # 8 * 2^-9 per input of the group
     if routed_format == "int4":
         return sums * scales.float().repeat_interleave(group // 32, dim=1)[:, : K // 32] * 512.0
     s = torch.where(scales > 0, torch.exp2(scales.float() - 127), torch.tensor(2.0**-127))
@@ -415,6 +434,7 @@ def decode_gemm_reference(
     global_col=0,
     split_k=1,
     shared_split=1,
+    int4_codes="signed",
 ):
     """:func:`decode_gemm` in PyTorch, the kernel's twin: the same arguments and result, the same operand order
     (:func:`mma_slot_order`), expansions (:func:`e2m1_to_e4m3_bits`, :func:`int4_to_e4m3_bits`) and sums (float32
@@ -445,7 +465,7 @@ def decode_gemm_reference(
         x = mma_slot_order(a[rows].view(torch.uint8)).view(torch.float8_e4m3fn).float()  # [P, K] in slot order
         xs = a_scale[rows, :nk].float()  # [P, nk]
         if e < E:
-            sums = _routed_group_sums(routed[e], routed_scale[e], x, K, routed_format, group)
+            sums = _routed_group_sums(routed[e], routed_scale[e], x, K, routed_format, group, int4_codes)
             per128 = sums.view(len(block), N, nk, 4).sum(-1)  # [P, N, nk]
             if routed_format == "nvfp4":
                 per128 = per128 * routed_global[e].float()[global_col + (n >= up_row).long()][None, :, None]

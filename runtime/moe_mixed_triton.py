@@ -78,6 +78,7 @@ MIXED_TILE_KEYS = (
     "decode_shared_split",
     "decode_stages",
     "decode_mma",
+    "decode_int4_codes",
     "dependent_launch",
 )
 DECODE_KERNELS = ("auto", "cuda", "triton")
@@ -449,6 +450,8 @@ def mixed_tile_config(
         "decode_shared_split": 1,
         "decode_stages": 4,
         "decode_mma": "auto",  # wgmma on Hopper (native e4m3), else mma.sync
+        # INT4: its codes expanded to q ("signed") or read as stored, q + 8 ("unsigned": not yet timed on a card)
+        "decode_int4_codes": "signed",
         "dependent_launch": True,
     }
     for k, v in (overrides or {}).items():
@@ -459,6 +462,8 @@ def mixed_tile_config(
         raise ValueError(
             f"mixed tile config decode_kernel must be one of {DECODE_KERNELS}, got {cfg['decode_kernel']!r}"
         )
+    if cfg["decode_int4_codes"] not in moe_mixed_cuda.INT4_CODES:
+        raise ValueError(f"mixed tile config decode_int4_codes must be one of {moe_mixed_cuda.INT4_CODES}")
     if cfg["decode_mma"] not in moe_mixed_cuda.MMAS:
         raise ValueError(f"mixed tile config decode_mma must be one of {moe_mixed_cuda.MMAS}")
     if cfg["decode_stages"] not in moe_mixed_cuda.STAGES:
@@ -572,7 +577,7 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
                 up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1),
                 routed_format=routed.format, group=routed.group, routed_global=r_global, global_col=global_col,
                 split_k=split, shared_split=ss, stages=cfg["decode_stages"], dependent_launch=pdl,
-                mma=cfg["decode_mma"],
+                mma=cfg["decode_mma"], int4_codes=cfg["decode_int4_codes"],
             )  # fmt: skip
         c = _alloc((split, numel, N), torch.float32, x)
         r_strides = r.stride(0), r.stride(1)

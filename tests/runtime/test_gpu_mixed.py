@@ -73,7 +73,7 @@ def test_mixed_padding_rows_under_a_fixed_shape(name):
     assert rel(out[:9], fused_moe(x[:9], ew, ids[:9], w[:9], backend="triton", tile_config=tiles)) < 1e-6
 
 
-def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1):
+def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1, int4_codes="signed"):
     """One GEMM of the CUDA decode kernel and of its PyTorch twin (on CPU copies) on the same operands; ``pairs`` is
     (sorted ids, slot per block, total, blocks, naive, a_div, numel)."""
     from runtime.moe_mixed_cuda import decode_gemm
@@ -92,7 +92,7 @@ def _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1):
     topk_w = torch.rand(numel, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     kw = dict(N=N, K=K, numel=numel, num_routed=E, up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0,
               a_div=pairs[5], mul_w=mul_w, split_k=split_k, shared_split=ring[0], routed_format=r.format,
-              group=r.group, global_col=0 if gemm1 else 2)  # fmt: skip
+              group=r.group, global_col=0 if gemm1 else 2, int4_codes=int4_codes)  # fmt: skip
     g = r.global_scale
     parts = split_k * ring[0]
     c = torch.full((parts, numel, N), float("nan"), device="cuda")
@@ -151,6 +151,24 @@ def test_decode_kernel_equals_its_twin(name, ring, gemm1):
     a_s = torch.rand(numel, Kin // 128, device="cuda") + 0.5
     c, c_ref = _decode_gemm_both(ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, ring, gemm1)
     assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
+
+
+@pytest.mark.parametrize("name", ["Kimi-K2.6", "odd-int4"])
+@pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
+def test_decode_kernel_int4_stored_codes_equal_the_twin(name, gemm1):
+    """int4_codes "unsigned" (the stored codes as e4m3, 8 times each group's activation sum taken off) against the
+    twin, which does the same, for one token and for blocks of 8 pairs."""
+    H, I, E, S, K, _, _ = {**SHAPES, **ODD_SHAPES}[name]
+    ew = mixed_experts(name, seed=13)
+    Kin = H if gemm1 else I
+    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda") % (E + 1)
+    rows = 1 if gemm1 else 7
+    a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
+    a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
+    naive = (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)
+    ring = RINGS[0]
+    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, ring, gemm1, int4_codes="unsigned")
+    assert not torch.isnan(c).any() and rel(c, c_ref) < _twin_tolerance(ring[3]), rel(c, c_ref)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

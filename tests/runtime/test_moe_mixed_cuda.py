@@ -16,6 +16,7 @@ from runtime.moe_mixed_cuda import (
     decode_gemm_reference,
     e2m1_to_e4m3_bits,
     int4_to_e4m3_bits,
+    int4_unsigned_to_e4m3_bits,
     k_parts,
     library_path,
     mma_slot_order,
@@ -53,6 +54,16 @@ def test_int4_expansion_is_exact_for_every_byte(high):
     assert not torch.signbit(got[u == 8]).any()
 
 
+@pytest.mark.parametrize("high", [False, True])
+def test_int4_stored_codes_read_as_e4m3_for_every_byte(high):
+    """int4_codes "unsigned": each byte's low or high stored code ``u``, alone in a byte, reads as ``u`` times 2^-9
+    (the kernel's only operation on it is the mask)."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = int4_unsigned_to_e4m3_bits(b, high).view(torch.float8_e4m3fn).double()
+    u = (b.to(torch.int64) >> 4) if high else (b.to(torch.int64) & 15)
+    assert torch.equal(got, u.double() * 2.0**-9)
+
+
 def test_mma_order_is_the_documented_permutation_of_each_group():
     """Slot 4c + i of each 32-input group holds input 8c + 2i, slot 16 + 4c + i input 8c + 2i + 1; groups stay
     in place, along any dimension."""
@@ -67,12 +78,19 @@ def test_mma_order_is_the_documented_permutation_of_each_group():
     assert torch.equal(mma_slot_order(m, dim=0), m[mma_slot_order(torch.arange(64))])
 
 
-FORMAT_CASES = [("mxfp4", 32), ("int4", 32), ("int4", 128), ("nvfp4", 16)]
+FORMAT_CASES = [
+    ("mxfp4", 32, "signed"),
+    ("int4", 32, "signed"),
+    ("int4", 32, "unsigned"),
+    ("int4", 128, "signed"),
+    ("int4", 128, "unsigned"),
+    ("nvfp4", 16, "signed"),
+]
 
 
-@pytest.mark.parametrize("fmt,group", FORMAT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("fmt,group,codes", FORMAT_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
-def test_twin_gemm_equals_a_plain_product(fmt, group, gemm1):
+def test_twin_gemm_equals_a_plain_product(fmt, group, codes, gemm1):
     """One routed slot and one shared slot through the twin, against the plain product of the same dequantized
     weights and activations (another summation order: float32 rounding apart): every format's expansion, scales
     (NVFP4's two per 32 inputs and its gate, up and down global scales, INT4's longer groups) and K splits."""
@@ -96,7 +114,7 @@ def test_twin_gemm_equals_a_plain_product(fmt, group, gemm1):
         a, a_s, *ops, c, (sorted_ids, expert_ids, total, 2, False, False), N=N, K=K, numel=P, num_routed=E,
         up_row=I if gemm1 else N, up_scale_row=I // 128 if gemm1 else 0, a_div=1, mul_w=False, topk_w=torch.ones(P),
         routed_format=fmt, group=group, routed_global=r.global_scale, global_col=0 if gemm1 else 2, split_k=2,
-        shared_split=2,
+        shared_split=2, int4_codes=codes,
     )  # fmt: skip
     x = a.float() * a_s.repeat_interleave(128, 1)
     w_routed = r.dequantized(1)[0 if gemm1 else 1]
@@ -120,6 +138,8 @@ CASES = [  # E, S, T, KS, num_valid, tiles, H, I, format
     (4, 1, 3, 3, None, dict(gemm1_split_k=3), 384, 128, "mxfp4"),  # a K split with an empty last part
     (4, 1, 1, 3, None, {}, 256, 128, "int4"),
     (6, 1, 9, 4, 7, dict(gemm1_split_k=2), 384, 128, "int4"),
+    (6, 1, 9, 4, 7, dict(decode_int4_codes="unsigned"), 384, 128, "int4"),
+    (4, 1, 1, 3, None, dict(decode_int4_codes="unsigned"), 256, 128, "int4"),
     (4, 1, 1, 3, None, {}, 256, 128, "nvfp4"),
     (6, 1, 9, 4, 7, dict(gemm2_split_k=2), 384, 128, "nvfp4"),
 ]
@@ -149,6 +169,8 @@ def test_decode_kernel_choice_is_checked():
     assert mixed_tile_config(1, 7, 257, {"decode_kernel": "auto"})["decode_kernel"] == "auto"
     with pytest.raises(ValueError, match="decode_kernel"):
         mixed_tile_config(1, 7, 257, {"decode_kernel": "fast"})
+    with pytest.raises(ValueError, match="decode_int4_codes"):
+        mixed_tile_config(1, 7, 257, {"decode_int4_codes": "biased"})
     with pytest.raises(ValueError, match="decode_shared_split"):
         mixed_tile_config(1, 7, 257, {"decode_shared_split": 3})
     assert supports("mxfp4", 4096, 2048) and supports("nvfp4", 4096, 2048) and supports("mxfp4", 4096, 1408)
