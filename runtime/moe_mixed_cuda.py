@@ -15,8 +15,10 @@ cannot.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -29,6 +31,7 @@ import torch
 
 from .moe_tiles import cache_dir
 
+logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
 BLOCK_M = 8  # pairs per M block: the MMA's N
 FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernels (this one's and the Triton one's)
@@ -113,8 +116,15 @@ def _load(capability: tuple[int, int]):
 
 
 def _build_and_open(capability: tuple[int, int]):
+    return ctypes_library(build(capability))
+
+
+def build(capability: tuple[int, int]) -> str:
+    """Builds the kernel library for ``capability`` into the cache folder unless it is there (:func:`library_path`),
+    and returns its path. Raises RuntimeError naming the cause where nvcc is missing or fails."""
     path = library_path(capability)
     if not os.path.exists(path):
+        logger.info("fuse-shared: building the mixed-slot decode kernel for sm_%d%d (once) into %s", *capability, path)
         nvcc = nvcc_path()
         if nvcc is None:
             raise RuntimeError("the mixed-slot decode kernel needs nvcc (the CUDA toolkit) to build; none found")
@@ -130,6 +140,11 @@ def _build_and_open(capability: tuple[int, int]):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    return path
+
+
+def ctypes_library(path: str):
+    """The built library at ``path``, its launch function's argument types set."""
     lib = ctypes.CDLL(path)
     lib.fuse_shared_mixed_decode.argtypes = [
         ctypes.POINTER(_Params), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
@@ -482,3 +497,33 @@ def decode_gemm_reference(
                 part = part * topk_w[block].float()[:, None]
             c[k, block] = part
     return c
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m runtime.moe_mixed_cuda [--capability 9.0]``: builds the decode kernel ahead (for this machine's GPU,
+    or for the compute capability given, with no GPU: a container image build), so that the first forward does not
+    wait for nvcc. Prints the library's path."""
+    ap = argparse.ArgumentParser(prog="python -m runtime.moe_mixed_cuda", description=main.__doc__.split(":")[0])
+    ap.add_argument("--capability", help="compute capability, e.g. 9.0 (default: the current GPU's)")
+    args = ap.parse_args(argv)
+    if args.capability:
+        try:
+            major, minor = (int(v) for v in args.capability.split("."))
+        except ValueError:
+            ap.error(f"--capability must look like 9.0, got {args.capability!r}")
+    elif torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+    else:
+        ap.error("no CUDA device here: give --capability (e.g. 9.0 for H100 and H200)")
+    if (major, minor) < (8, 9):
+        ap.error(f"the decode kernel needs compute capability 8.9 or later (e4m3 MMAs), got {major}.{minor}")
+    try:
+        print(build((major, minor)))
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+        print(f"error: {err}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

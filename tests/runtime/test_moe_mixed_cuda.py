@@ -19,6 +19,7 @@ from runtime.moe_mixed_cuda import (
     int4_unsigned_to_e4m3_bits,
     k_parts,
     library_path,
+    main,
     mma_slot_order,
     nvcc_path,
     supports,
@@ -237,13 +238,23 @@ def test_build_targets_the_card_and_lives_in_the_cache(tmp_path):
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
-def test_library_exports_its_launch_function(tmp_path):
-    """The built library exports ``fuse_shared_mixed_decode`` (a signature naming a type of the .cu's unnamed
-    namespace once gave it internal linkage: the first GPU run failed to load it). Built here with nvcc, no GPU."""
+def test_build_ahead_makes_the_library_the_forward_loads(tmp_path, monkeypatch, capsys):
+    """``python -m runtime.moe_mixed_cuda --capability 9.0`` builds, with no GPU, the library the forward would load
+    (the cache path it prints), and the library exports ``fuse_shared_mixed_decode`` (a signature naming a type of
+    the .cu's unnamed namespace once gave it internal linkage: the first GPU run failed to load it)."""
     import ctypes
-    import subprocess
 
-    out = str(tmp_path / "lib.so")
-    p = subprocess.run(build_command(nvcc_path(), (9, 0), out), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert hasattr(ctypes.CDLL(out), "fuse_shared_mixed_decode")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["--capability", "9.0"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path == library_path((9, 0)) and path.startswith(str(tmp_path))
+    assert hasattr(ctypes.CDLL(path), "fuse_shared_mixed_decode")
+
+
+def test_build_ahead_refuses_what_it_cannot_build(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: no --capability means this one")
+    for argv in ([], ["--capability", "9"], ["--capability", "8.0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
