@@ -120,6 +120,40 @@ def _twin_tolerance(mma):
 RINGS = [(2, 4, True, "auto"), (1, 3, False, "mma.sync"), (4, 6, False, "auto"), (2, 4, False, "mma.sync")]
 
 
+def _one_token(E, Kin, gemm1):
+    """One token's K slots (6 routed, the shared one), each its own block: (a, a_s, pairs)."""
+    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda") % (E + 1)
+    rows = 1 if gemm1 else 7
+    a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
+    a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
+    return a, a_s, (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)  # pairs, blocks, naive, a_div, numel
+
+
+def _blocks_of_eight(E, Kin):
+    """3 blocks of 8 pairs: a routed slot with 5 pairs, the shared slot with 8, a routed slot with 1: (a, a_s,
+    pairs)."""
+    numel = 14
+    sorted_ids = torch.tensor([0, 3, 5, 7, 12] + [numel] * 3 + [1, 2, 4, 6, 8, 9, 10, 11] + [13] + [numel] * 7,
+                              dtype=torch.int32, device="cuda")  # fmt: skip
+    expert_ids = torch.tensor([17 % E, E, 250 % E], dtype=torch.int32, device="cuda")
+    total = torch.tensor([24], dtype=torch.int32, device="cuda")
+    a = (torch.randn(numel, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
+    a_s = torch.rand(numel, Kin // 128, device="cuda") + 0.5
+    return a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel)
+
+
+def _check_against_twin(name, ring, gemm1, int4_codes="signed", seed=11):
+    torch.manual_seed(0)
+    H, I, E = {**SHAPES, **ODD_SHAPES}[name][:3]
+    ew = mixed_experts(name, seed=seed)
+    Kin = H if gemm1 else I
+    tol = _twin_tolerance(ring[3])
+    for (a, a_s, pairs), split_k in ((_one_token(E, Kin, gemm1), 2), (_blocks_of_eight(E, Kin), 3)):
+        mul_w = not gemm1 if pairs[4] else True
+        c, c_ref = _decode_gemm_both(ew, a, a_s, pairs, mul_w, split_k, ring, gemm1, int4_codes)
+        assert not torch.isnan(c).any() and rel(c, c_ref) < tol, (pairs[4], rel(c, c_ref))
+
+
 @pytest.mark.parametrize("name", list(SHAPES) + list(ODD_SHAPES))
 @pytest.mark.parametrize("ring", RINGS, ids=lambda r: f"ss{r[0]}-stages{r[1]}{'-pdl' if r[2] else ''}-{r[3]}")
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gate_up", "down"])
@@ -128,29 +162,7 @@ def test_decode_kernel_equals_its_twin(name, ring, gemm1):
     ends on half a stage): one token (each pair its own block) and blocks of 8 pairs with padding, K splits, the
     shared slot's K in shared_split times as many parts, each ring depth, launched as a dependent launch or not; the
     same products in another float32 order."""
-    torch.manual_seed(0)
-    H, I, E, S, K, _, _ = {**SHAPES, **ODD_SHAPES}[name]
-    ew = mixed_experts(name, seed=11)
-    Kin = H if gemm1 else I
-    # one token: its K slots (6 routed, the shared one), each a block
-    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda") % (E + 1)
-    rows = 1 if gemm1 else 7
-    a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
-    a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
-    naive = (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)  # pairs, blocks, naive, a_div, numel
-    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, ring, gemm1)
-    tol = _twin_tolerance(ring[3])
-    assert not torch.isnan(c).any() and rel(c, c_ref) < tol, rel(c, c_ref)
-    # 3 blocks of 8: a routed slot with 5 pairs, the shared slot with 8, a routed slot with 1
-    numel = 14
-    sorted_ids = torch.tensor([0, 3, 5, 7, 12] + [numel] * 3 + [1, 2, 4, 6, 8, 9, 10, 11] + [13] + [numel] * 7,
-                              dtype=torch.int32, device="cuda")  # fmt: skip
-    expert_ids = torch.tensor([17 % E, E, 250 % E], dtype=torch.int32, device="cuda")
-    total = torch.tensor([24], dtype=torch.int32, device="cuda")
-    a = (torch.randn(numel, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
-    a_s = torch.rand(numel, Kin // 128, device="cuda") + 0.5
-    c, c_ref = _decode_gemm_both(ew, a, a_s, (sorted_ids, expert_ids, total, 3, False, 1, numel), True, 3, ring, gemm1)
-    assert not torch.isnan(c).any() and rel(c, c_ref) < 1e-5, rel(c, c_ref)
+    _check_against_twin(name, ring, gemm1)
 
 
 @pytest.mark.parametrize("name", ["Kimi-K2.6", "odd-int4"])
@@ -158,17 +170,7 @@ def test_decode_kernel_equals_its_twin(name, ring, gemm1):
 def test_decode_kernel_int4_stored_codes_equal_the_twin(name, gemm1):
     """int4_codes "unsigned" (the stored codes as e4m3, 8 times each group's activation sum taken off) against the
     twin, which does the same, for one token and for blocks of 8 pairs."""
-    H, I, E, S, K, _, _ = {**SHAPES, **ODD_SHAPES}[name]
-    ew = mixed_experts(name, seed=13)
-    Kin = H if gemm1 else I
-    ids = torch.tensor([3, 77, 128, 200, 254, 9, E], dtype=torch.int32, device="cuda") % (E + 1)
-    rows = 1 if gemm1 else 7
-    a = (torch.randn(rows, Kin, device="cuda") * 16).to(torch.float8_e4m3fn)
-    a_s = torch.rand(rows, Kin // 128, device="cuda") + 0.5
-    naive = (ids, ids, ids, 7, True, 7 if gemm1 else 1, 7)
-    ring = RINGS[0]
-    c, c_ref = _decode_gemm_both(ew, a, a_s, naive, not gemm1, 2, ring, gemm1, int4_codes="unsigned")
-    assert not torch.isnan(c).any() and rel(c, c_ref) < _twin_tolerance(ring[3]), rel(c, c_ref)
+    _check_against_twin(name, RINGS[0], gemm1, int4_codes="unsigned", seed=13)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
