@@ -2,15 +2,15 @@
 
 :func:`decode_gemm` is one GEMM of :func:`runtime.moe_mixed_triton.fused_moe_mixed_triton` (GEMM1 over gate | up or
 GEMM2 over down) for four-bit routed slots (MXFP4, INT4, NVFP4) and FP8 shared slots when each slot has few pairs: M
-blocks of 8 pairs, the weight rows on the MMA's M side, ``mma.sync`` e4m3 with the codes expanded in registers by a
-few bit operations (e2m1 ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``; INT4 ``q + 8`` -> sign and ``|q|``; both exact), one MMA
-per scale group, the weights streamed through a 3-stage shared-memory ring by ``cp.async``. On a CUDA device it runs
-the kernel, built by ``nvcc`` at first use into the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``,
-never the package folder); elsewhere it runs :func:`decode_gemm_reference`, which takes the same operands in the same
-permuted order, expands them with the same bit operations and sums them per 32-input group as the kernel does, so the
-CPU tests check the kernel's data flow. :func:`available` says whether the kernel can be built here (a CUDA device of
-compute capability 8.9 or later, for e4m3 MMAs, and ``nvcc``); the caller falls back to the Triton kernel where it
-cannot.
+blocks of 8 pairs, the weight rows on the MMA's M side, e4m3 MMAs (wgmma on Hopper, mma.sync elsewhere) with the codes
+expanded in registers by a few bit operations (e2m1 ``s.e.e.m`` -> ``s.0.0.e.e.m.0.0``; INT4 ``q + 8`` -> sign and
+``|q|``; both exact), one MMA per scale group, the weights streamed through a ring of :data:`STAGES` shared-memory
+stages by ``cp.async``. On a CUDA device it runs the kernel, built by ``nvcc`` at first use (or ahead: ``python -m
+runtime.moe_mixed_cuda``) into the user's cache folder (``$XDG_CACHE_HOME/fuse-shared/kernels``, never the package
+folder); elsewhere it runs :func:`decode_gemm_reference`, which takes the same operands in the same permuted order,
+expands them with the same bit operations and sums them per 32-input group as the kernel does, so the CPU tests check
+the kernel's data flow. :func:`available` says whether the kernel can be built here (a CUDA device of compute
+capability 8.9 or later, for e4m3 MMAs, and ``nvcc``); the caller falls back to the Triton kernel where it cannot.
 """
 
 from __future__ import annotations
@@ -110,13 +110,9 @@ def _load(capability: tuple[int, int]):
     """(the loaded library, None) or (None, why it could not be built or loaded), once per capability: a failed
     build is not retried on every call."""
     try:
-        return _build_and_open(capability), None
+        return ctypes_library(build(capability)), None
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
         return None, str(err)
-
-
-def _build_and_open(capability: tuple[int, int]):
-    return ctypes_library(build(capability))
 
 
 def build(capability: tuple[int, int]) -> str:
@@ -370,7 +366,7 @@ def int4_to_e4m3_bits(codes: torch.Tensor, high: bool) -> torch.Tensor:
     byte (uint8) whose value is ``q`` times 2^-9: the sign, then ``|q|`` (0..8) in the low four bits, which e4m3 reads
     as ``|q| * 2^-9`` (subnormal up to 7, the least normal at 8). ``|q|`` is ``u - 8`` where bit 3 is set, else
     ``(u ^ 7) + 1``."""
-    u = (codes.to(torch.int32) >> (4 if high else 0)) & 15
+    u = int4_unsigned_to_e4m3_bits(codes, high).to(torch.int32)  # the stored code
     neg = ((~u) >> 3) & 1
     return ((((u & 7) ^ (neg * 7)) + neg) | (neg << 7)).to(torch.uint8)
 

@@ -458,22 +458,18 @@ def mixed_tile_config(
         if k not in MIXED_TILE_KEYS:
             raise ValueError(f"unknown mixed tile config key {k!r} (known: {', '.join(MIXED_TILE_KEYS)})")
         cfg[k] = v
-    if cfg["decode_kernel"] not in DECODE_KERNELS:
-        raise ValueError(
-            f"mixed tile config decode_kernel must be one of {DECODE_KERNELS}, got {cfg['decode_kernel']!r}"
-        )
-    if cfg["decode_int4_codes"] not in moe_mixed_cuda.INT4_CODES:
-        raise ValueError(f"mixed tile config decode_int4_codes must be one of {moe_mixed_cuda.INT4_CODES}")
-    if cfg["decode_mma"] not in moe_mixed_cuda.MMAS:
-        raise ValueError(f"mixed tile config decode_mma must be one of {moe_mixed_cuda.MMAS}")
-    if cfg["decode_stages"] not in moe_mixed_cuda.STAGES:
-        raise ValueError(f"mixed tile config decode_stages must be one of {moe_mixed_cuda.STAGES}")
-    if cfg["decode_shared_split"] not in moe_mixed_cuda.SHARED_SPLITS:
-        raise ValueError(f"mixed tile config decode_shared_split must be one of {moe_mixed_cuda.SHARED_SPLITS}")
-    if cfg["mxfp4_mma"] not in ("scaled", "fold"):
-        raise ValueError(f"mixed tile config mxfp4_mma must be 'scaled' or 'fold', got {cfg['mxfp4_mma']!r}")
-    if cfg["int4_mma"] not in ("fp8", "fp16"):
-        raise ValueError(f"mixed tile config int4_mma must be 'fp8' or 'fp16', got {cfg['int4_mma']!r}")
+    choices = {
+        "decode_kernel": DECODE_KERNELS,
+        "decode_int4_codes": moe_mixed_cuda.INT4_CODES,
+        "decode_mma": moe_mixed_cuda.MMAS,
+        "decode_stages": moe_mixed_cuda.STAGES,
+        "decode_shared_split": moe_mixed_cuda.SHARED_SPLITS,
+        "mxfp4_mma": ("scaled", "fold"),
+        "int4_mma": ("fp8", "fp16"),
+    }
+    for k, allowed in choices.items():
+        if cfg[k] not in allowed:
+            raise ValueError(f"mixed tile config {k} must be one of {allowed}, got {cfg[k]!r}")
     for k in ("block_n", "gemm1_split_k", "gemm2_split_k"):
         if not isinstance(cfg[k], int) or cfg[k] < 1 or (k == "block_n" and cfg[k] not in (16, 32, 64, 128, 256)):
             raise ValueError(f"mixed tile config {k} must be a positive int (block_n a power of two, 16..256)")
@@ -568,16 +564,15 @@ def fused_moe_mixed_triton(x, experts, ids, weights, num_valid_tokens=None, tile
             rs = rs.view(torch.uint8)
         if decode:  # K parts: the routed slots' split, the shared slots' times decode_shared_split
             ss = cfg["decode_shared_split"]
-            pdl = launch.dependent and not launch.first
-            launch.first = False
             c = _alloc((split * ss, numel, N), torch.float32, x)
             pairs = (sorted_ids, expert_ids, bound, num_pid_m, naive, has_nv)
             return moe_mixed_cuda.decode_gemm(
                 a, a_s, r, rs, w, ws, c, pairs, N=N, K=K, numel=numel, num_routed=E, up_row=up_row,
                 up_scale_row=up_scale_row, a_div=A_DIV, mul_w=MUL_W, topk_w=w_c.view(-1),
                 routed_format=routed.format, group=routed.group, routed_global=r_global, global_col=global_col,
-                split_k=split, shared_split=ss, stages=cfg["decode_stages"], dependent_launch=pdl,
-                mma=cfg["decode_mma"], int4_codes=cfg["decode_int4_codes"],
+                split_k=split, shared_split=ss, stages=cfg["decode_stages"],
+                dependent_launch=launch.next_is_dependent(), mma=cfg["decode_mma"],
+                int4_codes=cfg["decode_int4_codes"],
             )  # fmt: skip
         c = _alloc((split, numel, N), torch.float32, x)
         r_strides = r.stride(0), r.stride(1)

@@ -785,12 +785,17 @@ class _Launches:
         self.dependent = dependent
         self.first = True
 
-    def __call__(self, kernel, grid, *args, **kwargs):
+    def next_is_dependent(self) -> bool:
+        """Whether the launch about to be made is a dependent one (counted as made): for launches outside
+        ``__call__`` (the CUDA decode GEMM of runtime.moe_mixed_cuda)."""
         pdl = self.dependent and not self.first
-        if pdl:
+        self.first = False
+        return pdl
+
+    def __call__(self, kernel, grid, *args, **kwargs):
+        if self.next_is_dependent():
             kwargs.update(PDL=True, launch_pdl=True)
         kernel[grid](*args, **kwargs)
-        self.first = False
 
 
 def _weight_tiles(w: torch.Tensor, block_n: int, block_k: int):
