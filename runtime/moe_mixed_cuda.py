@@ -15,23 +15,13 @@ capability 8.9 or later, for e4m3 MMAs, and ``nvcc``); the caller falls back to 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from .moe_tiles import cache_dir
+from .cuda_build import KernelLibrary, nvcc_path  # noqa: F401  (nvcc_path: re-exported for the tests)
 
-logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
 BLOCK_M = 8  # pairs per M block: the MMA's N
 FORMATS = {"mxfp4": 0, "int4": 1, "nvfp4": 2}  # the format codes of both kernels (this one's and the Triton one's)
@@ -60,120 +50,16 @@ class _Params(ctypes.Structure):
     ]
 
 
-def kernel_dir(env=None) -> str:
-    """``$XDG_CACHE_HOME/fuse-shared/kernels`` (else ``~/.cache/fuse-shared/kernels``): the built kernels."""
-    return os.path.join(os.path.dirname(cache_dir(env)), "kernels")
-
-
-def nvcc_path() -> str | None:
-    """``nvcc`` on PATH, else under ``$CUDA_HOME`` or ``/usr/local/cuda``; None where there is none."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
-            return os.path.join(home, "bin", "nvcc")
-    return None
-
-
-def build_command(nvcc: str, capability: tuple[int, int], out: str) -> list[str]:
-    """The ``nvcc`` command that builds the kernel library for one compute capability (``sm_90a`` on Hopper)."""
-    arch = f"{capability[0]}{capability[1]}" + ("a" if capability == (9, 0) else "")
-    return [
-        nvcc,
-        "-O3",
-        "-std=c++17",
-        "-shared",
-        "-Xcompiler",
-        "-fPIC",
-        f"-gencode=arch=compute_{arch},code=sm_{arch}",
-        "-o",
-        out,
-        str(SOURCE),
-    ]
-
-
-def library_path(capability: tuple[int, int], env=None) -> str:
-    """Where the library built for ``capability`` from this source lives: named by the source's hash, so an
-    upgraded package never loads a stale build."""
-    return os.path.join(kernel_dir(env), f"moe_mixed_cuda_sm{capability[0]}{capability[1]}_{_source_digest()}.so")
-
-
-@lru_cache(maxsize=1)
-def _source_digest() -> str:
-    """The source's hash, read once: the forward asks for the library on every call."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-
-
-@lru_cache(maxsize=None)
-def _load(capability: tuple[int, int]):
-    """(the loaded library, None) or (None, why it could not be built or loaded), once per capability: a failed
-    build is not retried on every call."""
-    try:
-        return ctypes_library(build(capability)), None
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
-        return None, str(err)
-
-
-def build(capability: tuple[int, int]) -> str:
-    """Builds the kernel library for ``capability`` into the cache folder unless it is there (:func:`library_path`),
-    and returns its path. Raises RuntimeError naming the cause where nvcc is missing or fails."""
-    path = library_path(capability)
-    if not os.path.exists(path):
-        logger.info("fuse-shared: building the mixed-slot decode kernel for sm_%d%d (once) into %s", *capability, path)
-        nvcc = nvcc_path()
-        if nvcc is None:
-            raise RuntimeError("the mixed-slot decode kernel needs nvcc (the CUDA toolkit) to build; none found")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # built under a temporary name in the same folder, then renamed: a crash leaves no half-written library
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-        os.close(fd)
-        try:
-            p = subprocess.run(build_command(nvcc, capability, tmp), capture_output=True, text=True, timeout=600)
-            if p.returncode != 0:
-                raise RuntimeError(f"nvcc failed building {SOURCE.name}: {(p.stderr or p.stdout).strip()[-2000:]}")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return path
-
-
-def ctypes_library(path: str):
-    """The built library at ``path``, its launch function's argument types set."""
-    lib = ctypes.CDLL(path)
+def _declare(lib: ctypes.CDLL) -> None:
     lib.fuse_shared_mixed_decode.argtypes = [
         ctypes.POINTER(_Params), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
     ]  # fmt: skip
     lib.fuse_shared_mixed_decode.restype = ctypes.c_int
-    return lib
 
 
-def available(device: torch.device) -> bool:
-    """Whether :func:`decode_gemm` runs the CUDA kernel on ``device``: CUDA, compute capability >= 8.9 (e4m3 MMAs),
-    and the kernel already built or ``nvcc`` there to build it."""
-    return device.type == "cuda" and torch.cuda.is_available() and _buildable(torch.cuda.get_device_capability(device))
-
-
-def _buildable(capability: tuple[int, int]) -> bool:
-    return capability >= (8, 9) and (os.path.exists(library_path(capability)) or nvcc_path() is not None)
-
-
-def usable(device: torch.device) -> bool:
-    """:func:`available`, and the kernel built and loaded (built now if it was not): False, with a warning naming
-    why, where the build fails, so that the caller falls back to the Triton kernel."""
-    return device.type == "cuda" and torch.cuda.is_available() and _usable(torch.cuda.get_device_capability(device))
-
-
-@lru_cache(maxsize=None)
-def _usable(capability: tuple[int, int]) -> bool:
-    """:func:`usable` once per capability: the forward asks on every call, and the answer does not change."""
-    if not _buildable(capability):
-        return False
-    lib, why = _load(capability)
-    if lib is None:
-        warnings.warn(f"fuse-shared: the mixed-slot decode kernel is not used: {why}", stacklevel=4)
-    return lib is not None
+LIBRARY = KernelLibrary(SOURCE, "the mixed-slot decode kernel", (8, 9), _declare)  # 8.9: e4m3 MMAs
+build, library_path, available, usable = LIBRARY.build, LIBRARY.library_path, LIBRARY.available, LIBRARY.usable
+build_command, ctypes_library = LIBRARY.build_command, LIBRARY.open
 
 
 def supports(routed_format: str, hidden: int, intermediate: int, group: int | None = None, scale_size: int = 2) -> bool:
@@ -295,7 +181,7 @@ def decode_gemm(
     wgmma = mma == "wgmma" or (mma == "auto" and capability == (9, 0))
     if wgmma and capability != (9, 0):
         raise ValueError(f"decode_mma 'wgmma' needs compute capability 9.0 (sm_90a), got {capability}")
-    lib, why = _load(capability)
+    lib, why = LIBRARY.load(capability)
     if lib is None:
         raise RuntimeError(f"the mixed-slot decode kernel is not available: {why}")
     rs_size = routed_scale.element_size()  # the kernel takes the routed strides in bytes
@@ -496,29 +382,9 @@ def decode_gemm_reference(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runtime.moe_mixed_cuda [--capability 9.0]``: builds the decode kernel ahead (for this machine's GPU,
-    or for the compute capability given, with no GPU: a container image build), so that the first forward does not
-    wait for nvcc. Prints the library's path."""
-    ap = argparse.ArgumentParser(prog="python -m runtime.moe_mixed_cuda", description=main.__doc__.split(":")[0])
-    ap.add_argument("--capability", help="compute capability, e.g. 9.0 (default: the current GPU's)")
-    args = ap.parse_args(argv)
-    if args.capability:
-        try:
-            major, minor = (int(v) for v in args.capability.split("."))
-        except ValueError:
-            ap.error(f"--capability must look like 9.0, got {args.capability!r}")
-    elif torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-    else:
-        ap.error("no CUDA device here: give --capability (e.g. 9.0 for H100 and H200)")
-    if (major, minor) < (8, 9):
-        ap.error(f"the decode kernel needs compute capability 8.9 or later (e4m3 MMAs), got {major}.{minor}")
-    try:
-        print(build((major, minor)))
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
-        print(f"error: {err}")
-        return 1
-    return 0
+    """``python -m runtime.moe_mixed_cuda [--capability 9.0]``: builds the decode kernel ahead
+    (:meth:`KernelLibrary.main`)."""
+    return LIBRARY.main("python -m runtime.moe_mixed_cuda", argv)
 
 
 if __name__ == "__main__":
