@@ -56,6 +56,11 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``sum_in_gemm2``: one token (decode) only, without ``shared_dense``: the last GEMM2 program of each column block
   (an atomic counter per block, zeroed by GEMM1) adds the slots' outputs, in the slot-sum launch's order (the same
   bits), so that launch and its gap go away. Ignored for more tokens.
+- ``prefill_kernel``: the grouped GEMMs of FP8 slots for more than one token: ``"triton"``; ``"cuda"``, the
+  warp-specialized wgmma kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128, GEMM1 plain with
+  SwiGLU and the FP8 quantization of h in their own launch; the PyTorch twin on the CPU); ``"auto"``, the CUDA kernel
+  where it is built or buildable and the shapes suit it, else Triton. Ignored for one token and other weights.
+- ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
 """
 
 from __future__ import annotations
@@ -94,8 +99,14 @@ TILE_KEYS = {
     "dependent_launch": bool,
     "shared_dense": bool,
     "sum_in_gemm2": bool,
+    "prefill_kernel": str,
+    "prefill_stages": int,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
+PREFILL_KERNELS = ("triton", "cuda", "auto")
+PREFILL_STAGES = (4, 5, 6)  # the ring depths runtime/moe_grouped_cuda.cu is built for
+# what a config without them takes (tables tuned before the CUDA prefill kernel existed have neither)
+PREFILL_DEFAULTS = {"prefill_kernel": "triton", "prefill_stages": 5}
 
 
 def dtype_tag(fp8: bool, weight_dtype_name: str = "bfloat16") -> str:
@@ -187,6 +198,10 @@ def check_tile_config(cfg: Mapping[str, Any]) -> None:
     for k in ("down_output_dtype", "gemm1_output_dtype"):
         if cfg.get(k, "float32") not in OUTPUT_DTYPES:
             raise ValueError(f"{k} must be one of {OUTPUT_DTYPES}, got {cfg[k]!r}")
+    if cfg.get("prefill_kernel", "triton") not in PREFILL_KERNELS:
+        raise ValueError(f"prefill_kernel must be one of {PREFILL_KERNELS}, got {cfg['prefill_kernel']!r}")
+    if cfg.get("prefill_stages", 5) not in PREFILL_STAGES:
+        raise ValueError(f"prefill_stages must be one of {PREFILL_STAGES}, got {cfg['prefill_stages']!r}")
     for k in ("block_m", "gemm1_block_n", "gemm2_block_n"):
         if k in cfg and cfg[k] & (cfg[k] - 1):
             raise ValueError(f"tile config {k} must be a power of two, got {cfg[k]}")

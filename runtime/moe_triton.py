@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import moe_grouped_cuda
 from ._backend import interpreting, next_pow2
 from .fp8 import FP8_DTYPE
-from .moe_tiles import CardInfo, cache_dir, check_tile_config, tile_config as lookup_tile_config
+from .moe_tiles import PREFILL_DEFAULTS, CardInfo, cache_dir, check_tile_config, tile_config as lookup_tile_config
 
 try:  # programmatic dependent launch (Hopper and later): Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -697,7 +698,7 @@ def resolve_tile_config(
     would get without a table of its own. Raises ``ValueError`` for unknown keys or impossible combinations
     (:func:`moe_tiles.check_tile_config`)."""
     cfg, _ = _lookup_tiles(num_tokens, experts, slots_per_token, device, own_tables)
-    cfg = dict(cfg)
+    cfg = {**PREFILL_DEFAULTS, **cfg}
     if tile_config:
         check_tile_config(tile_config)
         cfg.update(tile_config)
@@ -1034,6 +1035,24 @@ def _dense_shared_slots(launch: _Launches, xq, xs, experts, ids_c, shared: int, 
     return outs[0][None] if shared == 1 else torch.stack(outs)
 
 
+def _cuda_prefill(cfg: dict, experts, num_tokens: int, num_pairs: int, routed: int, device: torch.device) -> bool:
+    """Whether the grouped GEMMs of this call run on :mod:`runtime.moe_grouped_cuda` (``prefill_kernel``): FP8 slots,
+    more than one token, shapes on its 128 grid; "auto" also wants the kernel usable here and at least 64 pairs per
+    slot on average (fewer leave its 128-row blocks mostly padding), "cuda" raises where it cannot run."""
+    choice = cfg["prefill_kernel"]
+    if choice == "triton" or num_tokens == 1 or not experts.is_fp8:
+        return False
+    H, I = experts.hidden_size, experts.intermediate_size  # noqa: E741
+    fits = moe_grouped_cuda.supports(2 * I, H, I) and moe_grouped_cuda.supports(H, I)
+    if choice == "cuda":
+        if not fits:
+            raise ValueError(f"prefill_kernel 'cuda' needs hidden and intermediate sizes of 128s, got {H} and {I}")
+        if device.type == "cuda" and not moe_grouped_cuda.usable(device):
+            raise RuntimeError("prefill_kernel 'cuda': the grouped prefill kernel cannot run on this device")
+        return True
+    return fits and num_pairs >= 64 * routed and moe_grouped_cuda.usable(device)
+
+
 def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None, shared_slots=0):
     """Triton fused MoE: the same arguments, result and errors as :func:`runtime.moe.fused_moe` (which
     checks shapes and dtypes before calling this), with ``tile_config`` overriding the tuned tiles
@@ -1050,11 +1069,16 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     dense = cfg["shared_dense"] and shared_slots > 0
     routed = num_slots - shared_slots if dense else num_slots  # the slots the grouped GEMMs run
     launch = _Launches(cfg["dependent_launch"])
+    numel = T * KS
+    cuda_prefill = _cuda_prefill(cfg, experts, T, numel, routed, x.device)
+    if cuda_prefill:
+        # its M blocks are 128 pairs; GEMM1 plain (gate | up as columns), SwiGLU and h's FP8 in their own launch
+        cfg.update(block_m=moe_grouped_cuda.BLOCK_M, quantize_input_first=True, gemm1_fused_activation=False)
+        cfg.update(gemm1_split_k=1, gemm2_split_k=1, quantize_in_epilogue=False, quantize_hidden_first=True)
     BM = cfg["block_m"]
     interp = interpreting()
     ids_c = ids.to(torch.int32).contiguous()
     w_c = weights.to(torch.float32).contiguous()
-    numel = T * KS
     has_nv = num_valid_tokens is not None
     # One token: its K+S pairs are distinct slots, so each pair is its own M block and no alignment launch is needed
     # (the GEMMs read the slot ids directly, NAIVE); more tokens share slots and are bucketed by slot first.
@@ -1107,54 +1131,61 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         num_cnt=num_cnt,
     )
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
-    launch(
-        _moe_gemm_kernel,
-        grid1,
-        a,
-        a_s,
-        _weight_tiles(w13, BN1, BK) if tma else w13,
-        s13,
-        h,
-        h_s,
-        sorted_ids,
-        expert_ids,
-        bound,
-        w_c,
-        *act,
-        N1,
-        H,
-        numel,
-        num_pid_m,
-        routed,
-        I,
-        gi,
-        0,
-        numel * N1,
-        a.stride(0),
-        a.stride(1),
-        a_s.stride(0),
-        a_s.stride(1),
-        w13.stride(0),
-        w13.stride(1),
-        w13.stride(2),
-        *sstr(s13),
-        N1,
-        h_s.stride(0) if quant_h else 0,
-        A_DIV=KS,
-        A_MODE=1 if prequant else 0,
-        A_SPLITS=1,
-        GATED=fused_act,
-        QUANT_OUT=quant_h,
-        MUL_W=False,
-        **gemm_kw,
-        SWAP=fp8 and cfg["gemm1_swap_ab"],
-        SPLIT_K=split1,
-        BN=BN1,
-        num_warps=cfg["gemm1_warps"],
-        num_stages=cfg["gemm1_stages"],
-        CNT_P=next_pow2(num_cnt),
-        ZERO_CNT=fold_sum,
-    )
+    pairs = (sorted_ids, expert_ids, bound, num_pid_m)
+    if cuda_prefill:
+        moe_grouped_cuda.grouped_gemm(
+            a, a_s, w13, s13, h[0], pairs, numel=numel, num_experts=routed, a_div=KS,
+            stages=cfg["prefill_stages"], group_m=cfg["group_m"], dependent_launch=launch.next_is_dependent(),
+        )  # fmt: skip
+    else:
+        launch(
+            _moe_gemm_kernel,
+            grid1,
+            a,
+            a_s,
+            _weight_tiles(w13, BN1, BK) if tma else w13,
+            s13,
+            h,
+            h_s,
+            sorted_ids,
+            expert_ids,
+            bound,
+            w_c,
+            *act,
+            N1,
+            H,
+            numel,
+            num_pid_m,
+            routed,
+            I,
+            gi,
+            0,
+            numel * N1,
+            a.stride(0),
+            a.stride(1),
+            a_s.stride(0),
+            a_s.stride(1),
+            w13.stride(0),
+            w13.stride(1),
+            w13.stride(2),
+            *sstr(s13),
+            N1,
+            h_s.stride(0) if quant_h else 0,
+            A_DIV=KS,
+            A_MODE=1 if prequant else 0,
+            A_SPLITS=1,
+            GATED=fused_act,
+            QUANT_OUT=quant_h,
+            MUL_W=False,
+            **gemm_kw,
+            SWAP=fp8 and cfg["gemm1_swap_ab"],
+            SPLIT_K=split1,
+            BN=BN1,
+            num_warps=cfg["gemm1_warps"],
+            num_stages=cfg["gemm1_stages"],
+            CNT_P=next_pow2(num_cnt),
+            ZERO_CNT=fold_sum,
+        )
     h_quant_mode = 1 if quant_h else (0 if fused_act else 2)
     if cfg["quantize_hidden_first"]:
         h, h_s = _quantize_rows(
@@ -1173,52 +1204,58 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     split2 = cfg["gemm2_split_k"]
     c = _alloc((split2, numel, H), _OUTPUT_DTYPES[cfg["down_output_dtype"]], x)
     grid2 = (num_pid_m * triton.cdiv(H, BN2), split2)
-    launch(
-        _moe_gemm_kernel,
-        grid2,
-        h,
-        h_s,
-        _weight_tiles(w2, BN2, BK) if tma else w2,
-        s2,
-        c,
-        c,
-        sorted_ids,
-        expert_ids,
-        bound,
-        w_c,
-        *act,
-        H,
-        I,
-        numel,
-        num_pid_m,
-        routed,
-        H,
-        0,
-        numel * N1,
-        numel * H,
-        h.stride(-2),
-        1,
-        *(h_s.stride() if h_quant_mode == 1 else (0, 0)),
-        w2.stride(0),
-        w2.stride(1),
-        w2.stride(2),
-        *sstr(s2),
-        H,
-        0,
-        A_DIV=1,
-        A_MODE=h_quant_mode,
-        A_SPLITS=split1,
-        GATED=False,
-        QUANT_OUT=False,
-        MUL_W=True,
-        **gemm_kw,
-        SWAP=fp8 and cfg["gemm2_swap_ab"],
-        SPLIT_K=split2,
-        BN=BN2,
-        num_warps=cfg["gemm2_warps"],
-        num_stages=cfg["gemm2_stages"],
-        SUM_KS=KS if fold_sum else 0,
-    )
+    if cuda_prefill:
+        moe_grouped_cuda.grouped_gemm(
+            h, h_s, w2, s2, c[0], pairs, numel=numel, num_experts=routed, a_div=1, topk_w=w_c,
+            stages=cfg["prefill_stages"], group_m=cfg["group_m"], dependent_launch=launch.next_is_dependent(),
+        )  # fmt: skip
+    else:
+        launch(
+            _moe_gemm_kernel,
+            grid2,
+            h,
+            h_s,
+            _weight_tiles(w2, BN2, BK) if tma else w2,
+            s2,
+            c,
+            c,
+            sorted_ids,
+            expert_ids,
+            bound,
+            w_c,
+            *act,
+            H,
+            I,
+            numel,
+            num_pid_m,
+            routed,
+            H,
+            0,
+            numel * N1,
+            numel * H,
+            h.stride(-2),
+            1,
+            *(h_s.stride() if h_quant_mode == 1 else (0, 0)),
+            w2.stride(0),
+            w2.stride(1),
+            w2.stride(2),
+            *sstr(s2),
+            H,
+            0,
+            A_DIV=1,
+            A_MODE=h_quant_mode,
+            A_SPLITS=split1,
+            GATED=False,
+            QUANT_OUT=False,
+            MUL_W=True,
+            **gemm_kw,
+            SWAP=fp8 and cfg["gemm2_swap_ab"],
+            SPLIT_K=split2,
+            BN=BN2,
+            num_warps=cfg["gemm2_warps"],
+            num_stages=cfg["gemm2_stages"],
+            SUM_KS=KS if fold_sum else 0,
+        )
     if fold_sum:
         return out
     shared_out = _dense_shared_slots(launch, a, a_s, experts, ids_c, shared_slots, act) if dense else c

@@ -284,3 +284,21 @@ def random_mixed_experts(E, S, H, I, fmt, gen=None, span=4, oai=False, device="c
             gemm1_clamp_limit=torch.cat([torch.full((E,), 0.5), torch.full((S,), 0.7)]),
         )
     return MixedExpertWeights(random_four_bit_experts(E, H, I, fmt, gen, span, group), shared, **act).to(device)
+
+
+def kernel_params_fields(source) -> list[tuple[str, str]]:
+    """The ``struct Params`` of a CUDA source, as ``(name, "ptr" | "i64")`` per field in order: what its ctypes twin
+    must list."""
+    import re
+
+    body = re.search(r"struct Params \{(.*?)\n\};", source.read_text(), re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        kind, names = re.match(r"(const \w+\*|\w+\*|int64_t)\s+(.*)", decl, re.S).groups()
+        for name in names.split(","):
+            fields.append((name.strip(), "ptr" if "*" in kind else "i64"))
+    return fields

@@ -248,3 +248,73 @@ def test_mxfp4_to_fp8_on_the_gpu_equals_the_cpu(spread):
     for a, b in zip(on_gpu[1:], on_cpu[1:]):
         assert torch.equal(a, b)
     assert bool(on_cpu[3].all()) == (spread < 8), "the two cases take the two paths"
+
+
+needs_grouped_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the CUDA prefill kernel needs compute capability 9.0 (wgmma)",
+)
+
+
+@needs_grouped_cuda
+@pytest.mark.parametrize("out_dtype,weighted", [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("stages", [4, 5, 6])
+def test_cuda_prefill_kernel_equals_its_twin(out_dtype, weighted, stages):
+    """The warp-specialized kernel against its PyTorch twin on the same operands: buckets of 0 to 300 pairs (whole
+    blocks, padding halves, a slot with none), a slot outside the GEMM, rows gathered by token (a_div 9)."""
+    from runtime.moe_grouped_cuda import BLOCK_M, grouped_gemm, grouped_gemm_reference
+    from runtime.moe_triton import _align, _Launches
+
+    E, N, K, T, KS = 12, 512, 1024, 300, 9
+    numel = T * KS
+    ew = random_fp8_experts(E + 1, K, N // 2, seed=stages)
+    gen = torch.Generator(device="cuda").manual_seed(stages)
+    a = (torch.randn(T, K, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+    a_s = torch.rand(T, K // 128, device="cuda", generator=gen) + 0.5
+    counts = torch.tensor([300, 0, 128, 64, 65, 1, 200, 257, 199, 20, 160, 600, 706], dtype=torch.int64)
+    ids = torch.repeat_interleave(torch.arange(E + 1), counts)[torch.randperm(numel)].view(T, KS)
+    ids = ids.to(torch.int32).cuda()
+    sorted_ids, expert_ids, total, blocks = _align(_Launches(), ids, None, numel, KS, E + 1, BLOCK_M)
+    topk_w = torch.rand(numel, device="cuda", generator=gen) if weighted else None
+    got = torch.full((numel, N), 3.0, device="cuda", dtype=out_dtype)
+    want = got.clone()
+    pairs = (sorted_ids, expert_ids, total, blocks)
+    # gate_up as the weights: [E + 1, N, K]; the last slot is outside the GEMM (num_experts E)
+    kw = dict(numel=numel, num_experts=E, a_div=KS, topk_w=topk_w)
+    grouped_gemm(a, a_s, ew.gate_up, ew.gate_up_scale, got, pairs, stages=stages, **kw)
+    grouped_gemm_reference(a, a_s, ew.gate_up, ew.gate_up_scale, want, pairs, **kw)
+    torch.cuda.synchronize()
+    assert torch.all(got[ids.view(-1) == E] == 3.0)
+    assert rel(got, want) < (1e-5 if out_dtype == torch.float32 else 4e-3), rel(got, want)
+
+
+@needs_grouped_cuda
+@pytest.mark.parametrize("name,T", [("DeepSeek-V3", 4096), ("MiniMax-M3", 600), ("GLM-4.5", 64), ("Kimi-K2", 512)])
+def test_cuda_prefill_forward_real_shapes(name, T):
+    """The forward with ``prefill_kernel="cuda"`` as close to exact math as the reference, with and without the dense
+    shared slots, and replayed in a CUDA graph with padding rows."""
+    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=T + 21)
+    gen = torch.Generator(device="cuda").manual_seed(T + 22)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids, w = route(torch.randn(T, E, device="cuda", generator=gen), None, _cfg(name))
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    exact = exact_moe(x, ew, ids, w)
+    for dense in (False, True):
+        tiles = dict(prefill_kernel="cuda", shared_dense=dense)
+        out = torch.full_like(x, float("nan"))
+        fused_moe(x, ew, ids, w, tile_config=tiles, out=out, shared_slots=S)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert_as_exact_as_reference(out, ref, exact)
+    nv = torch.tensor([T], dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out, shared_slots=S)
+    n = T - T // 3
+    nv.fill_(n)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out[n:] == 0)
+    assert_as_exact_as_reference(out[:n], ref[:n], exact_moe(x[:n], ew, ids[:n], w[:n]))

@@ -26,7 +26,7 @@ from runtime.moe_mixed_cuda import (
 )
 from runtime.moe_mixed_triton import mixed_tile_config
 
-from rt_helpers import random_mixed_experts, rel, routing_with_shared_slots
+from rt_helpers import kernel_params_fields, random_mixed_experts, rel, routing_with_shared_slots
 from test_moe_mixed import E2M1
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
@@ -203,20 +203,8 @@ def test_k_parts_cover_every_step_once(nk, split_k, shared_split):
 def test_params_struct_matches_the_kernel_source():
     """The ctypes struct and the .cu's Params, field for field (a reordered or missing field would shift every
     later one: the kernel would read strides as counts)."""
-    import re
-
-    body = re.search(r"struct Params \{(.*?)\n\};", SOURCE.read_text(), re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    fields = []
-    for decl in body.split(";"):
-        decl = decl.strip()
-        if not decl:
-            continue
-        kind, names = re.match(r"(const \w+\*|\w+\*|int64_t)\s+(.*)", decl, re.S).groups()
-        for name in names.split(","):
-            fields.append((name.strip(), "ptr" if "*" in kind else "i64"))
     expected = [(n, "ptr" if t.__name__ == "c_void_p" else "i64") for n, t in _Params._fields_]
-    assert fields == expected
+    assert kernel_params_fields(SOURCE) == expected
 
 
 @needs_triton

@@ -1,0 +1,337 @@
+// Prefill-regime grouped GEMM over FP8 slots (e4m3 weights with 128x128 block scales, e4m3 activations with 1x128
+// scales): GEMM1 (gate | up) or GEMM2 (down) of the fused MoE when each slot has many pairs. Built at first use by
+// runtime/moe_grouped_cuda.py (nvcc, sm_90a: wgmma), launched through fuse_shared_grouped_gemm.
+//
+// The (token, slot) pairs come bucketed by slot in M blocks of 128 (runtime.moe_triton._align: a pair id per row,
+// numel for padding, one slot per block). A tile is one M block times 128 output columns, over all of K.
+//
+// Warp specialization, persistent: a program is three warpgroups on one multiprocessor, looping over the tiles in
+// grouped order (group_m M blocks, then the next column block, so that an expert's blocks read its weight tile at
+// the same time and the activations stay in L2 across the column blocks):
+// - the producer warpgroup copies each 128-input K step of the tile (the 128 rows of activations gathered by pair id,
+//   the 128 weight rows, their scales) into a ring of STAGES shared-memory stages by cp.async, 16-byte copies, four
+//   whole 128-byte rows per warp instruction, stored in the 128-byte swizzle wgmma reads; each thread's copies arrive
+//   on the stage's "full" barrier when they land (cp.async.mbarrier.arrive);
+// - two consumer warpgroups, 64 rows each, wait for a stage, run four wgmma m64n128k32 e4m3 MMAs (both operands from
+//   shared memory) into a fresh float32 accumulator, release the stage ("empty" barrier) and add the accumulator
+//   times the rows' activation scales and the weight block's scale into the tile's sum: the per-128-input promotion
+//   the block scales need, in float32, as the Triton kernel and the reference do. While one consumer promotes, the
+//   other's MMAs keep the tensor cores busy. A consumer whose 64 rows are all padding (the bucket's tail) skips its
+//   MMAs: buckets cost whole 64-row halves, not whole 128-row tiles.
+// The epilogue stores each row to its pair's row of c (GEMM2: times the pair's routing weight), bf16 or float32,
+// while the producer already fills the stages of the program's next tile.
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace {
+
+struct Params {
+    const uint8_t* a;           // e4m3 activations [rows, K] (row stride stride_am bytes)
+    const float* a_scale;       // their 1x128 scales (strides stride_asm, stride_ask)
+    const uint8_t* b;           // e4m3 weights [E, N, K] (strides stride_be, stride_bn bytes; K contiguous)
+    const float* b_scale;       // 128x128 scales [E, N / 128, K / 128]
+    void* c;                    // bf16 or float32 [numel, N] (row stride stride_cm elements)
+    const int32_t* sorted;      // the pair of each row of the M blocks (numel: padding)
+    const int32_t* expert_ids;  // the slot of each M block
+    const int32_t* total;       // the padded pair count (M blocks times 128)
+    const float* topk_w;        // the routing weight of each pair (mul_w)
+    int64_t N, K, numel, num_experts, a_div, max_m_blocks;
+    int64_t stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm;
+    int64_t mul_w, out_f32, group_m, pdl;
+};
+
+constexpr int BM = 128, BN = 128, BK = 128;
+constexpr int THREADS = 384;                  // the producer warpgroup, then two consumer warpgroups
+constexpr int TILE = BM * BK;                 // bytes of one stage's activations, and of its weights (BN = BM)
+constexpr int CONSUMER_WARPS = 8;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- cp.async and mbarriers
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// the barrier's arrival when this thread's earlier cp.async copies have landed (counted in the barrier's init count)
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// waits for the completion of the barrier's phase of this parity (the phase before a fresh barrier's counts as done)
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// ---- wgmma (sm_90a)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FUSE_SHARED_WGMMA 1
+#endif
+
+// a K-major operand of 8-row groups of 128 bytes in the 128-byte swizzle, 1024 bytes per group
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,"
+        "%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,"
+        "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;"
+        "\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+// the cp.async copies (generic proxy), seen through the barrier, made visible to wgmma's reads (async proxy)
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// two floats as bf16, round to nearest even (lo in the low half)
+__device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// keeps the compiler from moving reads of the accumulator above the wait for the MMAs writing it
+__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// the tile's M block and column block, in groups of group_m M blocks (an expert's blocks side by side)
+__device__ __forceinline__ void tile_coords(int tile, int num_m, int num_n, int group_m, int& m, int& n) {
+    const int per_group = group_m * num_n;
+    const int g = tile / per_group, first = g * group_m;
+    const int size = min(num_m - first, group_m);
+    const int r = tile - g * per_group;
+    m = first + r % size;
+    n = r / size;
+}
+
+template <int STAGES>
+struct Smem {
+    static constexpr int AS_OFF = STAGES * 2 * TILE;             // activation scales [STAGES][BM]
+    static constexpr int BS_OFF = AS_OFF + STAGES * BM * 4;      // weight block scale [STAGES] (16 bytes each)
+    static constexpr int BAR_OFF = BS_OFF + STAGES * 16;         // full[STAGES], empty[STAGES]
+    static constexpr int BYTES = BAR_OFF + 2 * STAGES * 8 + 1024;  // + the alignment of the base to 1024
+};
+
+template <int STAGES>
+__global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p) {
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // the swizzle needs 1024-aligned
+    using L = Smem<STAGES>;
+    float* s_as = reinterpret_cast<float*>(smem + L::AS_OFF);
+    float* s_bs = reinterpret_cast<float*>(smem + L::BS_OFF);
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::BAR_OFF);
+    uint64_t* empty = full + STAGES;
+    const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + s, 128);              // every producer thread's copies
+            mbar_init(empty + s, CONSUMER_WARPS);  // every consumer warp done reading
+        }
+    }
+    __syncthreads();
+    if (p.pdl) {
+        // the routing and the activations come from the launches before this one
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;");
+    }
+    const int num_m = __ldg(p.total) / BM;
+    const int num_n = (int)(p.N / BN), nk = (int)(p.K / BK);
+    const int tiles = num_m * num_n, group_m = (int)p.group_m;
+    const uint32_t base = smem_addr(smem);
+    uint32_t it = 0;  // the K steps this program has passed through the ring
+    if (wg == 0) {
+        // producer: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i (i < 8) of both operands, and the
+        // activation scale of row t
+        const int chunk = t % 8, row0 = t / 8;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            int m, n;
+            tile_coords(tile, num_m, num_n, group_m, m, n);
+            const int e = __ldg(p.expert_ids + m);
+            if (e < 0 || e >= p.num_experts) continue;
+            const uint8_t* arow[8];
+            uint32_t abytes[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int pair = __ldg(p.sorted + (int64_t)m * BM + row0 + 16 * i);
+                const bool ok = pair < p.numel;
+                arow[i] = p.a + (ok ? (int64_t)(pair / p.a_div) * p.stride_am : 0) + chunk * 16;
+                abytes[i] = ok ? 16 : 0;
+            }
+            const int my_pair = __ldg(p.sorted + (int64_t)m * BM + t);
+            const float* as_row = p.a_scale + (my_pair < p.numel ? (int64_t)(my_pair / p.a_div) * p.stride_asm : 0);
+            const uint32_t as_bytes = my_pair < p.numel ? 4 : 0;
+            const uint8_t* brow = p.b + e * p.stride_be + ((int64_t)n * BN + row0) * p.stride_bn + chunk * 16;
+            const float* bs = p.b_scale + e * p.stride_bse + n * p.stride_bsn;
+            for (int kb = 0; kb < nk; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
+                const uint32_t sa = base + s * 2 * TILE, sb = sa + TILE;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int r = row0 + 16 * i;
+                    const uint32_t off = r * 128 + ((chunk ^ (r & 7)) * 16);
+                    cp_async16(sa + off, arow[i] + kb * BK, abytes[i]);
+                    cp_async16(sb + off, brow + 16 * i * p.stride_bn + kb * BK, 16);
+                }
+                cp_async4(base + L::AS_OFF + (s * BM + t) * 4, as_row + kb * p.stride_ask, as_bytes);
+                if (t == 0) cp_async4(base + L::BS_OFF + s * 16, bs + kb * p.stride_bsk, 4);
+                mbar_arrive_on_copies(full + s);
+            }
+        }
+        return;
+    }
+    // consumers: warpgroup half (0, 1) takes rows 64 half .. 64 half + 63; its thread holds rows r0 and r0 + 8 of
+    // them and columns 8 j + 2 (lane % 4) + {0, 1} of the accumulator (the wgmma D fragment)
+    const int half = wg - 1, warp = t / 32, lane = t % 32;
+    const int r0 = warp * 16 + lane / 4;
+    float acc[64], sum[64];
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int m, n;
+        tile_coords(tile, num_m, num_n, group_m, m, n);
+        const int e = __ldg(p.expert_ids + m);
+        if (e < 0 || e >= p.num_experts) continue;
+        const int64_t row_base = (int64_t)m * BM + half * 64;
+        const bool live = __ldg(p.sorted + row_base) < p.numel;  // padding only at a bucket's end
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
+        for (int kb = 0; kb < nk; ++kb, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full + s, (it / STAGES) & 1);
+            float f0 = 0.f, f1 = 0.f;
+            if (live) {
+                fence_proxy_async();
+                const uint32_t sa = base + s * 2 * TILE + half * 64 * 128, sb = base + s * 2 * TILE + TILE;
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 4; ++k) wgmma_m64n128k32(acc, sw128_desc(sa + 32 * k), sw128_desc(sb + 32 * k), k);
+                wgmma_commit_and_wait();
+                fence_operands(acc);
+                const float bsc = s_bs[s * 4];
+                f0 = s_as[s * BM + half * 64 + r0] * bsc;
+                f1 = s_as[s * BM + half * 64 + r0 + 8] * bsc;
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + s);
+            if (live) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    sum[4 * j + 0] += acc[4 * j + 0] * f0;
+                    sum[4 * j + 1] += acc[4 * j + 1] * f0;
+                    sum[4 * j + 2] += acc[4 * j + 2] * f1;
+                    sum[4 * j + 3] += acc[4 * j + 3] * f1;
+                }
+            }
+        }
+        if (!live) continue;
+        const int pair0 = __ldg(p.sorted + row_base + r0), pair1 = __ldg(p.sorted + row_base + r0 + 8);
+        const int64_t col = (int64_t)n * BN + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int pair = h ? pair1 : pair0;
+            if (pair >= p.numel) continue;
+            const float w = p.mul_w ? __ldg(p.topk_w + pair) : 1.f;
+            if (p.out_f32) {
+                float* out = static_cast<float*>(p.c) + pair * p.stride_cm + col;
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    *reinterpret_cast<float2*>(out + 8 * j) = make_float2(sum[4 * j + 2 * h] * w, sum[4 * j + 2 * h + 1] * w);
+            } else {
+                uint16_t* out = static_cast<uint16_t*>(p.c) + pair * p.stride_cm + col;
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    *reinterpret_cast<uint32_t*>(out + 8 * j) = bf16x2(sum[4 * j + 2 * h] * w, sum[4 * j + 2 * h + 1] * w);
+            }
+        }
+    }
+}
+
+template <int STAGES>
+int launch_stages(const Params* p, cudaStream_t st) {
+    const auto kernel = grouped_gemm_kernel<STAGES>;
+    const int smem = Smem<STAGES>::BYTES;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    const int64_t max_tiles = p->max_m_blocks * (p->N / BN);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(max_tiles < sms ? max_tiles : sms));
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = p->pdl ? 1 : 0;
+    err = cudaLaunchKernelEx(&cfg, kernel, *p);
+    return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+}  // namespace
+
+// Returns the CUDA error code of the launch (0: launched). stages: the ring's depth (4, 5 or 6).
+// (Params is the caller's struct, passed as void*: a signature naming a type of the unnamed namespace would give the
+// function internal linkage, and the library would not export it)
+extern "C" int fuse_shared_grouped_gemm(const void* params, int64_t stages, void* stream) {
+    const Params* p = static_cast<const Params*>(params);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p->max_m_blocks <= 0) return 0;
+    if (stages == 4) return launch_stages<4>(p, st);
+    if (stages == 5) return launch_stages<5>(p, st);
+    if (stages == 6) return launch_stages<6>(p, st);
+    return (int)cudaErrorInvalidValue;
+}
