@@ -19,7 +19,8 @@
 //   other's MMAs keep the tensor cores busy. A consumer whose 64 rows are all padding (the bucket's tail) skips its
 //   MMAs: buckets cost whole 64-row halves, not whole 128-row tiles.
 // The epilogue stores each row to its pair's row of c (GEMM2: times the pair's routing weight), bf16 or float32,
-// while the producer already fills the stages of the program's next tile.
+// while the producer already fills the stages of the program's next tile. GEMM1 may be gated: each tile pairs 64 gate
+// rows with the 64 up rows of the same h columns, and the epilogue writes SwiGLU's h, half the bytes of gate | up.
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -35,7 +36,11 @@ struct Params {
     const int32_t* expert_ids;  // the slot of each M block
     const int32_t* total;       // the padded pair count (M blocks times 128)
     const float* topk_w;        // the routing weight of each pair (mul_w)
+    const float* alpha;         // gated: each slot's SwiGLU parameters
+    const float* beta;
+    const float* limit;
     int64_t N, K, numel, num_experts, a_div, max_m_blocks;
+    int64_t gated, up_row, up_scale_row, post_clamp;  // gated: the up half's first weight row and scale row
     int64_t stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm;
     int64_t mul_w, out_f32, group_m, pdl;
 };
@@ -164,7 +169,18 @@ struct Smem {
     static constexpr int BYTES = BAR_OFF + 2 * STAGES * 8 + 1024;  // + the alignment of the base to 1024
 };
 
-template <int STAGES>
+// LAYOUT section 3, as runtime.moe_triton._swiglu
+__device__ __forceinline__ float swiglu(float g, float u, float alpha, float beta, float lim, bool post_clamp) {
+    if (!post_clamp) g = fminf(g, lim);
+    u = fminf(fmaxf(u, -lim), lim);
+    float act = g / (1.f + __expf(-alpha * g));
+    if (post_clamp) act = fminf(act, lim);
+    return act * (u + beta);
+}
+
+// GATED: a tile's 128 weight rows are 64 gate rows and the 64 up rows of the same h columns, so the epilogue puts
+// each pair of sums through the slot's SwiGLU and writes 64 columns of h instead of 128 of gate | up
+template <int STAGES, bool GATED>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // the swizzle needs 1024-aligned
@@ -187,7 +203,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
         asm volatile("griddepcontrol.launch_dependents;");
     }
     const int num_m = __ldg(p.total) / BM;
-    const int num_n = (int)(p.N / BN), nk = (int)(p.K / BK);
+    const int num_n = GATED ? (int)(p.up_row / 64) : (int)(p.N / BN), nk = (int)(p.K / BK);
     const int tiles = num_m * num_n, group_m = (int)p.group_m;
     const uint32_t base = smem_addr(smem);
     uint32_t it = 0;  // the K steps this program has passed through the ring
@@ -212,8 +228,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
             const int my_pair = __ldg(p.sorted + (int64_t)m * BM + t);
             const float* as_row = p.a_scale + (my_pair < p.numel ? (int64_t)(my_pair / p.a_div) * p.stride_asm : 0);
             const uint32_t as_bytes = my_pair < p.numel ? 4 : 0;
-            const uint8_t* brow = p.b + e * p.stride_be + ((int64_t)n * BN + row0) * p.stride_bn + chunk * 16;
-            const float* bs = p.b_scale + e * p.stride_bse + n * p.stride_bsn;
+            // weight row of copy i: GATED, rows 0..63 of the tile are gate rows 64 n.., rows 64..127 up rows
+            const uint8_t* brow = p.b + e * p.stride_be + chunk * 16;
+            const int64_t first_row = GATED ? (int64_t)n * 64 : (int64_t)n * BN;
+            const float* bs = p.b_scale + e * p.stride_bse + (first_row / 128) * p.stride_bsn;
+            const float* bs_up = GATED ? p.b_scale + e * p.stride_bse + (p.up_scale_row + first_row / 128) * p.stride_bsn : bs;
             for (int kb = 0; kb < nk; ++kb, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
@@ -223,10 +242,12 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
                     const int r = row0 + 16 * i;
                     const uint32_t off = r * 128 + ((chunk ^ (r & 7)) * 16);
                     cp_async16(sa + off, arow[i] + kb * BK, abytes[i]);
-                    cp_async16(sb + off, brow + 16 * i * p.stride_bn + kb * BK, 16);
+                    const int64_t wrow = GATED && i >= 4 ? p.up_row + first_row + r - 64 : first_row + r;
+                    cp_async16(sb + off, brow + wrow * p.stride_bn + kb * BK, 16);
                 }
                 cp_async4(base + L::AS_OFF + (s * BM + t) * 4, as_row + kb * p.stride_ask, as_bytes);
                 if (t == 0) cp_async4(base + L::BS_OFF + s * 16, bs + kb * p.stride_bsk, 4);
+                if (GATED && t == 1) cp_async4(base + L::BS_OFF + s * 16 + 4, bs_up + kb * p.stride_bsk, 4);
                 mbar_arrive_on_copies(full + s);
             }
         }
@@ -249,7 +270,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
         for (int kb = 0; kb < nk; ++kb, ++it) {
             const int s = it % STAGES;
             mbar_wait(full + s, (it / STAGES) & 1);
-            float f0 = 0.f, f1 = 0.f;
+            float f0 = 0.f, f1 = 0.f, u0 = 0.f, u1 = 0.f;  // GATED: the up columns' factors u0, u1
             if (live) {
                 fence_proxy_async();
                 const uint32_t sa = base + s * 2 * TILE + half * 64 * 128, sb = base + s * 2 * TILE + TILE;
@@ -258,25 +279,40 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
                 for (int k = 0; k < 4; ++k) wgmma_m64n128k32(acc, sw128_desc(sa + 32 * k), sw128_desc(sb + 32 * k), k);
                 wgmma_commit_and_wait();
                 fence_operands(acc);
-                const float bsc = s_bs[s * 4];
-                f0 = s_as[s * BM + half * 64 + r0] * bsc;
-                f1 = s_as[s * BM + half * 64 + r0 + 8] * bsc;
+                const float bsc = s_bs[s * 4], as0 = s_as[s * BM + half * 64 + r0], as1 = s_as[s * BM + half * 64 + r0 + 8];
+                f0 = as0 * bsc;
+                f1 = as1 * bsc;
+                if (GATED) {
+                    u0 = as0 * s_bs[s * 4 + 1];
+                    u1 = as1 * s_bs[s * 4 + 1];
+                }
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + s);
             if (live) {
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
-                    sum[4 * j + 0] += acc[4 * j + 0] * f0;
-                    sum[4 * j + 1] += acc[4 * j + 1] * f0;
-                    sum[4 * j + 2] += acc[4 * j + 2] * f1;
-                    sum[4 * j + 3] += acc[4 * j + 3] * f1;
+                    const float x0 = GATED && j >= 8 ? u0 : f0, x1 = GATED && j >= 8 ? u1 : f1;
+                    sum[4 * j + 0] += acc[4 * j + 0] * x0;
+                    sum[4 * j + 1] += acc[4 * j + 1] * x0;
+                    sum[4 * j + 2] += acc[4 * j + 2] * x1;
+                    sum[4 * j + 3] += acc[4 * j + 3] * x1;
                 }
             }
         }
         if (!live) continue;
         const int pair0 = __ldg(p.sorted + row_base + r0), pair1 = __ldg(p.sorted + row_base + r0 + 8);
-        const int64_t col = (int64_t)n * BN + 2 * (lane % 4);
+        if constexpr (GATED) {
+            // columns 8 j + 2 (lane % 4) of the gate half pair with the same ones of the up half (j + 8)
+            const float al = __ldg(p.alpha + e), be = __ldg(p.beta + e), li = __ldg(p.limit + e);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    sum[4 * j + q] = swiglu(sum[4 * j + q], sum[4 * (j + 8) + q], al, be, li, p.post_clamp != 0);
+        }
+        constexpr int JN = GATED ? 8 : 16;  // 8-column groups written
+        const int64_t col = (int64_t)n * (GATED ? 64 : BN) + 2 * (lane % 4);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int pair = h ? pair1 : pair0;
@@ -285,28 +321,28 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
             if (p.out_f32) {
                 float* out = static_cast<float*>(p.c) + pair * p.stride_cm + col;
 #pragma unroll
-                for (int j = 0; j < 16; ++j)
+                for (int j = 0; j < JN; ++j)
                     *reinterpret_cast<float2*>(out + 8 * j) = make_float2(sum[4 * j + 2 * h] * w, sum[4 * j + 2 * h + 1] * w);
             } else {
                 uint16_t* out = static_cast<uint16_t*>(p.c) + pair * p.stride_cm + col;
 #pragma unroll
-                for (int j = 0; j < 16; ++j)
+                for (int j = 0; j < JN; ++j)
                     *reinterpret_cast<uint32_t*>(out + 8 * j) = bf16x2(sum[4 * j + 2 * h] * w, sum[4 * j + 2 * h + 1] * w);
             }
         }
     }
 }
 
-template <int STAGES>
+template <int STAGES, bool GATED>
 int launch_stages(const Params* p, cudaStream_t st) {
-    const auto kernel = grouped_gemm_kernel<STAGES>;
+    const auto kernel = grouped_gemm_kernel<STAGES, GATED>;
     const int smem = Smem<STAGES>::BYTES;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return (int)err;
     int device = 0, sms = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    const int64_t max_tiles = p->max_m_blocks * (p->N / BN);
+    const int64_t max_tiles = p->max_m_blocks * (GATED ? p->up_row / 64 : p->N / BN);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(max_tiles < sms ? max_tiles : sms));
     cfg.blockDim = dim3(THREADS);
@@ -330,8 +366,13 @@ extern "C" int fuse_shared_grouped_gemm(const void* params, int64_t stages, void
     const Params* p = static_cast<const Params*>(params);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (p->max_m_blocks <= 0) return 0;
-    if (stages == 4) return launch_stages<4>(p, st);
-    if (stages == 5) return launch_stages<5>(p, st);
-    if (stages == 6) return launch_stages<6>(p, st);
+    switch (stages * 2 + (p->gated ? 1 : 0)) {
+        case 8: return launch_stages<4, false>(p, st);
+        case 9: return launch_stages<4, true>(p, st);
+        case 10: return launch_stages<5, false>(p, st);
+        case 11: return launch_stages<5, true>(p, st);
+        case 12: return launch_stages<6, false>(p, st);
+        case 13: return launch_stages<6, true>(p, st);
+    }
     return (int)cudaErrorInvalidValue;
 }

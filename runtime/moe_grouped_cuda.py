@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .cuda_build import KernelLibrary
+from .moe_reference import swiglu
 from .moe_tiles import PREFILL_STAGES as STAGES
 
 SOURCE = Path(__file__).with_name("moe_grouped_cuda.cu")
@@ -30,11 +31,14 @@ BLOCK_K = 128  # inputs per ring stage: one scale step
 class _Params(ctypes.Structure):
     """The kernel's ``Params``, field for field (pointers, then 64-bit integers: no padding)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in "a a_scale b b_scale c sorted expert_ids total topk_w".split()] + [
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in "a a_scale b b_scale c sorted expert_ids total topk_w alpha beta limit".split()
+    ] + [
         (name, ctypes.c_int64)
         for name in (
-            "N K numel num_experts a_div max_m_blocks stride_am stride_asm stride_ask stride_be stride_bn stride_bse "
-            "stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl"
+            "N K numel num_experts a_div max_m_blocks gated up_row up_scale_row post_clamp stride_am stride_asm "
+            "stride_ask stride_be stride_bn stride_bse stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl"
         ).split()
     ]
 
@@ -92,12 +96,15 @@ def grouped_gemm(
     num_experts: int,
     a_div: int,
     topk_w: torch.Tensor | None = None,
+    gated=None,
     stages: int = 5,
     group_m: int = 2,
     dependent_launch: bool = False,
 ) -> torch.Tensor:
     """``c[pair] = (a[pair // a_div] @ w[slot(pair)].T)`` (times ``topk_w[pair]`` where given) for every pair of
-    ``pairs``, in float32 per 128-input step times the step's scales; returns ``c``.
+    ``pairs``, in float32 per 128-input step times the step's scales; returns ``c``. ``gated``: ``(alpha, beta,
+    limit, post_clamp)`` (float32 ``[E]`` each, a bool): ``w`` is gate | up ``[E, 2I, K]`` and ``c [numel, I]``
+    receives SwiGLU of the two halves (:func:`runtime.moe_reference.swiglu`) instead.
 
     ``a``: e4m3 ``[rows, K]`` with float32 1x128 scales ``a_scale [rows, K / 128]`` (any strides); ``w``: e4m3
     ``[E, N, K]`` (K contiguous) with float32 128x128 scales ``w_scale [E, N / 128, K / 128]``; ``c``: bf16 or
@@ -109,9 +116,11 @@ def grouped_gemm(
     sorted_ids, expert_ids, total, num_blocks = pairs
     N, K = w.shape[1], w.shape[2]
     _check_operands(a, a_scale, w, w_scale, c, N, K)
+    if gated is not None and (N % 256 or c.shape[1] != N // 2):
+        raise ValueError(f"gated: gate | up of 2I rows, I a multiple of 128, into c [numel, I]; got {N}, c {c.shape}")
     if a.device.type != "cuda":
         return grouped_gemm_reference(a, a_scale, w, w_scale, c, pairs, numel=numel, num_experts=num_experts,
-                                      a_div=a_div, topk_w=topk_w)  # fmt: skip
+                                      a_div=a_div, topk_w=topk_w, gated=gated)  # fmt: skip
     if stages not in STAGES:
         raise ValueError(f"prefill_stages must be one of {STAGES}, got {stages!r}")
     if group_m < 1:
@@ -119,10 +128,13 @@ def grouped_gemm(
     lib, why = LIBRARY.load(tuple(torch.cuda.get_device_capability(a.device)))
     if lib is None:
         raise RuntimeError(f"the grouped prefill kernel is not available: {why}")
+    alpha, beta, limit, post_clamp = gated if gated is not None else (a_scale, a_scale, a_scale, False)
     p = _Params(
         a.data_ptr(), a_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), c.data_ptr(), sorted_ids.data_ptr(),
         expert_ids.data_ptr(), total.data_ptr(), (topk_w if topk_w is not None else a_scale).data_ptr(),
-        N, K, numel, num_experts, a_div, num_blocks, a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0),
+        alpha.data_ptr(), beta.data_ptr(), limit.data_ptr(),
+        N, K, numel, num_experts, a_div, num_blocks, int(gated is not None), N // 2, N // 2 // BLOCK_N,
+        int(post_clamp), a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0),
         w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), c.stride(0), int(topk_w is not None),
         int(c.dtype == torch.float32), group_m, int(dependent_launch),
     )  # fmt: skip
@@ -133,7 +145,7 @@ def grouped_gemm(
     return c
 
 
-def grouped_gemm_reference(a, a_scale, w, w_scale, c, pairs, *, numel, num_experts, a_div, topk_w=None):
+def grouped_gemm_reference(a, a_scale, w, w_scale, c, pairs, *, numel, num_experts, a_div, topk_w=None, gated=None):
     """:func:`grouped_gemm` in PyTorch, the kernel's twin: the same arguments, M blocks and skips, and the same sums
     (each 128-input step's float32 product times the rows' activation scale and the weight block's scale)."""
     sorted_ids, expert_ids, total, num_blocks = pairs
@@ -154,6 +166,9 @@ def grouped_gemm_reference(a, a_scale, w, w_scale, c, pairs, *, numel, num_exper
         steps = torch.einsum("pks,nks->pnk", x, wt)  # [P, N, nk]
         scale = a_scale[rows, :nk].float()[:, None, :] * w_scale[e].float().repeat_interleave(BLOCK_N, 0)[None, :N]
         y = (steps * scale).sum(-1)
+        if gated is not None:
+            alpha, beta, limit, post_clamp = gated
+            y = swiglu(y[:, : N // 2], y[:, N // 2 :], alpha[e], beta[e], limit[e], post_clamp)
         if topk_w is not None:
             y = y * topk_w.view(-1)[block].float()[:, None]
         c[block] = y.to(c.dtype)

@@ -57,8 +57,9 @@ A tile config is a dict with these keys (every key optional when overriding):
   (an atomic counter per block, zeroed by GEMM1) adds the slots' outputs, in the slot-sum launch's order (the same
   bits), so that launch and its gap go away. Ignored for more tokens.
 - ``prefill_kernel``: the grouped GEMMs of FP8 slots for more than one token: ``"triton"``; ``"cuda"``, the
-  warp-specialized wgmma kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128, GEMM1 plain with
-  SwiGLU and the FP8 quantization of h in their own launch; the PyTorch twin on the CPU); ``"auto"``, the CUDA kernel
+  warp-specialized wgmma kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128; GEMM1 applies SwiGLU
+  in its epilogue with ``gemm1_fused_activation``, else the next launch does; h's FP8 quantization is its own
+  launch; the PyTorch twin on the CPU); ``"auto"``, the CUDA kernel
   where it is built or buildable and the shapes suit it, else Triton. Ignored for one token and other weights.
 - ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
 """

@@ -1072,9 +1072,10 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     numel = T * KS
     cuda_prefill = _cuda_prefill(cfg, experts, T, numel, routed, x.device)
     if cuda_prefill:
-        # its M blocks are 128 pairs; GEMM1 plain (gate | up as columns), SwiGLU and h's FP8 in their own launch
-        cfg.update(block_m=moe_grouped_cuda.BLOCK_M, quantize_input_first=True, gemm1_fused_activation=False)
-        cfg.update(gemm1_split_k=1, gemm2_split_k=1, quantize_in_epilogue=False, quantize_hidden_first=True)
+        # M blocks of 128 pairs; GEMM1 writes SwiGLU's h (gemm1_fused_activation) or gate | up, and h's FP8 is
+        # its own launch
+        cfg.update(block_m=moe_grouped_cuda.BLOCK_M, quantize_input_first=True, gemm1_split_k=1, gemm2_split_k=1)
+        cfg.update(quantize_in_epilogue=False, quantize_hidden_first=True)
     BM = cfg["block_m"]
     interp = interpreting()
     ids_c = ids.to(torch.int32).contiguous()
@@ -1135,6 +1136,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if cuda_prefill:
         moe_grouped_cuda.grouped_gemm(
             a, a_s, w13, s13, h[0], pairs, numel=numel, num_experts=routed, a_div=KS,
+            gated=(*act, experts.post_clamp) if fused_act else None,
             stages=cfg["prefill_stages"], group_m=cfg["group_m"], dependent_launch=launch.next_is_dependent(),
         )  # fmt: skip
     else:

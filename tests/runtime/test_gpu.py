@@ -257,9 +257,10 @@ needs_grouped_cuda = pytest.mark.skipif(
 
 
 @needs_grouped_cuda
-@pytest.mark.parametrize("out_dtype,weighted", [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("out_dtype,weighted,gated", [(torch.float32, False, False), (torch.bfloat16, True, False),
+                                                      (torch.float32, False, True)])  # fmt: skip
 @pytest.mark.parametrize("stages", [4, 5, 6])
-def test_cuda_prefill_kernel_equals_its_twin(out_dtype, weighted, stages):
+def test_cuda_prefill_kernel_equals_its_twin(out_dtype, weighted, gated, stages):
     """The warp-specialized kernel against its PyTorch twin on the same operands: buckets of 0 to 300 pairs (whole
     blocks, padding halves, a slot with none), a slot outside the GEMM, rows gathered by token (a_div 9)."""
     from runtime.moe_grouped_cuda import BLOCK_M, grouped_gemm, grouped_gemm_reference
@@ -276,11 +277,13 @@ def test_cuda_prefill_kernel_equals_its_twin(out_dtype, weighted, stages):
     ids = ids.to(torch.int32).cuda()
     sorted_ids, expert_ids, total, blocks = _align(_Launches(), ids, None, numel, KS, E + 1, BLOCK_M)
     topk_w = torch.rand(numel, device="cuda", generator=gen) if weighted else None
-    got = torch.full((numel, N), 3.0, device="cuda", dtype=out_dtype)
+    got = torch.full((numel, N // 2 if gated else N), 3.0, device="cuda", dtype=out_dtype)
     want = got.clone()
     pairs = (sorted_ids, expert_ids, total, blocks)
     # gate_up as the weights: [E + 1, N, K]; the last slot is outside the GEMM (num_experts E)
-    kw = dict(numel=numel, num_experts=E, a_div=KS, topk_w=topk_w)
+    act = (torch.full((E + 1,), 1.702, device="cuda"), torch.ones(E + 1, device="cuda"),
+           torch.full((E + 1,), 0.5, device="cuda"), False)  # fmt: skip
+    kw = dict(numel=numel, num_experts=E, a_div=KS, topk_w=topk_w, gated=act if gated else None)
     grouped_gemm(a, a_s, ew.gate_up, ew.gate_up_scale, got, pairs, stages=stages, **kw)
     grouped_gemm_reference(a, a_s, ew.gate_up, ew.gate_up_scale, want, pairs, **kw)
     torch.cuda.synchronize()

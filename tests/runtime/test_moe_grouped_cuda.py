@@ -10,6 +10,7 @@ from runtime import fused_moe
 from runtime._backend import triton_available
 from runtime.fp8 import dequantize_block_fp8, quantize_activations, quantize_block_fp8
 from runtime.moe_grouped_cuda import BLOCK_M, SOURCE, _Params, grouped_gemm, main, supports
+from runtime.moe_reference import swiglu
 from runtime.moe_mixed_cuda import nvcc_path
 from runtime.moe_triton import resolve_tile_config
 
@@ -60,6 +61,28 @@ def test_twin_equals_a_plain_product(a_div, weighted, out_dtype):
     assert torch.all(c[~done] == 7.0)  # slot 3, the block past the total and pairs in no block
 
 
+@pytest.mark.parametrize("post_clamp", [False, True])
+def test_gated_twin_is_swiglu_of_the_plain_halves(post_clamp):
+    """Gated: each pair's row of h is its slot's SwiGLU of the gate and up halves of the plain product (per-slot
+    alpha, beta and limit, the limit biting)."""
+    g = torch.Generator().manual_seed(8)
+    E, I, K, numel = 2, 128, 256, 140  # noqa: E741
+    w, ws = quantize_block_fp8(torch.randn(E, 2 * I, K, generator=g))
+    a, a_s = quantize_activations(torch.randn(numel, K, generator=g) * 3)
+    sorted_ids, expert_ids, total = _blocks({0: list(range(0, 130)), 1: list(range(130, 140))}, numel)
+    pairs = (sorted_ids, expert_ids, total, len(expert_ids))
+    act = (torch.tensor([1.0, 1.702]), torch.tensor([0.0, 1.0]), torch.tensor([torch.inf, 0.5]), post_clamp)
+    kw = dict(numel=numel, num_experts=E, a_div=1)
+    plain = grouped_gemm(a, a_s, w, ws, torch.zeros(numel, 2 * I), pairs, **kw)
+    h = grouped_gemm(a, a_s, w, ws, torch.zeros(numel, I), pairs, gated=act, **kw)
+    e = (torch.arange(numel) >= 130).long()
+    want = swiglu(plain[:, :I], plain[:, I:], act[0][e, None], act[1][e, None], act[2][e, None], post_clamp)
+    assert torch.equal(h, want)
+    assert (plain[130:, :I] > 0.5).any()  # slot 1's limit bites
+    with pytest.raises(ValueError, match="gated"):
+        grouped_gemm(a, a_s, w, ws, torch.zeros(numel, 2 * I), pairs, gated=act, **kw)
+
+
 def test_shapes_and_operands_it_refuses():
     assert supports(4096, 7168, 2048) and supports(7168, 2048)
     assert not supports(4096, 7168, 2000) and not supports(4000, 7168) and not supports(4096, 7000)
@@ -82,6 +105,7 @@ CASES = [
     (4, 1, 200, 3, None, 0, {}, False),  # slots of 100-200 pairs: two blocks, padding halves
     (4, 1, 200, 3, 150, 1, {"shared_dense": True}, True),  # the shared slot dense, routed ones here
     (6, 2, 40, 4, None, 0, {"prefill_stages": 4, "group_m": 3}, False),  # under one block per slot
+    (4, 1, 200, 3, 170, 0, {"gemm1_fused_activation": False}, True),  # GEMM1 plain, SwiGLU in the quant launch
 ]
 
 
