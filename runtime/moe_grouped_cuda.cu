@@ -43,12 +43,15 @@ struct Params {
     int64_t gated, up_row, up_scale_row, post_clamp;  // gated: the up half's first weight row and scale row
     int64_t stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm;
     int64_t mul_w, out_f32, group_m, pdl;
+    int64_t overlap;            // the next K step's MMAs in flight while a step is promoted (two accumulators)
 };
 
 constexpr int BM = 128, BN = 128, BK = 128;
 constexpr int THREADS = 384;                  // the producer warpgroup, then two consumer warpgroups
 constexpr int TILE = BM * BK;                 // bytes of one stage's activations, and of its weights (BN = BM)
 constexpr int CONSUMER_WARPS = 8;
+// registers per thread after the split (128 x 40 + 256 x 232 <= 64K): the consumers hold two accumulators and the sum
+constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -125,9 +128,31 @@ __device__ __forceinline__ void wgmma_fence() {
 #endif
 }
 
-__device__ __forceinline__ void wgmma_commit_and_wait() {
+__device__ __forceinline__ void wgmma_commit() {
 #ifdef FUSE_SHARED_WGMMA
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+// waits until at most N of this warpgroup's commit groups are in flight
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef FUSE_SHARED_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// the producer warpgroup's own barrier (named barrier 1: the consumers never wait on it)
+__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+// the warpgroup's register budget from here on (the producer gives registers up for the consumers' accumulators)
+template <int N>
+__device__ __forceinline__ void set_max_registers() {
+#ifdef FUSE_SHARED_WGMMA
+    if constexpr (N < 168)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 #endif
 }
 
@@ -166,7 +191,63 @@ struct Smem {
     static constexpr int AS_OFF = STAGES * 2 * TILE;             // activation scales [STAGES][BM]
     static constexpr int BS_OFF = AS_OFF + STAGES * BM * 4;      // weight block scale [STAGES] (16 bytes each)
     static constexpr int BAR_OFF = BS_OFF + STAGES * 16;         // full[STAGES], empty[STAGES]
-    static constexpr int BYTES = BAR_OFF + 2 * STAGES * 8 + 1024;  // + the alignment of the base to 1024
+    static constexpr int ROWS_OFF = BAR_OFF + 2 * STAGES * 8;    // the producer's row offsets of its tile [BM]
+    static constexpr int BYTES = ROWS_OFF + BM * 4 + 1024;       // + the alignment of the base to 1024
+};
+
+// a consumer warpgroup's view of the ring for one tile: the stage and phase of the tile's K step kb, its MMAs, and
+// its promotion into the tile's sum
+template <int STAGES>
+struct Ring {
+    uint32_t base;
+    uint64_t* full;
+    uint64_t* empty;
+    const float* s_as;
+    const float* s_bs;
+    uint32_t it0;  // the program's K steps before this tile
+    int row;       // this thread's first row in the tile (the other is row + 8)
+
+    __device__ __forceinline__ int stage(int kb) const { return (it0 + kb) % STAGES; }
+
+    // waits for step kb's stage and issues its four MMAs (one commit group) into acc
+    __device__ __forceinline__ void issue(float (&acc)[64], int kb, int half) const {
+        const int s = stage(kb);
+        mbar_wait(full + s, ((it0 + kb) / STAGES) & 1);
+        fence_proxy_async();
+        const uint32_t sa = base + s * 2 * TILE + half * 64 * 128, sb = base + s * 2 * TILE + TILE;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n128k32(acc, sw128_desc(sa + 32 * k), sw128_desc(sb + 32 * k), k);
+        wgmma_commit();
+    }
+
+    // step kb, whose MMAs into cur are in flight: issues step kb + 1's into next where kb + 1 < issue_until, waits
+    // for step kb's, releases its stage, and adds cur times the rows' and the weight block's scales into sum
+    template <bool GATED>
+    __device__ __forceinline__ void step(float (&cur)[64], float (&next)[64], float (&sum)[64], int kb,
+                                         int issue_until, int half, int lane) const {
+        if (kb + 1 < issue_until) {
+            issue(next, kb + 1, half);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
+        fence_operands(cur);
+        const int s = stage(kb);
+        const float as0 = s_as[s * BM + row], as1 = s_as[s * BM + row + 8], bsc = s_bs[s * 4];
+        const float bsu = GATED ? s_bs[s * 4 + 1] : bsc;
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + s);
+        const float f0 = as0 * bsc, f1 = as1 * bsc, u0 = as0 * bsu, u1 = as1 * bsu;  // GATED: u for the up half
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float x0 = j >= 8 ? u0 : f0, x1 = j >= 8 ? u1 : f1;
+            sum[4 * j + 0] += cur[4 * j + 0] * x0;
+            sum[4 * j + 1] += cur[4 * j + 1] * x0;
+            sum[4 * j + 2] += cur[4 * j + 2] * x1;
+            sum[4 * j + 3] += cur[4 * j + 3] * x1;
+        }
+    }
 };
 
 // LAYOUT section 3, as runtime.moe_triton._swiglu
@@ -180,7 +261,9 @@ __device__ __forceinline__ float swiglu(float g, float u, float alpha, float bet
 
 // GATED: a tile's 128 weight rows are 64 gate rows and the 64 up rows of the same h columns, so the epilogue puts
 // each pair of sums through the slot's SwiGLU and writes 64 columns of h instead of 128 of gate | up
-template <int STAGES, bool GATED>
+// OVERLAP: each K step's MMAs are issued before the previous step is promoted (two accumulators); else each step
+// waits for its MMAs, then promotes
+template <int STAGES, bool GATED, bool OVERLAP>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // the swizzle needs 1024-aligned
@@ -210,42 +293,43 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
     if (wg == 0) {
         // producer: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i (i < 8) of both operands, and the
         // activation scale of row t
+        set_max_registers<PRODUCER_REGISTERS>();
         const int chunk = t % 8, row0 = t / 8;
+        uint32_t* s_rows = reinterpret_cast<uint32_t*>(smem + L::ROWS_OFF);
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             int m, n;
             tile_coords(tile, num_m, num_n, group_m, m, n);
             const int e = __ldg(p.expert_ids + m);
             if (e < 0 || e >= p.num_experts) continue;
-            const uint8_t* arow[8];
-            uint32_t abytes[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int pair = __ldg(p.sorted + (int64_t)m * BM + row0 + 16 * i);
-                const bool ok = pair < p.numel;
-                arow[i] = p.a + (ok ? (int64_t)(pair / p.a_div) * p.stride_am : 0) + chunk * 16;
-                abytes[i] = ok ? 16 : 0;
-            }
+            // the tile's rows' byte offsets in a (32 bits: the host checks that a fits; ~0: padding), in shared memory
+            // rather than registers: the producer runs on PRODUCER_REGISTERS
             const int my_pair = __ldg(p.sorted + (int64_t)m * BM + t);
-            const float* as_row = p.a_scale + (my_pair < p.numel ? (int64_t)(my_pair / p.a_div) * p.stride_asm : 0);
-            const uint32_t as_bytes = my_pair < p.numel ? 4 : 0;
-            // weight row of copy i: GATED, rows 0..63 of the tile are gate rows 64 n.., rows 64..127 up rows
-            const uint8_t* brow = p.b + e * p.stride_be + chunk * 16;
-            const int64_t first_row = GATED ? (int64_t)n * 64 : (int64_t)n * BN;
+            const bool my_ok = my_pair < p.numel;
+            const int my_row = my_ok ? my_pair / (int)p.a_div : 0;
+            producer_sync();  // the previous tile's offsets are read
+            s_rows[t] = my_ok ? (uint32_t)my_row * (uint32_t)p.stride_am : ~0u;
+            producer_sync();
+            const float* as_row = p.a_scale + (int64_t)my_row * p.stride_asm;
+            // weight row of copy i: row0 + 16 i of the tile; GATED, rows 0..63 are gate rows 64 n.., rows 64..127 the
+            // up rows of the same h columns (up_row - 64 further on)
+            const uint8_t* b_expert = p.b + e * p.stride_be + chunk * 16;
+            const uint32_t first_row = GATED ? n * 64 : n * BN;
+            const uint32_t b_off = (first_row + row0) * (uint32_t)p.stride_bn, b_step = 16 * (uint32_t)p.stride_bn;
+            const uint32_t b_jump = GATED ? (uint32_t)(p.up_row - 64) * (uint32_t)p.stride_bn : 0u;
             const float* bs = p.b_scale + e * p.stride_bse + (first_row / 128) * p.stride_bsn;
-            const float* bs_up = GATED ? p.b_scale + e * p.stride_bse + (p.up_scale_row + first_row / 128) * p.stride_bsn : bs;
+            const float* bs_up = p.b_scale + e * p.stride_bse + (p.up_scale_row + first_row / 128) * p.stride_bsn;
             for (int kb = 0; kb < nk; ++kb, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
-                const uint32_t sa = base + s * 2 * TILE, sb = sa + TILE;
+                const uint32_t sa = base + s * 2 * TILE + row0 * 128 + ((chunk ^ (row0 & 7)) * 16), sb = sa + TILE;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    const int r = row0 + 16 * i;
-                    const uint32_t off = r * 128 + ((chunk ^ (r & 7)) * 16);
-                    cp_async16(sa + off, arow[i] + kb * BK, abytes[i]);
-                    const int64_t wrow = GATED && i >= 4 ? p.up_row + first_row + r - 64 : first_row + r;
-                    cp_async16(sb + off, brow + wrow * p.stride_bn + kb * BK, 16);
+                    const uint32_t a_off = s_rows[row0 + 16 * i];  // rows 16 apart: the same swizzle as row0
+                    cp_async16(sa + 2048 * i, p.a + (a_off == ~0u ? 0u : a_off) + chunk * 16 + kb * BK,
+                               a_off == ~0u ? 0 : 16);
+                    cp_async16(sb + 2048 * i, b_expert + b_off + i * b_step + (i >= 4 ? b_jump : 0u) + kb * BK, 16);
                 }
-                cp_async4(base + L::AS_OFF + (s * BM + t) * 4, as_row + kb * p.stride_ask, as_bytes);
+                cp_async4(base + L::AS_OFF + (s * BM + t) * 4, as_row + kb * p.stride_ask, my_ok ? 4 : 0);
                 if (t == 0) cp_async4(base + L::BS_OFF + s * 16, bs + kb * p.stride_bsk, 4);
                 if (GATED && t == 1) cp_async4(base + L::BS_OFF + s * 16 + 4, bs_up + kb * p.stride_bsk, 4);
                 mbar_arrive_on_copies(full + s);
@@ -255,9 +339,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
     }
     // consumers: warpgroup half (0, 1) takes rows 64 half .. 64 half + 63; its thread holds rows r0 and r0 + 8 of
     // them and columns 8 j + 2 (lane % 4) + {0, 1} of the accumulator (the wgmma D fragment)
+    set_max_registers<CONSUMER_REGISTERS>();
     const int half = wg - 1, warp = t / 32, lane = t % 32;
     const int r0 = warp * 16 + lane / 4;
-    float acc[64], sum[64];
+    float acc0[64], acc1[64], sum[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int m, n;
         tile_coords(tile, num_m, num_n, group_m, m, n);
@@ -265,41 +350,31 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
         if (e < 0 || e >= p.num_experts) continue;
         const int64_t row_base = (int64_t)m * BM + half * 64;
         const bool live = __ldg(p.sorted + row_base) < p.numel;  // padding only at a bucket's end
+        if (!live) {
+            for (int kb = 0; kb < nk; ++kb, ++it) {
+                mbar_wait(full + it % STAGES, (it / STAGES) & 1);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + it % STAGES);
+            }
+            continue;
+        }
 #pragma unroll
         for (int i = 0; i < 64; ++i) sum[i] = 0.f;
-        for (int kb = 0; kb < nk; ++kb, ++it) {
-            const int s = it % STAGES;
-            mbar_wait(full + s, (it / STAGES) & 1);
-            float f0 = 0.f, f1 = 0.f, u0 = 0.f, u1 = 0.f;  // GATED: the up columns' factors u0, u1
-            if (live) {
-                fence_proxy_async();
-                const uint32_t sa = base + s * 2 * TILE + half * 64 * 128, sb = base + s * 2 * TILE + TILE;
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < 4; ++k) wgmma_m64n128k32(acc, sw128_desc(sa + 32 * k), sw128_desc(sb + 32 * k), k);
-                wgmma_commit_and_wait();
-                fence_operands(acc);
-                const float bsc = s_bs[s * 4], as0 = s_as[s * BM + half * 64 + r0], as1 = s_as[s * BM + half * 64 + r0 + 8];
-                f0 = as0 * bsc;
-                f1 = as1 * bsc;
-                if (GATED) {
-                    u0 = as0 * s_bs[s * 4 + 1];
-                    u1 = as1 * s_bs[s * 4 + 1];
-                }
+        const Ring<STAGES> ring{base, full, empty, s_as, s_bs, it, half * 64 + r0};
+        if constexpr (OVERLAP) {
+            // step kb + 1's MMAs (into the other accumulator) run while step kb is promoted
+            ring.issue(acc0, 0, half);
+            for (int kb = 0; kb < nk; kb += 2) {
+                ring.template step<GATED>(acc0, acc1, sum, kb, nk, half, lane);
+                if (kb + 1 < nk) ring.template step<GATED>(acc1, acc0, sum, kb + 1, nk, half, lane);
             }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty + s);
-            if (live) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const float x0 = GATED && j >= 8 ? u0 : f0, x1 = GATED && j >= 8 ? u1 : f1;
-                    sum[4 * j + 0] += acc[4 * j + 0] * x0;
-                    sum[4 * j + 1] += acc[4 * j + 1] * x0;
-                    sum[4 * j + 2] += acc[4 * j + 2] * x1;
-                    sum[4 * j + 3] += acc[4 * j + 3] * x1;
-                }
+        } else {
+            for (int kb = 0; kb < nk; ++kb) {
+                ring.issue(acc0, kb, half);
+                ring.template step<GATED>(acc0, acc1, sum, kb, kb + 1, half, lane);
             }
         }
+        it += nk;
         if (!live) continue;
         const int pair0 = __ldg(p.sorted + row_base + r0), pair1 = __ldg(p.sorted + row_base + r0 + 8);
         if constexpr (GATED) {
@@ -333,9 +408,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
     }
 }
 
-template <int STAGES, bool GATED>
+template <int STAGES, bool GATED, bool OVERLAP>
 int launch_stages(const Params* p, cudaStream_t st) {
-    const auto kernel = grouped_gemm_kernel<STAGES, GATED>;
+    const auto kernel = grouped_gemm_kernel<STAGES, GATED, OVERLAP>;
     const int smem = Smem<STAGES>::BYTES;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return (int)err;
@@ -366,13 +441,19 @@ extern "C" int fuse_shared_grouped_gemm(const void* params, int64_t stages, void
     const Params* p = static_cast<const Params*>(params);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (p->max_m_blocks <= 0) return 0;
-    switch (stages * 2 + (p->gated ? 1 : 0)) {
-        case 8: return launch_stages<4, false>(p, st);
-        case 9: return launch_stages<4, true>(p, st);
-        case 10: return launch_stages<5, false>(p, st);
-        case 11: return launch_stages<5, true>(p, st);
-        case 12: return launch_stages<6, false>(p, st);
-        case 13: return launch_stages<6, true>(p, st);
+    switch (stages * 4 + (p->gated ? 2 : 0) + (p->overlap ? 1 : 0)) {
+        case 16: return launch_stages<4, false, false>(p, st);
+        case 17: return launch_stages<4, false, true>(p, st);
+        case 18: return launch_stages<4, true, false>(p, st);
+        case 19: return launch_stages<4, true, true>(p, st);
+        case 20: return launch_stages<5, false, false>(p, st);
+        case 21: return launch_stages<5, false, true>(p, st);
+        case 22: return launch_stages<5, true, false>(p, st);
+        case 23: return launch_stages<5, true, true>(p, st);
+        case 24: return launch_stages<6, false, false>(p, st);
+        case 25: return launch_stages<6, false, true>(p, st);
+        case 26: return launch_stages<6, true, false>(p, st);
+        case 27: return launch_stages<6, true, true>(p, st);
     }
     return (int)cudaErrorInvalidValue;
 }

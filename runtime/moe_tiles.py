@@ -62,6 +62,8 @@ A tile config is a dict with these keys (every key optional when overriding):
   launch; the PyTorch twin on the CPU); ``"auto"``, the CUDA kernel
   where it is built or buildable and the shapes suit it, else Triton. Ignored for one token and other weights.
 - ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
+- ``prefill_overlap``: the CUDA prefill kernel issues each K step's MMAs before it promotes the previous step's sums
+  (two accumulators), so the tensor cores never wait for the promotion; False: each step waits for its MMAs.
 """
 
 from __future__ import annotations
@@ -102,12 +104,13 @@ TILE_KEYS = {
     "sum_in_gemm2": bool,
     "prefill_kernel": str,
     "prefill_stages": int,
+    "prefill_overlap": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 PREFILL_KERNELS = ("triton", "cuda", "auto")
 PREFILL_STAGES = (4, 5, 6)  # the ring depths runtime/moe_grouped_cuda.cu is built for
 # what a config without them takes (tables tuned before the CUDA prefill kernel existed have neither)
-PREFILL_DEFAULTS = {"prefill_kernel": "triton", "prefill_stages": 5}
+PREFILL_DEFAULTS = {"prefill_kernel": "triton", "prefill_stages": 5, "prefill_overlap": True}
 
 
 def dtype_tag(fp8: bool, weight_dtype_name: str = "bfloat16") -> str:

@@ -288,7 +288,13 @@ def test_cuda_prefill_kernel_equals_its_twin(out_dtype, weighted, gated, stages)
     grouped_gemm_reference(a, a_s, ew.gate_up, ew.gate_up_scale, want, pairs, **kw)
     torch.cuda.synchronize()
     assert torch.all(got[ids.view(-1) == E] == 3.0)
-    assert rel(got, want) < (1e-5 if out_dtype == torch.float32 else 4e-3), rel(got, want)
+    # wgmma adds each 128-input step's FP8 products in reduced precision (as in the Triton GEMMs): 1.5e-4 seen
+    assert rel(got, want) < (5e-4 if out_dtype == torch.float32 else 4e-3), rel(got, want)
+    kw.pop("gated")
+    if not gated:  # the other MMA schedule: the same sums
+        again = torch.full_like(got, 3.0)
+        grouped_gemm(a, a_s, ew.gate_up, ew.gate_up_scale, again, pairs, stages=stages, overlap=False, **kw)
+        assert torch.equal(again, got)
 
 
 @needs_grouped_cuda
