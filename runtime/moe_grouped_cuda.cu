@@ -22,6 +22,7 @@
 // while the producer already fills the stages of the program's next tile. GEMM1 may be gated: each tile pairs 64 gate
 // rows with the 64 up rows of the same h columns, and the epilogue writes SwiGLU's h, half the bytes of gate | up.
 #include <cstdint>
+#include <cuda.h>  // CUtensorMap and its encoding's enums (the function itself through the runtime's entry points)
 #include <cuda_runtime.h>
 
 namespace {
@@ -44,6 +45,8 @@ struct Params {
     int64_t stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm;
     int64_t mul_w, out_f32, group_m, pdl;
     int64_t overlap;            // the next K step's MMAs in flight while a step is promoted (two accumulators)
+    int64_t b_tma;              // the weight tiles by the tensor memory accelerator (else by cp.async)
+    int64_t b_rows, b_slots;    // the weights' rows per slot and slots (the tensor map's extent)
 };
 
 constexpr int BM = 128, BN = 128, BK = 128;
@@ -73,6 +76,22 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 // the barrier's arrival when this thread's earlier cp.async copies have landed (counted in the barrier's init count)
 __device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// this thread's arrival, and bytes more that the phase waits for (the tensor copies' transactions)
+__device__ __forceinline__ void mbar_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+// a box of the weights' tensor map (128 inputs x 64 rows of one slot) into shared memory, in the map's 128-byte
+// swizzle, counted on bar when it lands
+__device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, uint64_t* bar, int k, int row,
+                                             int slot) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(slot), "r"(smem_addr(bar))
+        : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
@@ -263,8 +282,10 @@ __device__ __forceinline__ float swiglu(float g, float u, float alpha, float bet
 // each pair of sums through the slot's SwiGLU and writes 64 columns of h instead of 128 of gate | up
 // OVERLAP: each K step's MMAs are issued before the previous step is promoted (two accumulators); else each step
 // waits for its MMAs, then promotes
-template <int STAGES, bool GATED, bool OVERLAP>
-__global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p) {
+// B_TMA: the weight tiles come by two tensor copies of 64 rows each, issued by one producer thread, instead of the
+// producers' cp.async (which move them through the load/store units with the activations)
+template <int STAGES, bool GATED, bool OVERLAP, bool B_TMA>
+__global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p, const __grid_constant__ CUtensorMap b_map) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // the swizzle needs 1024-aligned
     using L = Smem<STAGES>;
@@ -275,7 +296,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
     const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + s, 128);              // every producer thread's copies
+            mbar_init(full + s, B_TMA ? 129 : 128);  // every producer thread's copies (and the tensor copies')
             mbar_init(empty + s, CONSUMER_WARPS);  // every consumer warp done reading
         }
     }
@@ -327,7 +348,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
                     const uint32_t a_off = s_rows[row0 + 16 * i];  // rows 16 apart: the same swizzle as row0
                     cp_async16(sa + 2048 * i, p.a + (a_off == ~0u ? 0u : a_off) + chunk * 16 + kb * BK,
                                a_off == ~0u ? 0 : 16);
-                    cp_async16(sb + 2048 * i, b_expert + b_off + i * b_step + (i >= 4 ? b_jump : 0u) + kb * BK, 16);
+                    if (!B_TMA)
+                        cp_async16(sb + 2048 * i, b_expert + b_off + i * b_step + (i >= 4 ? b_jump : 0u) + kb * BK, 16);
+                }
+                if (B_TMA && t == 0) {
+                    const uint32_t tile_b = base + s * 2 * TILE + TILE;
+                    mbar_arrive_expect_bytes(full + s, TILE);
+                    tma_load_box(tile_b, &b_map, full + s, kb * BK, first_row, e);
+                    tma_load_box(tile_b + TILE / 2, &b_map, full + s, kb * BK,
+                                 GATED ? (int)(p.up_row + first_row) : (int)first_row + 64, e);
                 }
                 cp_async4(base + L::AS_OFF + (s * BM + t) * 4, as_row + kb * p.stride_ask, my_ok ? 4 : 0);
                 if (t == 0) cp_async4(base + L::BS_OFF + s * 16, bs + kb * p.stride_bsk, 4);
@@ -408,9 +437,38 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
     }
 }
 
-template <int STAGES, bool GATED, bool OVERLAP>
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// the weights [slots, rows, K] as a 3-D tensor map of bytes, boxes of 128 inputs x 64 rows in the 128-byte swizzle
+int weight_map(const Params* p, CUtensorMap* map) {
+    static EncodeTiled encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult found;
+        void* fn = nullptr;
+        cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found);
+        if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) return (int)cudaErrorNotSupported;
+        encode = reinterpret_cast<EncodeTiled>(fn);
+    }
+    const cuuint64_t dims[3] = {(cuuint64_t)p->K, (cuuint64_t)p->b_rows, (cuuint64_t)p->b_slots};
+    const cuuint64_t strides[2] = {(cuuint64_t)p->stride_bn, (cuuint64_t)p->stride_be};
+    const cuuint32_t box[3] = {BK, 64, 1}, unit[3] = {1, 1, 1};
+    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(p->b), dims, strides, box,
+                              unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
+}
+
+template <int STAGES, bool GATED, bool OVERLAP, bool B_TMA>
 int launch_stages(const Params* p, cudaStream_t st) {
-    const auto kernel = grouped_gemm_kernel<STAGES, GATED, OVERLAP>;
+    const auto kernel = grouped_gemm_kernel<STAGES, GATED, OVERLAP, B_TMA>;
+    CUtensorMap map = {};
+    if (B_TMA) {
+        const int bad = weight_map(p, &map);
+        if (bad) return bad;
+    }
     const int smem = Smem<STAGES>::BYTES;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return (int)err;
@@ -428,8 +486,18 @@ int launch_stages(const Params* p, cudaStream_t st) {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p->pdl ? 1 : 0;
-    err = cudaLaunchKernelEx(&cfg, kernel, *p);
+    err = cudaLaunchKernelEx(&cfg, kernel, *p, map);
     return (int)(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+template <int STAGES, bool GATED>
+int launch_schedule(const Params* p, cudaStream_t st) {
+    switch ((p->overlap ? 2 : 0) + (p->b_tma ? 1 : 0)) {
+        case 0: return launch_stages<STAGES, GATED, false, false>(p, st);
+        case 1: return launch_stages<STAGES, GATED, false, true>(p, st);
+        case 2: return launch_stages<STAGES, GATED, true, false>(p, st);
+        default: return launch_stages<STAGES, GATED, true, true>(p, st);
+    }
 }
 
 }  // namespace
@@ -441,19 +509,13 @@ extern "C" int fuse_shared_grouped_gemm(const void* params, int64_t stages, void
     const Params* p = static_cast<const Params*>(params);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (p->max_m_blocks <= 0) return 0;
-    switch (stages * 4 + (p->gated ? 2 : 0) + (p->overlap ? 1 : 0)) {
-        case 16: return launch_stages<4, false, false>(p, st);
-        case 17: return launch_stages<4, false, true>(p, st);
-        case 18: return launch_stages<4, true, false>(p, st);
-        case 19: return launch_stages<4, true, true>(p, st);
-        case 20: return launch_stages<5, false, false>(p, st);
-        case 21: return launch_stages<5, false, true>(p, st);
-        case 22: return launch_stages<5, true, false>(p, st);
-        case 23: return launch_stages<5, true, true>(p, st);
-        case 24: return launch_stages<6, false, false>(p, st);
-        case 25: return launch_stages<6, false, true>(p, st);
-        case 26: return launch_stages<6, true, false>(p, st);
-        case 27: return launch_stages<6, true, true>(p, st);
+    switch (stages * 2 + (p->gated ? 1 : 0)) {
+        case 8: return launch_schedule<4, false>(p, st);
+        case 9: return launch_schedule<4, true>(p, st);
+        case 10: return launch_schedule<5, false>(p, st);
+        case 11: return launch_schedule<5, true>(p, st);
+        case 12: return launch_schedule<6, false>(p, st);
+        case 13: return launch_schedule<6, true>(p, st);
     }
     return (int)cudaErrorInvalidValue;
 }

@@ -38,7 +38,8 @@ class _Params(ctypes.Structure):
         (name, ctypes.c_int64)
         for name in (
             "N K numel num_experts a_div max_m_blocks gated up_row up_scale_row post_clamp stride_am stride_asm "
-            "stride_ask stride_be stride_bn stride_bse stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl overlap"
+            "stride_ask stride_be stride_bn stride_bse stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl overlap "
+            "b_tma b_rows b_slots"
         ).split()
     ]
 
@@ -83,7 +84,7 @@ def _check_operands(a, a_scale, w, w_scale, c, N, K):
         if t.data_ptr() % 16 or row_bytes % 16:
             raise ValueError(f"the grouped prefill kernel needs the {name}' rows 16-byte aligned")
     # the kernel's row offsets are 32-bit: the activations, and one slot's weights, under 4 GiB
-    if a.shape[0] * a.stride(0) >= 2**32 - 1 or w.shape[1] * w.stride(1) >= 2**32:
+    if a.shape[0] * a.stride(0) >= 2**32 - 1 or w.shape[1] * w.stride(1) >= 2**32 or w.stride(0) % 16:
         raise ValueError("the grouped prefill kernel takes activations, and one slot's weights, under 4 GiB")
 
 
@@ -104,6 +105,7 @@ def grouped_gemm(
     group_m: int = 2,
     dependent_launch: bool = False,
     overlap: bool = True,
+    weight_tma: bool = True,
 ) -> torch.Tensor:
     """``c[pair] = (a[pair // a_div] @ w[slot(pair)].T)`` (times ``topk_w[pair]`` where given) for every pair of
     ``pairs``, in float32 per 128-input step times the step's scales; returns ``c``. ``gated``: ``(alpha, beta,
@@ -117,7 +119,8 @@ def grouped_gemm(
     for padding; blocks past ``total`` and slots outside ``0 .. num_experts - 1`` are skipped). ``stages``: the
     ring's depth (:data:`STAGES`); ``group_m``: M blocks side by side in the tile order; ``dependent_launch``: a
     programmatic dependent launch (the kernel waits for the launch before it before reading anything); ``overlap``:
-    each K step's MMAs issued before the previous step is promoted (two accumulators), else after (the same sums)."""
+    each K step's MMAs issued before the previous step is promoted (two accumulators), else after (the same sums);
+    ``weight_tma``: the weight tiles by the tensor memory accelerator (a tensor map of ``w``), else by ``cp.async``."""
     sorted_ids, expert_ids, total, num_blocks = pairs
     N, K = w.shape[1], w.shape[2]
     _check_operands(a, a_scale, w, w_scale, c, N, K)
@@ -141,7 +144,8 @@ def grouped_gemm(
         N, K, numel, num_experts, a_div, num_blocks, int(gated is not None), N // 2, N // 2 // BLOCK_N,
         int(post_clamp), a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0),
         w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), c.stride(0), int(topk_w is not None),
-        int(c.dtype == torch.float32), group_m, int(dependent_launch), int(overlap),
+        int(c.dtype == torch.float32), group_m, int(dependent_launch), int(overlap), int(weight_tma), w.shape[1],
+        w.shape[0],
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
     err = lib.fuse_shared_grouped_gemm(ctypes.byref(p), stages, ctypes.c_void_p(stream))

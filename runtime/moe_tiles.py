@@ -64,6 +64,8 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
 - ``prefill_overlap``: the CUDA prefill kernel issues each K step's MMAs before it promotes the previous step's sums
   (two accumulators), so the tensor cores never wait for the promotion; False: each step waits for its MMAs.
+- ``prefill_weight_tma``: the CUDA prefill kernel's weight tiles come by tensor copies (TMA), its activations by
+  ``cp.async`` (gathered rows); False: both by ``cp.async``.
 """
 
 from __future__ import annotations
@@ -105,12 +107,18 @@ TILE_KEYS = {
     "prefill_kernel": str,
     "prefill_stages": int,
     "prefill_overlap": bool,
+    "prefill_weight_tma": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 PREFILL_KERNELS = ("triton", "cuda", "auto")
 PREFILL_STAGES = (4, 5, 6)  # the ring depths runtime/moe_grouped_cuda.cu is built for
 # what a config without them takes (tables tuned before the CUDA prefill kernel existed have neither)
-PREFILL_DEFAULTS = {"prefill_kernel": "triton", "prefill_stages": 5, "prefill_overlap": True}
+PREFILL_DEFAULTS = {
+    "prefill_kernel": "triton",
+    "prefill_stages": 5,
+    "prefill_overlap": True,
+    "prefill_weight_tma": True,
+}
 
 
 def dtype_tag(fp8: bool, weight_dtype_name: str = "bfloat16") -> str:
