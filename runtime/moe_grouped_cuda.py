@@ -38,8 +38,8 @@ class _Params(ctypes.Structure):
         (name, ctypes.c_int64)
         for name in (
             "N K numel num_experts a_div max_m_blocks gated up_row up_scale_row post_clamp stride_am stride_asm "
-            "stride_ask stride_be stride_bn stride_bse stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl overlap "
-            "b_tma b_rows b_slots"
+            "stride_ask stride_be stride_bn stride_bse stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl "
+            "overlap b_tma b_rows b_slots"
         ).split()
     ]
 
