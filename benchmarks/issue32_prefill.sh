@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 MODELS=${MODELS:-DeepSeek-V3,Kimi-K2}
 TOKENS=${TOKENS:-512,4096}
 PEER_DIR=${PEER_DIR:-.device/peers}
-VARIANTS=${VARIANTS:-'{}|{"prefill_kernel": "cuda"}|{"prefill_kernel": "cuda", "prefill_weight_tma": false}|{"prefill_kernel": "cuda", "prefill_overlap": false}|{"prefill_kernel": "cuda", "prefill_stages": 6}|{"prefill_kernel": "cuda", "prefill_stages": 4}|{"prefill_kernel": "cuda", "group_m": 1}|{"prefill_kernel": "cuda", "gemm1_fused_activation": true}'}
+VARIANTS=${VARIANTS:-'{}|{"prefill_kernel": "cuda"}|{"prefill_kernel": "cuda", "prefill_weight_tma": false}|{"prefill_kernel": "cuda", "prefill_overlap": false}|{"prefill_kernel": "cuda", "prefill_act_tma": true}|{"prefill_kernel": "cuda", "prefill_stages": 6}|{"prefill_kernel": "cuda", "group_m": 1}|{"prefill_kernel": "cuda", "gemm1_fused_activation": true}'}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
     tee "$OUT/$TAG-card.txt"
 lib=$(python3 -c 'import torch; from runtime.moe_grouped_cuda import LIBRARY as L; print(L.library_path(torch.cuda.get_device_capability()))')

@@ -45,8 +45,9 @@ struct Params {
     int64_t stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm;
     int64_t mul_w, out_f32, group_m, pdl;
     int64_t overlap;            // the next K step's MMAs in flight while a step is promoted (two accumulators)
-    int64_t b_tma;              // the weight tiles by the tensor memory accelerator (else by cp.async)
+    int64_t loads;              // 0: both operands by cp.async; 1: the weight tiles by tensor copies; 2: both
     int64_t b_rows, b_slots;    // the weights' rows per slot and slots (the tensor map's extent)
+    int64_t a_rows;             // the activations' rows (their tensor map's extent)
 };
 
 constexpr int BM = 128, BN = 128, BK = 128;
@@ -78,10 +79,19 @@ __device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// this thread's arrival, and bytes more that the phase waits for (the tensor copies' transactions)
-__device__ __forceinline__ void mbar_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+// bytes more that the barrier's phase waits for (tensor copies' transactions), with no arrival
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
+}
+
+// one row of the activations' tensor map (128 inputs) into shared memory; the 128-byte swizzle follows the
+// destination's address bits, so a row lands where a tile copy would have put it
+__device__ __forceinline__ void tma_load_row(uint32_t dst, const CUtensorMap* map, uint64_t* bar, int k, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar))
+        : "memory");
 }
 
 // a box of the weights' tensor map (128 inputs x 64 rows of one slot) into shared memory, in the map's 128-byte
@@ -282,10 +292,15 @@ __device__ __forceinline__ float swiglu(float g, float u, float alpha, float bet
 // each pair of sums through the slot's SwiGLU and writes 64 columns of h instead of 128 of gate | up
 // OVERLAP: each K step's MMAs are issued before the previous step is promoted (two accumulators); else each step
 // waits for its MMAs, then promotes
-// B_TMA: the weight tiles come by two tensor copies of 64 rows each, issued by one producer thread, instead of the
-// producers' cp.async (which move them through the load/store units with the activations)
-template <int STAGES, bool GATED, bool OVERLAP, bool B_TMA>
-__global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p, const __grid_constant__ CUtensorMap b_map) {
+// LOADS 1: the weight tiles come by two tensor copies of 64 rows each, issued by one producer thread, instead of the
+// producers' cp.async (which move them through the load/store units with the activations); LOADS 2: each producer
+// thread's activation row too, by a one-row tensor copy (padding rows are left as they were: their sums are never
+// stored)
+template <int STAGES, bool GATED, bool OVERLAP, int LOADS>
+__global__ void __launch_bounds__(THREADS, 1)
+    grouped_gemm_kernel(const Params p, const __grid_constant__ CUtensorMap b_map,
+                        const __grid_constant__ CUtensorMap a_map) {
+    constexpr bool B_TMA = LOADS >= 1, A_TMA = LOADS == 2;
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // the swizzle needs 1024-aligned
     using L = Smem<STAGES>;
@@ -296,7 +311,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
     const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + s, B_TMA ? 129 : 128);  // every producer thread's copies (and the tensor copies')
+            mbar_init(full + s, 128);              // every producer thread's copies (and the tensor copies' bytes)
             mbar_init(empty + s, CONSUMER_WARPS);  // every consumer warp done reading
         }
     }
@@ -346,14 +361,19 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Params p
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const uint32_t a_off = s_rows[row0 + 16 * i];  // rows 16 apart: the same swizzle as row0
-                    cp_async16(sa + 2048 * i, p.a + (a_off == ~0u ? 0u : a_off) + chunk * 16 + kb * BK,
-                               a_off == ~0u ? 0 : 16);
+                    if (!A_TMA)
+                        cp_async16(sa + 2048 * i, p.a + (a_off == ~0u ? 0u : a_off) + chunk * 16 + kb * BK,
+                                   a_off == ~0u ? 0 : 16);
                     if (!B_TMA)
                         cp_async16(sb + 2048 * i, b_expert + b_off + i * b_step + (i >= 4 ? b_jump : 0u) + kb * BK, 16);
                 }
+                if (A_TMA && my_ok) {
+                    mbar_expect_bytes(full + s, BK);
+                    tma_load_row(base + s * 2 * TILE + t * 128, &a_map, full + s, kb * BK, my_row);
+                }
                 if (B_TMA && t == 0) {
                     const uint32_t tile_b = base + s * 2 * TILE + TILE;
-                    mbar_arrive_expect_bytes(full + s, TILE);
+                    mbar_expect_bytes(full + s, TILE);
                     tma_load_box(tile_b, &b_map, full + s, kb * BK, first_row, e);
                     tma_load_box(tile_b + TILE / 2, &b_map, full + s, kb * BK,
                                  GATED ? (int)(p.up_row + first_row) : (int)first_row + 64, e);
@@ -441,8 +461,9 @@ using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, 
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// the weights [slots, rows, K] as a 3-D tensor map of bytes, boxes of 128 inputs x 64 rows in the 128-byte swizzle
-int weight_map(const Params* p, CUtensorMap* map) {
+// the weights [slots, rows, K] as a 3-D tensor map of bytes, boxes of 128 inputs x 64 rows in the 128-byte swizzle;
+// the activations [rows, K] as a 2-D one, boxes of one row
+int tensor_maps(const Params* p, CUtensorMap* b_map, CUtensorMap* a_map, bool activations) {
     static EncodeTiled encode = nullptr;
     if (!encode) {
         cudaDriverEntryPointQueryResult found;
@@ -455,18 +476,26 @@ int weight_map(const Params* p, CUtensorMap* map) {
     const cuuint64_t dims[3] = {(cuuint64_t)p->K, (cuuint64_t)p->b_rows, (cuuint64_t)p->b_slots};
     const cuuint64_t strides[2] = {(cuuint64_t)p->stride_bn, (cuuint64_t)p->stride_be};
     const cuuint32_t box[3] = {BK, 64, 1}, unit[3] = {1, 1, 1};
-    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(p->b), dims, strides, box,
-                              unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r = encode(b_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(p->b), dims, strides, box,
+                        unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r == CUDA_SUCCESS && activations) {
+        const cuuint64_t a_dims[2] = {(cuuint64_t)p->K, (cuuint64_t)p->a_rows};
+        const cuuint64_t a_strides[1] = {(cuuint64_t)p->stride_am};
+        const cuuint32_t a_box[2] = {BK, 1};
+        r = encode(a_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p->a), a_dims, a_strides, a_box, unit,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    }
     return r == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
 }
 
-template <int STAGES, bool GATED, bool OVERLAP, bool B_TMA>
+template <int STAGES, bool GATED, bool OVERLAP, int LOADS>
 int launch_stages(const Params* p, cudaStream_t st) {
-    const auto kernel = grouped_gemm_kernel<STAGES, GATED, OVERLAP, B_TMA>;
-    CUtensorMap map = {};
-    if (B_TMA) {
-        const int bad = weight_map(p, &map);
+    const auto kernel = grouped_gemm_kernel<STAGES, GATED, OVERLAP, LOADS>;
+    CUtensorMap map = {}, a_map = {};
+    if (LOADS) {
+        const int bad = tensor_maps(p, &map, &a_map, LOADS == 2);
         if (bad) return bad;
     }
     const int smem = Smem<STAGES>::BYTES;
@@ -486,17 +515,20 @@ int launch_stages(const Params* p, cudaStream_t st) {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p->pdl ? 1 : 0;
-    err = cudaLaunchKernelEx(&cfg, kernel, *p, map);
+    err = cudaLaunchKernelEx(&cfg, kernel, *p, map, a_map);
     return (int)(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 template <int STAGES, bool GATED>
 int launch_schedule(const Params* p, cudaStream_t st) {
-    switch ((p->overlap ? 2 : 0) + (p->b_tma ? 1 : 0)) {
-        case 0: return launch_stages<STAGES, GATED, false, false>(p, st);
-        case 1: return launch_stages<STAGES, GATED, false, true>(p, st);
-        case 2: return launch_stages<STAGES, GATED, true, false>(p, st);
-        default: return launch_stages<STAGES, GATED, true, true>(p, st);
+    switch ((p->overlap ? 3 : 0) + (int)p->loads) {
+        case 0: return launch_stages<STAGES, GATED, false, 0>(p, st);
+        case 1: return launch_stages<STAGES, GATED, false, 1>(p, st);
+        case 2: return launch_stages<STAGES, GATED, false, 2>(p, st);
+        case 3: return launch_stages<STAGES, GATED, true, 0>(p, st);
+        case 4: return launch_stages<STAGES, GATED, true, 1>(p, st);
+        case 5: return launch_stages<STAGES, GATED, true, 2>(p, st);
+        default: return (int)cudaErrorInvalidValue;
     }
 }
 

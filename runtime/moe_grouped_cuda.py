@@ -39,7 +39,7 @@ class _Params(ctypes.Structure):
         for name in (
             "N K numel num_experts a_div max_m_blocks gated up_row up_scale_row post_clamp stride_am stride_asm "
             "stride_ask stride_be stride_bn stride_bse stride_bsn stride_bsk stride_cm mul_w out_f32 group_m pdl "
-            "overlap b_tma b_rows b_slots"
+            "overlap loads b_rows b_slots a_rows"
         ).split()
     ]
 
@@ -106,6 +106,7 @@ def grouped_gemm(
     dependent_launch: bool = False,
     overlap: bool = True,
     weight_tma: bool = True,
+    act_tma: bool = False,
 ) -> torch.Tensor:
     """``c[pair] = (a[pair // a_div] @ w[slot(pair)].T)`` (times ``topk_w[pair]`` where given) for every pair of
     ``pairs``, in float32 per 128-input step times the step's scales; returns ``c``. ``gated``: ``(alpha, beta,
@@ -120,7 +121,8 @@ def grouped_gemm(
     ring's depth (:data:`STAGES`); ``group_m``: M blocks side by side in the tile order; ``dependent_launch``: a
     programmatic dependent launch (the kernel waits for the launch before it before reading anything); ``overlap``:
     each K step's MMAs issued before the previous step is promoted (two accumulators), else after (the same sums);
-    ``weight_tma``: the weight tiles by the tensor memory accelerator (a tensor map of ``w``), else by ``cp.async``."""
+    ``weight_tma``: the weight tiles by the tensor memory accelerator (a tensor map of ``w``), else by ``cp.async``;
+    ``act_tma`` (with ``weight_tma``): the activation rows too, one tensor copy per row."""
     sorted_ids, expert_ids, total, num_blocks = pairs
     N, K = w.shape[1], w.shape[2]
     _check_operands(a, a_scale, w, w_scale, c, N, K)
@@ -144,8 +146,8 @@ def grouped_gemm(
         N, K, numel, num_experts, a_div, num_blocks, int(gated is not None), N // 2, N // 2 // BLOCK_N,
         int(post_clamp), a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0),
         w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), c.stride(0), int(topk_w is not None),
-        int(c.dtype == torch.float32), group_m, int(dependent_launch), int(overlap), int(weight_tma), w.shape[1],
-        w.shape[0],
+        int(c.dtype == torch.float32), group_m, int(dependent_launch), int(overlap),
+        (1 + int(act_tma)) * int(weight_tma), w.shape[1], w.shape[0], a.shape[0],
     )  # fmt: skip
     stream = torch.cuda.current_stream(a.device).cuda_stream
     err = lib.fuse_shared_grouped_gemm(ctypes.byref(p), stages, ctypes.c_void_p(stream))

@@ -66,6 +66,7 @@ A tile config is a dict with these keys (every key optional when overriding):
   (two accumulators), so the tensor cores never wait for the promotion; False: each step waits for its MMAs.
 - ``prefill_weight_tma``: the CUDA prefill kernel's weight tiles come by tensor copies (TMA), its activations by
   ``cp.async`` (gathered rows); False: both by ``cp.async``.
+- ``prefill_act_tma``: with ``prefill_weight_tma``, each activation row by its own tensor copy too.
 """
 
 from __future__ import annotations
@@ -108,16 +109,18 @@ TILE_KEYS = {
     "prefill_stages": int,
     "prefill_overlap": bool,
     "prefill_weight_tma": bool,
+    "prefill_act_tma": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
 PREFILL_KERNELS = ("triton", "cuda", "auto")
 PREFILL_STAGES = (4, 5, 6)  # the ring depths runtime/moe_grouped_cuda.cu is built for
-# what a config without them takes (tables tuned before the CUDA prefill kernel existed have neither)
+# what a config without them takes (tables tuned before the CUDA prefill kernel existed have none)
 PREFILL_DEFAULTS = {
     "prefill_kernel": "triton",
     "prefill_stages": 5,
     "prefill_overlap": True,
     "prefill_weight_tma": True,
+    "prefill_act_tma": False,
 }
 
 

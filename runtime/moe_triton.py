@@ -1138,7 +1138,8 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
             a, a_s, w13, s13, h[0], pairs, numel=numel, num_experts=routed, a_div=KS,
             gated=(*act, experts.post_clamp) if fused_act else None,
             stages=cfg["prefill_stages"], group_m=cfg["group_m"], overlap=cfg["prefill_overlap"],
-            weight_tma=cfg["prefill_weight_tma"], dependent_launch=launch.next_is_dependent(),
+            weight_tma=cfg["prefill_weight_tma"], act_tma=cfg["prefill_act_tma"],
+            dependent_launch=launch.next_is_dependent(),
         )  # fmt: skip
     else:
         launch(
@@ -1211,7 +1212,8 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         moe_grouped_cuda.grouped_gemm(
             h, h_s, w2, s2, c[0], pairs, numel=numel, num_experts=routed, a_div=1, topk_w=w_c,
             stages=cfg["prefill_stages"], group_m=cfg["group_m"], overlap=cfg["prefill_overlap"],
-            weight_tma=cfg["prefill_weight_tma"], dependent_launch=launch.next_is_dependent(),
+            weight_tma=cfg["prefill_weight_tma"], act_tma=cfg["prefill_act_tma"],
+            dependent_launch=launch.next_is_dependent(),
         )  # fmt: skip
     else:
         launch(

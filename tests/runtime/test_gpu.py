@@ -292,7 +292,7 @@ def test_cuda_prefill_kernel_equals_its_twin(out_dtype, weighted, gated, stages)
     assert rel(got, want) < (5e-4 if out_dtype == torch.float32 else 4e-3), rel(got, want)
     kw.pop("gated")
     if not gated:  # the other MMA schedule, and the weights by cp.async: the same sums
-        for other in (dict(overlap=False), dict(weight_tma=False)):
+        for other in (dict(overlap=False), dict(weight_tma=False), dict(act_tma=True)):
             again = torch.full_like(got, 3.0)
             grouped_gemm(a, a_s, ew.gate_up, ew.gate_up_scale, again, pairs, stages=stages, **other, **kw)
             assert torch.equal(again, got), other
