@@ -20,7 +20,7 @@ lib=$(python3 -c 'import torch; from runtime.moe_grouped_cuda import LIBRARY as 
 mkdir -p "$(dirname "$lib")"
 nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "-gencode=arch=compute_90a,code=sm_90a" -Xptxas -v \
     -o "$lib" runtime/moe_grouped_cuda.cu 2>&1 | grep -E "error|warning|registers|spill" | tee "$OUT/$TAG-ptxas.log"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x --noconftest tests/runtime/test_gpu.py -k "${TESTS:-cuda_prefill}" 2>&1 |
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q --noconftest tests/runtime/test_gpu.py -k "${TESTS:-cuda_prefill}" 2>&1 |
     tail -30 | tee "$OUT/$TAG-gpu-tests.log"
 args=()
 IFS='|' read -ra vs <<< "$VARIANTS"
