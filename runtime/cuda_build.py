@@ -67,8 +67,12 @@ class KernelLibrary:
 
     @cached_property
     def digest(self) -> str:
-        """The source's hash, read once: the forward asks for the library on every call."""
-        return hashlib.sha256(self.source.read_bytes()).hexdigest()[:16]
+        """The hash of the source and the headers of this package beside it, read once: the forward asks for the
+        library on every call."""
+        h = hashlib.sha256(self.source.read_bytes())
+        for header in sorted(self.source.parent.glob("*.cuh")):
+            h.update(header.read_bytes())
+        return h.hexdigest()[:16]
 
     def build_command(self, nvcc: str, capability: tuple[int, int], out: str) -> list[str]:
         """The ``nvcc`` command that builds the library for one compute capability."""

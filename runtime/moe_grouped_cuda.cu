@@ -25,6 +25,8 @@
 #include <cuda.h>  // CUtensorMap and its encoding's enums (the function itself through the runtime's entry points)
 #include <cuda_runtime.h>
 
+#include "hopper_ptx.cuh"
+
 namespace {
 
 struct Params {
@@ -56,10 +58,6 @@ constexpr int TILE = BM * BK;                 // bytes of one stage's activation
 constexpr int CONSUMER_WARPS = 8;
 // registers per thread after the split (128 x 40 + 256 x 232 <= 64K): the consumers hold two accumulators and the sum
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // ---- cp.async and mbarriers
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
@@ -119,9 +117,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // ---- wgmma (sm_90a)
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FUSE_SHARED_WGMMA 1
-#endif
 
 // a K-major operand of 8-row groups of 128 bytes in the 128-byte swizzle, 1024 bytes per group
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
@@ -151,26 +146,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 #endif
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
-}
-
-// waits until at most N of this warpgroup's commit groups are in flight
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // the producer warpgroup's own barrier (named barrier 1: the consumers never wait on it)
 __device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 
@@ -182,13 +157,6 @@ __device__ __forceinline__ void set_max_registers() {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
     else
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
-#endif
-}
-
-// the cp.async copies (generic proxy), seen through the barrier, made visible to wgmma's reads (async proxy)
-__device__ __forceinline__ void fence_proxy_async() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 

@@ -40,6 +40,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "hopper_ptx.cuh"
+
 namespace {
 
 struct Params {
@@ -101,10 +103,6 @@ struct StageLayout {
           bytes(gs_off + 8 * BM * 4) {}
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
 }
@@ -162,10 +160,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FUSE_SHARED_WGMMA 1  // Hopper (sm_90a): wgmma, whose e4m3 MMAs are native (mma.sync's are emulated in FP16)
-#endif
-
 // a K-major B operand in shared memory without swizzle: start, the second K half 128 bytes on (LBO), one 8-row block
 __device__ __forceinline__ uint64_t b_desc(const void* smem) {
     return (uint64_t)((smem_addr(smem) & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
@@ -183,25 +177,6 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[4], uint32_t a0, uint32_t 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
 #else
     __trap();
-#endif
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
-#endif
-}
-
-// the generic proxy's shared-memory stores made visible to wgmma, which reads B through the async proxy
-__device__ __forceinline__ void fence_proxy_async() {
-#ifdef FUSE_SHARED_WGMMA
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 
@@ -299,7 +274,8 @@ __device__ __forceinline__ void routed_group_mmas(float (&t)[JB][H][4], const ui
             for (int h = 0; h < H; ++h)
                 wgmma_e4m3(t[jj][h], am[jj][h][0], am[jj][h][1], am[jj][h][2], am[jj][h][3],
                            b_desc(xg0 + jj * X_GROUP), 0);
-        wgmma_commit_and_wait();
+        wgmma_commit();
+        wgmma_wait<0>();
 #pragma unroll
         for (int jj = 0; jj < JB; ++jj)
 #pragma unroll
@@ -331,7 +307,8 @@ __device__ __forceinline__ void shared_group_mmas(float (&blk)[4], const uint32_
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j) wgmma_e4m3(t[j], a[j][0], a[j][1], a[j][2], a[j][3], b_desc(xs + j * X_GROUP), 0);
-        wgmma_commit_and_wait();
+        wgmma_commit();
+        wgmma_wait<0>();
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             fence_operand(t[j]);
