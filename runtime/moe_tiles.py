@@ -56,17 +56,18 @@ A tile config is a dict with these keys (every key optional when overriding):
 - ``sum_in_gemm2``: one token (decode) only, without ``shared_dense``: the last GEMM2 program of each column block
   (an atomic counter per block, zeroed by GEMM1) adds the slots' outputs, in the slot-sum launch's order (the same
   bits), so that launch and its gap go away. Ignored for more tokens.
-- ``prefill_kernel``: the grouped GEMMs of FP8 slots for more than one token: ``"triton"``; ``"cuda"``, the
-  warp-specialized wgmma kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128; GEMM1 applies SwiGLU
-  in its epilogue with ``gemm1_fused_activation``, else the next launch does; h's FP8 quantization is its own
-  launch; the PyTorch twin on the CPU); ``"auto"``, the CUDA kernel
-  where it is built or buildable and the shapes suit it, else Triton. Ignored for one token and other weights.
+- ``prefill_kernel``: the grouped GEMMs of FP8 slots for more than one token: ``"triton"`` (the default: on the H100
+  and the H200 it was faster in every measured cell, docs/benchmarks.md); ``"cuda"``, the warp-specialized wgmma
+  kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128; GEMM1 applies SwiGLU in its epilogue with
+  ``gemm1_fused_activation``, else the next launch does; h's FP8 quantization is its own launch; the PyTorch twin
+  on the CPU; refused where it cannot run). Ignored for one token and other weights.
 - ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
 - ``prefill_overlap``: the CUDA prefill kernel issues each K step's MMAs before it promotes the previous step's sums
   (two accumulators), so the tensor cores never wait for the promotion; False: each step waits for its MMAs.
 - ``prefill_weight_tma``: the CUDA prefill kernel's weight tiles come by tensor copies (TMA), its activations by
   ``cp.async`` (gathered rows); False: both by ``cp.async``.
-- ``prefill_act_tma``: with ``prefill_weight_tma``, each activation row by its own tensor copy too.
+- ``prefill_act_tma``: with ``prefill_weight_tma``, each activation row by its own tensor copy too (1.7x slower on
+  the H200: a variant kept for measurement).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ TILE_KEYS = {
     "prefill_act_tma": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
-PREFILL_KERNELS = ("triton", "cuda", "auto")
+PREFILL_KERNELS = ("triton", "cuda")
 PREFILL_STAGES = (4, 5, 6)  # the ring depths runtime/moe_grouped_cuda.cu is built for
 # what a config without them takes (tables tuned before the CUDA prefill kernel existed have none)
 PREFILL_DEFAULTS = {

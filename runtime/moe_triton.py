@@ -1035,22 +1035,17 @@ def _dense_shared_slots(launch: _Launches, xq, xs, experts, ids_c, shared: int, 
     return outs[0][None] if shared == 1 else torch.stack(outs)
 
 
-def _cuda_prefill(cfg: dict, experts, num_tokens: int, num_pairs: int, routed: int, device: torch.device) -> bool:
-    """Whether the grouped GEMMs of this call run on :mod:`runtime.moe_grouped_cuda` (``prefill_kernel``): FP8 slots,
-    more than one token, shapes on its 128 grid; "auto" also wants the kernel usable here and at least 64 pairs per
-    slot on average (fewer leave its 128-row blocks mostly padding), "cuda" raises where it cannot run."""
-    choice = cfg["prefill_kernel"]
-    if choice == "triton" or num_tokens == 1 or not experts.is_fp8:
+def _cuda_prefill(cfg: dict, experts, num_tokens: int, device: torch.device) -> bool:
+    """Whether the grouped GEMMs of this call run on :mod:`runtime.moe_grouped_cuda` (``prefill_kernel`` "cuda"):
+    FP8 slots and more than one token; raises where its shapes or the device do not allow it."""
+    if cfg["prefill_kernel"] != "cuda" or num_tokens == 1 or not experts.is_fp8:
         return False
     H, I = experts.hidden_size, experts.intermediate_size  # noqa: E741
-    fits = moe_grouped_cuda.supports(2 * I, H, I) and moe_grouped_cuda.supports(H, I)
-    if choice == "cuda":
-        if not fits:
-            raise ValueError(f"prefill_kernel 'cuda' needs hidden and intermediate sizes of 128s, got {H} and {I}")
-        if device.type == "cuda" and not moe_grouped_cuda.usable(device):
-            raise RuntimeError("prefill_kernel 'cuda': the grouped prefill kernel cannot run on this device")
-        return True
-    return fits and num_pairs >= 64 * routed and moe_grouped_cuda.usable(device)
+    if not (moe_grouped_cuda.supports(2 * I, H, I) and moe_grouped_cuda.supports(H, I)):
+        raise ValueError(f"prefill_kernel 'cuda' needs hidden and intermediate sizes of 128s, got {H} and {I}")
+    if device.type == "cuda" and not moe_grouped_cuda.usable(device):
+        raise RuntimeError("prefill_kernel 'cuda': the grouped prefill kernel cannot run on this device")
+    return True
 
 
 def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None, shared_slots=0):
@@ -1070,7 +1065,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     routed = num_slots - shared_slots if dense else num_slots  # the slots the grouped GEMMs run
     launch = _Launches(cfg["dependent_launch"])
     numel = T * KS
-    cuda_prefill = _cuda_prefill(cfg, experts, T, numel, routed, x.device)
+    cuda_prefill = _cuda_prefill(cfg, experts, T, x.device)
     if cuda_prefill:
         # M blocks of 128 pairs; GEMM1 writes SwiGLU's h (gemm1_fused_activation) or gate | up, and h's FP8 is
         # its own launch
