@@ -25,7 +25,7 @@
 #include <cuda.h>  // CUtensorMap and its encoding's enums (the function itself through the runtime's entry points)
 #include <cuda_runtime.h>
 
-#include "hopper_ptx.cuh"
+#include "cuda_common.cuh"
 
 namespace {
 
@@ -467,24 +467,12 @@ int launch_stages(const Params* p, cudaStream_t st) {
         if (bad) return bad;
     }
     const int smem = Smem<STAGES>::BYTES;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return (int)err;
     int device = 0, sms = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     const int64_t max_tiles = p->max_m_blocks * (GATED ? p->up_row / 64 : p->N / BN);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(max_tiles < sms ? max_tiles : sms));
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p->pdl ? 1 : 0;
-    err = cudaLaunchKernelEx(&cfg, kernel, *p, map, a_map);
-    return (int)(err != cudaSuccess ? err : cudaGetLastError());
+    const dim3 grid((unsigned)(max_tiles < sms ? max_tiles : sms));
+    return launch_kernel(kernel, grid, dim3(THREADS), smem, st, p->pdl != 0, *p, map, a_map);
 }
 
 template <int STAGES, bool GATED>

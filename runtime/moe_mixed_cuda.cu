@@ -40,7 +40,7 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#include "hopper_ptx.cuh"
+#include "cuda_common.cuh"
 
 namespace {
 
@@ -606,20 +606,7 @@ template <int FMT, int SHIFT, int STAGES, bool WG>
 int launch_stages(const Params* p, dim3 grid, cudaStream_t st) {
     const auto kernel = mixed_decode_kernel<FMT, SHIFT, STAGES, WG>;
     const int smem = STAGES * StageLayout(scale_stride(FMT, p->scale_bytes)).bytes;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return (int)err;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p->pdl ? 1 : 0;
-    err = cudaLaunchKernelEx(&cfg, kernel, *p);
-    return (int)(err != cudaSuccess ? err : cudaGetLastError());
+    return launch_kernel(kernel, grid, dim3(THREADS), smem, st, p->pdl != 0, *p);
 }
 
 template <int FMT, int SHIFT>
