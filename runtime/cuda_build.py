@@ -63,7 +63,7 @@ class KernelLibrary:
     ):
         self.source, self.what, self.min_capability, self.declare = source, what, min_capability, declare
         self._loaded: dict[tuple[int, int], tuple[ctypes.CDLL | None, str | None]] = {}
-        self._warned: dict[tuple[int, int], bool] = {}
+        self._usable: dict[tuple[int, int], bool] = {}
 
     @cached_property
     def digest(self) -> str:
@@ -138,15 +138,20 @@ class KernelLibrary:
 
     def usable(self, device: torch.device) -> bool:
         """:meth:`available`, and the library built and loaded (built now if it was not): False, with one warning
-        naming why, where the build fails, so that the caller falls back."""
-        if not self.available(device):
+        naming why, where the build fails, so that the caller falls back. Answered once per capability: the forward
+        asks on every call (no file lookups there), and the answer does not change."""
+        if device.type != "cuda" or not torch.cuda.is_available():
             return False
         capability = _capability(device)
-        lib, why = self.load(capability)
-        if lib is None and not self._warned.get(capability):
-            self._warned[capability] = True
-            warnings.warn(f"fuse-shared: {self.what} is not used: {why}", stacklevel=3)
-        return lib is not None
+        if capability not in self._usable:
+            ok = self.buildable(capability)
+            if ok:
+                lib, why = self.load(capability)
+                ok = lib is not None
+                if not ok:
+                    warnings.warn(f"fuse-shared: {self.what} is not used: {why}", stacklevel=3)
+            self._usable[capability] = ok
+        return self._usable[capability]
 
     def main(self, prog: str, argv: list[str] | None = None) -> int:
         """``python -m PROG [--capability 9.0]``: builds the library ahead (for this machine's GPU, or for the compute

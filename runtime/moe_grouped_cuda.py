@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .cuda_build import KernelLibrary
-from .moe_reference import swiglu
+from .moe_reference import aligned_blocks, swiglu
 from .moe_tiles import PREFILL_STAGES as STAGES
 
 SOURCE = Path(__file__).with_name("moe_grouped_cuda.cu")
@@ -159,18 +159,9 @@ def grouped_gemm(
 def grouped_gemm_reference(a, a_scale, w, w_scale, c, pairs, *, numel, num_experts, a_div, topk_w=None, gated=None):
     """:func:`grouped_gemm` in PyTorch, the kernel's twin: the same arguments, M blocks and skips, and the same sums
     (each 128-input step's float32 product times the rows' activation scale and the weight block's scale)."""
-    sorted_ids, expert_ids, total, num_blocks = pairs
     N, K = w.shape[1], w.shape[2]
     nk = K // BLOCK_K
-    used = min(num_blocks, int(total.view(-1)[0]) // BLOCK_M)
-    for m in range(used):
-        e = int(expert_ids[m])
-        if e < 0 or e >= num_experts:
-            continue
-        block = sorted_ids[m * BLOCK_M : (m + 1) * BLOCK_M].long()
-        block = block[block < numel]
-        if block.numel() == 0:
-            continue
+    for _, e, block in aligned_blocks(pairs, BLOCK_M, numel, num_experts):
         rows = block // a_div
         x = a[rows].float().view(-1, nk, BLOCK_K)  # [P, nk, 128]
         wt = w[e].float().view(N, nk, BLOCK_K)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .cuda_build import KernelLibrary, nvcc_path  # noqa: F401  (nvcc_path: re-exported for the tests)
+from .moe_reference import aligned_blocks
 
 SOURCE = Path(__file__).with_name("moe_mixed_cuda.cu")
 BLOCK_M = 8  # pairs per M block: the MMA's N
@@ -342,22 +343,14 @@ def decode_gemm_reference(
     E = routed.shape[0]
     nk = K // 128
     n = torch.arange(N)
-    for m in range(num_blocks):
-        if naive:
-            e = int(sorted_ids.view(-1)[m])
-            if e < 0 or e >= E + shared.shape[0] or (has_nvalid and int(total.view(-1)[0]) < 1):
-                continue
-            block = torch.tensor([m])
-        else:
-            if m * BLOCK_M >= int(total.view(-1)[0]):
-                break
-            e = int(expert_ids[m])
-            if e < 0 or e >= E + shared.shape[0]:
-                continue
-            block = sorted_ids[m * BLOCK_M : (m + 1) * BLOCK_M].long()
-            block = block[block < numel]
-        if block.numel() == 0:
-            continue
+    num_slots = E + shared.shape[0]
+    if naive:  # one token: block m is pair m, its slot the m-th id
+        live = not has_nvalid or int(total.view(-1)[0]) >= 1
+        slot_ids = [int(e) for e in sorted_ids.view(-1)[:num_blocks]] if live else []
+        blocks = [(m, e, torch.tensor([m])) for m, e in enumerate(slot_ids) if 0 <= e < num_slots]
+    else:
+        blocks = aligned_blocks((sorted_ids, expert_ids, total, num_blocks), BLOCK_M, numel, num_slots)
+    for _, e, block in blocks:
         rows = block // a_div
         x = mma_slot_order(a[rows].view(torch.uint8)).view(torch.float8_e4m3fn).float()  # [P, K] in slot order
         xs = a_scale[rows, :nk].float()  # [P, nk]

@@ -33,6 +33,21 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, alpha, beta, limit, post_clamp: boo
     return g * torch.sigmoid(alpha * g) * (u + beta)
 
 
+def aligned_blocks(pairs, block_m: int, numel: int, num_slots: int):
+    """The M blocks of ``pairs = (sorted_ids, expert_ids, total, num_blocks)`` (``runtime.moe_triton._align``'s
+    bucketing in blocks of ``block_m``) as the kernels walk them: ``(m, slot, pair ids [P] int64)`` for each block
+    below the padded ``total`` whose slot is in ``0 .. num_slots - 1`` and that holds a pair (ids below ``numel``)."""
+    sorted_ids, expert_ids, total, num_blocks = pairs
+    for m in range(min(num_blocks, int(total.view(-1)[0]) // block_m)):
+        e = int(expert_ids[m])
+        if e < 0 or e >= num_slots:
+            continue
+        block = sorted_ids[m * block_m : (m + 1) * block_m].long()
+        block = block[block < numel]
+        if block.numel():
+            yield m, e, block
+
+
 def fp8_slot_weights(experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot ``e`` of FP8 :class:`runtime.moe.ExpertWeights` as float32 ``gate_up [2I, H]`` and ``down [H, I]`` (each
     half of gate_up on its own block grid)."""

@@ -1128,13 +1128,14 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     )
     grid1 = (num_pid_m * triton.cdiv(N1, BN1), split1)
     pairs = (sorted_ids, expert_ids, bound, num_pid_m)
+    # what both CUDA prefill GEMMs take from the config
+    prefill_kw = dict(stages=cfg["prefill_stages"], group_m=cfg["group_m"], overlap=cfg["prefill_overlap"],
+                      weight_tma=cfg["prefill_weight_tma"], act_tma=cfg["prefill_act_tma"])  # fmt: skip
     if cuda_prefill:
         moe_grouped_cuda.grouped_gemm(
             a, a_s, w13, s13, h[0], pairs, numel=numel, num_experts=routed, a_div=KS,
             gated=(*act, experts.post_clamp) if fused_act else None,
-            stages=cfg["prefill_stages"], group_m=cfg["group_m"], overlap=cfg["prefill_overlap"],
-            weight_tma=cfg["prefill_weight_tma"], act_tma=cfg["prefill_act_tma"],
-            dependent_launch=launch.next_is_dependent(),
+            dependent_launch=launch.next_is_dependent(), **prefill_kw,
         )  # fmt: skip
     else:
         launch(
@@ -1206,9 +1207,7 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if cuda_prefill:
         moe_grouped_cuda.grouped_gemm(
             h, h_s, w2, s2, c[0], pairs, numel=numel, num_experts=routed, a_div=1, topk_w=w_c,
-            stages=cfg["prefill_stages"], group_m=cfg["group_m"], overlap=cfg["prefill_overlap"],
-            weight_tma=cfg["prefill_weight_tma"], act_tma=cfg["prefill_act_tma"],
-            dependent_launch=launch.next_is_dependent(),
+            dependent_launch=launch.next_is_dependent(), **prefill_kw,
         )  # fmt: skip
     else:
         launch(

@@ -3,6 +3,8 @@ plain dequantized product over the kernel's M blocks (padding rows untouched, bl
 slots skipped, routing weights applied), and the whole forward with ``prefill_kernel="cuda"`` (M blocks of 128, GEMM1
 plain, h quantized in its own launch) equal to the reference. The kernel itself runs in test_gpu.py."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -182,3 +184,24 @@ def test_build_ahead_refuses_cards_without_wgmma():
     with pytest.raises(SystemExit) as e:
         main(["--capability", "8.9"])
     assert e.value.code == 2
+
+
+def test_usable_is_answered_once_per_card(monkeypatch):
+    """The forward asks whether the kernel is usable on every call: the build check (file lookups, PATH search for
+    nvcc) runs once per compute capability, a failed build warns once, and the answer is kept."""
+    from runtime.cuda_build import KernelLibrary
+
+    lib = KernelLibrary(SOURCE, "a test kernel", (9, 0), lambda cdll: None)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(lib, "buildable", lambda capability: asked.append(capability) or True)
+    monkeypatch.setattr(lib, "load", lambda capability: (None, "nvcc failed"))
+    dev = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="a test kernel is not used: nvcc failed"):
+        assert not lib.usable(dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not lib.usable(dev) and not lib.usable(dev)
+    assert asked == [(9, 0)]
+    assert not lib.usable(torch.device("cpu"))
