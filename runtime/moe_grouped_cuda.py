@@ -52,15 +52,21 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIBRARY = KernelLibrary(SOURCE, "the grouped FP8 prefill kernel", (9, 0), _declare)  # wgmma: sm_90a
 
 
+def _hopper(device: torch.device) -> bool:
+    """Compute capability 9.0 exactly: wgmma and setmaxnreg are sm_90a's alone."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def available(device: torch.device) -> bool:
-    """Whether :func:`grouped_gemm` runs the kernel on ``device``: compute capability 9.0 exactly (wgmma is sm_90a's
-    alone), and the kernel built or ``nvcc`` there to build it."""
-    return LIBRARY.available(device) and tuple(torch.cuda.get_device_capability(device)) == (9, 0)
+    """Whether :func:`grouped_gemm` runs the kernel on ``device``: a Hopper card, and the kernel built or ``nvcc``
+    there to build it."""
+    return _hopper(device) and LIBRARY.available(device)
 
 
 def usable(device: torch.device) -> bool:
-    """:func:`available`, and the kernel built and loaded: False, with a warning naming why, where the build fails."""
-    return available(device) and LIBRARY.usable(device)
+    """:func:`available`, and the kernel built and loaded (answered once per card): False, with a warning naming
+    why, where the build fails."""
+    return _hopper(device) and LIBRARY.usable(device)
 
 
 def supports(N: int, K: int, up_row: int | None = None) -> bool:
@@ -83,8 +89,10 @@ def _check_operands(a, a_scale, w, w_scale, c, N, K):
     for name, t, row_bytes in (("activations", a, a.stride(0)), ("weights", w, w.stride(1))):
         if t.data_ptr() % 16 or row_bytes % 16:
             raise ValueError(f"the grouped prefill kernel needs the {name}' rows 16-byte aligned")
+    if w.stride(0) % 16:
+        raise ValueError("the grouped prefill kernel needs each slot's weights 16-byte aligned (its tensor map)")
     # the kernel's row offsets are 32-bit: the activations, and one slot's weights, under 4 GiB
-    if a.shape[0] * a.stride(0) >= 2**32 - 1 or w.shape[1] * w.stride(1) >= 2**32 or w.stride(0) % 16:
+    if a.shape[0] * a.stride(0) >= 2**32 - 1 or w.shape[1] * w.stride(1) >= 2**32:
         raise ValueError("the grouped prefill kernel takes activations, and one slot's weights, under 4 GiB")
 
 
