@@ -3,6 +3,8 @@
 # transformers<5.20, the main test environment needs >=5.25. Run from the repository root: bash tests/vllm/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# no wheel cache: vLLM's dependencies would sit on the disk twice, and CI's disk can be short
+export PIP_NO_CACHE_DIR=1
 python3 -m venv .venv-vllm
 . .venv-vllm/bin/activate
 pip install -q torch==2.13.0
