@@ -16,7 +16,8 @@ from .errors import ConversionError, DeviceError, FuseSharedError
 from .plan import ConversionPlan, ConvertOptions, build_plan
 from .source.checkpoint import SourceCheckpoint
 from .write.execute import execute
-from .write.journal import conversion_inputs
+from .files import temporary_tag
+from .write.journal import conversion_inputs, fingerprint
 from .write.measurements import Measurements
 from .write.failures import unexpected_error
 from .write.out_dir import (
@@ -29,6 +30,7 @@ from .write.out_dir import (
     make_out_dir,
     prepare_out_dir,
     remove_if_empty,
+    remove_partials,
 )
 from .write.writer import planned_header
 
@@ -84,11 +86,15 @@ def convert_checkpoint(
         inputs = conversion_inputs(plan, headers, device)
         created = make_out_dir(out_dir)
         with OutputLock(out_dir):
-            journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
-            check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
-            files, measurements = execute(
-                plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir)
-            )
+            try:
+                journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
+                check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
+                files, measurements = execute(
+                    plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir)
+                )
+            except BaseException:
+                remove_partials(out_dir, temporary_tag(fingerprint(inputs)))
+                raise
     except BaseException as e:
         if created:
             remove_if_empty(out_dir)

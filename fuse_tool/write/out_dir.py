@@ -42,6 +42,7 @@ from ..files import (
     LOCK_NAME,
     MANIFEST_NAME,
     MANIFEST_VERSION,
+    PARTIAL_SUFFIX,
     TAG_LENGTH,
     done_name,
     is_leftover_name,
@@ -147,6 +148,25 @@ def remove_if_empty(out_dir: Path) -> None:
         out_dir.rmdir()
     except OSError:
         pass
+
+
+def remove_partials(out_dir: Path, tag: str) -> None:
+    """Delete the half-written files (``.NAME.TAG.partial``) of the conversion with temporary tag ``tag`` once it has
+    stopped, its lock still held. Each writer deletes its own file when it fails, but an interrupt (Ctrl-C, SIGTERM)
+    can land between a file's creation and the code that would delete it, or between a finished shard and its rename
+    to .done; such a shard is one more for --resume to redo, never a file to leave. Best effort: the error that stopped
+    the conversion is the one to report."""
+    try:
+        with os.scandir(out_dir) as entries:
+            names = [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for name in names:
+        if name.endswith(PARTIAL_SUFFIX) and (temporary_parts(name) or ("", ""))[1] == tag:
+            try:
+                os.unlink(out_dir / name)
+            except OSError:
+                pass
 
 
 def our_names(plan: ConversionPlan) -> set[str]:
