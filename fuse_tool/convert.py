@@ -86,14 +86,18 @@ def convert_checkpoint(
         inputs = conversion_inputs(plan, headers, device)
         created = make_out_dir(out_dir)
         with OutputLock(out_dir):
+            writing = False
             try:
                 journal, kept = prepare_out_dir(out_dir, plan, headers, inputs, overwrite, resume)
                 check_free_space(out_dir, bytes_still_needed(plan, headers, journal))
+                writing = True
                 files, measurements = execute(
                     plan, headers, journal, out_dir, device, progress, allow_non_finite, source_id or str(model_dir)
                 )
-            except BaseException:
-                remove_partials(out_dir, temporary_tag(fingerprint(inputs)))
+            except BaseException as e:
+                # a run that stopped leaves none of its .partial files; a refusal leaves OUT_DIR as it was
+                if writing or isinstance(e, KeyboardInterrupt):
+                    remove_partials(out_dir, temporary_tag(fingerprint(inputs)))
                 raise
     except BaseException as e:
         if created:
