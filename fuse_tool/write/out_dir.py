@@ -161,8 +161,9 @@ def remove_partials(out_dir: Path, tag: str) -> None:
             names = [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
     except OSError:
         return
+    ours = written_here(tag, None, None)
     for name in names:
-        if name.endswith(PARTIAL_SUFFIX) and (temporary_parts(name) or ("", ""))[1] == tag:
+        if name.endswith(PARTIAL_SUFFIX) and ours.proves(name):
             try:
                 os.unlink(out_dir / name)
             except OSError:

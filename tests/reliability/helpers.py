@@ -45,6 +45,23 @@ def assert_identical(out: Path, ref: Path) -> None:
         assert got[name] == want[name], f"{name} differs from the uninterrupted run"
 
 
+def assert_stopped_folder_consistent(out: Path, ref_bytes: dict[str, bytes], n_shards: int, where: str) -> None:
+    """What a conversion that stopped at any point may leave in ``out``: with config.json (renamed last) the finished
+    output, byte for byte (``ref_bytes``: :func:`tree_bytes` of the uninterrupted run); final-named files only once
+    the journal lists all ``n_shards`` shards. ``where`` names the stop in the messages."""
+    from fuse_tool.files import JOURNAL_NAME
+    from fuse_tool.write.journal import Journal
+
+    names = set(os.listdir(out)) if out.exists() else set()
+    if "config.json" in names:
+        assert tree_bytes(out) == ref_bytes, f"{where}: config.json present but the folder is not the finished output"
+    elif final_named(out):
+        journal = Journal.load(out / JOURNAL_NAME) if JOURNAL_NAME in names else None
+        assert journal is None or len(journal.completed) == n_shards, (
+            f"{where}: final names before every shard was complete"
+        )
+
+
 def assert_clean_refusal(code: int, stderr: str, out: Path, *fragments: str) -> None:
     assert code == 1, (code, stderr)
     lines = stderr.strip().splitlines()
