@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Unpack the offline DeepGEMM bundle (.device/deepgemm/, git-ignored; see its README.txt) on a machine with no
+# Unpack the offline DeepGEMM bundle (.device/deepgemm/, git-ignored; made by benchmarks/deepgemm_bundle.sh) on a machine with no
 # network, apply its documented patches, and print the environment that makes `python3 -c "import deep_gemm"` work.
 #
 #   eval "$(bash benchmarks/deepgemm_setup.sh [DEST])"      # from the repo root; DEST defaults to /tmp/deepgemm

@@ -60,7 +60,10 @@ A tile config is a dict with these keys (every key optional when overriding):
   and the H200 it was faster in every measured cell, docs/benchmarks.md); ``"cuda"``, the warp-specialized wgmma
   kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128; GEMM1 applies SwiGLU in its epilogue with
   ``gemm1_fused_activation``, else the next launch does; h's FP8 quantization is its own launch; the PyTorch twin
-  on the CPU; refused where it cannot run). Ignored for one token and other weights.
+  on the CPU; refused where it cannot run); ``"deepgemm"``, DeepGEMM's m-grouped contiguous FP8 GEMM
+  (:mod:`runtime.moe_deepgemm`: an optional dependency; every slot, shared ones too, in the grouped GEMMs; x gathered
+  into its padded layout as it is quantized; a PyTorch twin on the CPU; refused on a CUDA device without it).
+  Ignored for one token and other weights.
 - ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
 - ``prefill_overlap``: the CUDA prefill kernel issues each K step's MMAs before it promotes the previous step's sums
   (two accumulators), so the tensor cores never wait for the promotion; False: each step waits for its MMAs.
@@ -113,7 +116,7 @@ TILE_KEYS = {
     "prefill_act_tma": bool,
 }
 OUTPUT_DTYPES = ("float32", "bfloat16")
-PREFILL_KERNELS = ("triton", "cuda")
+PREFILL_KERNELS = ("triton", "cuda", "deepgemm")
 PREFILL_STAGES = (4, 5, 6)  # the ring depths runtime/moe_grouped_cuda.cu is built for
 # what a config without them takes (tables tuned before the CUDA prefill kernel existed have none)
 PREFILL_DEFAULTS = {

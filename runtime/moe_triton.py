@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import moe_grouped_cuda
+from . import moe_deepgemm, moe_grouped_cuda
 from ._backend import interpreting, next_pow2
 from .fp8 import FP8_DTYPE
 from .moe_tiles import PREFILL_DEFAULTS, CardInfo, cache_dir, check_tile_config, tile_config as lookup_tile_config
@@ -253,21 +253,26 @@ def _quant_kernel(
     stride_sg,
     split_stride,
     stride_ids,
+    bound_ptr,
     BR: tl.constexpr,
     INTERP: tl.constexpr,
     SWIGLU_SPLITS: tl.constexpr,
     POST_CLAMP: tl.constexpr,
+    BOUNDED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """1x128 FP8 quantization of ``a [R, K]`` into ``q [R, K]`` and its scales ``s [R, ceil(K/128)]``.
 
     SWIGLU_SPLITS > 0: ``a`` is plain GEMM1's float32 partial sums ``[SWIGLU_SPLITS, R, 2K]`` of gate | up; each row (a
     (token, slot) pair) is summed over the splits and put through its slot's SwiGLU (slot ``ids[row * stride_ids]``)
-    first. Scale ``[r, g]`` goes to ``s + r * stride_sr + g * stride_sg`` (column-major for cuBLAS's 1x128 recipe)."""
+    first. Scale ``[r, g]`` goes to ``s + r * stride_sr + g * stride_sg`` (column-major for cuBLAS's 1x128 recipe).
+    BOUNDED: only the rows below ``bound_ptr[0]`` (the padded total of an alignment) are read and written."""
     _follow_previous_launch(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
     cols = g * 128 + tl.arange(0, 128)
+    if BOUNDED:
+        R = tl.minimum(R, tl.load(bound_ptr))
     mask = (rows[:, None] < R) & (cols[None, :] < K)
     ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :] * stride_ak
     if SWIGLU_SPLITS > 0:
@@ -291,6 +296,54 @@ def _quant_kernel(
     q, s = _quant_fp8(a, INTERP)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sr + g * stride_sg, s, mask=rows < R)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    xq_ptr,
+    xs_ptr,
+    q_ptr,
+    s_ptr,
+    m_idx_ptr,
+    row_of_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    H,
+    EM,
+    numel,
+    num_slots,
+    stride_xs,
+    A_DIV: tl.constexpr,
+    BM: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    GP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """x's FP8 rows ``xq [T, H]`` (bytes) in the bucketed order of an alignment (row r: pair ``sorted[r]``, token
+    ``pair // A_DIV``; zeros for padding) into ``q [EM, H]``, for the rows below the padded total; the first column
+    program of each row block also moves the rows' 1x128 scales ``xs [T, G]`` to ``s + g * EM + r`` (column-major:
+    DeepGEMM's layout) and writes each row's slot ``m_idx[r]`` (its block's; ``-1`` past the total) and each pair's
+    row ``row_of[pair]``."""
+    _follow_previous_launch(PDL)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = rows < tl.load(total_ptr)
+    pair = tl.load(sorted_ptr + rows, mask=live, other=numel)
+    real = live & (pair < numel)
+    tok = (pair // A_DIV).to(tl.int64)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = cols[None, :] < H
+    v = tl.load(xq_ptr + tok[:, None] * H + cols[None, :], mask=real[:, None] & cm, other=0)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], v, mask=live[:, None] & cm)
+    if tl.program_id(1) == 0:
+        g = tl.arange(0, GP)
+        gm = g[None, :] < tl.cdiv(H, 128)
+        sc = tl.load(xs_ptr + tok[:, None] * stride_xs + g[None, :], mask=real[:, None] & gm, other=0.0)
+        tl.store(s_ptr + g[None, :] * EM + rows[:, None], sc, mask=live[:, None] & gm)
+        e = tl.load(expert_ids_ptr + rows // BM, mask=live, other=num_slots)
+        tl.store(m_idx_ptr + rows, tl.where(live & (e < num_slots), e, -1), mask=rows < EM)
+        tl.store(row_of_ptr + pair, rows, mask=real)
 
 
 @triton.jit
@@ -533,6 +586,9 @@ def _moe_gemm_kernel(
                 INTERP,
                 0,
                 True,
+                ids_ptr,
+                ids_ptr,
+                False,
             )
 
 
@@ -556,10 +612,14 @@ def _sum_slots(
     BH: tl.constexpr,
     INTERP: tl.constexpr,
     t,
-    FROM_L2: tl.constexpr = False,
+    FROM_L2: tl.constexpr,
+    rows_ptr,
+    w_ptr,
+    ROW_MAP: tl.constexpr,
 ):
     """Columns ``offs`` of result row ``t``: its slots' GEMM2 outputs in slot order, then the dense shared slots;
-    zeros past ``num_valid_tokens``. FROM_L2: read past this SM's cache (other programs of the same launch wrote c)."""
+    zeros past ``num_valid_tokens``. FROM_L2: read past this SM's cache (other programs of the same launch wrote c).
+    ROW_MAP: pair p's output is row ``rows[p]`` of c (else row p), not yet times its routing weight ``w[p]``."""
     acc = tl.zeros([BH], tl.float32)
     if HAS_NVALID:
         live = t < tl.load(nvalid_ptr).to(tl.int64)
@@ -571,13 +631,19 @@ def _sum_slots(
         # float32 sum (-0.0 included) as it was.
         for s in tl.static_range(KS):
             e = tl.load(ids_ptr + t * KS + s)
+            ok = (e >= 0) & (e < num_slots)
+            row = t * KS + s
+            if ROW_MAP:  # a skipped slot's pair has no row: row 0 is read and dropped instead
+                row = tl.where(ok, tl.load(rows_ptr + t * KS + s), 0).to(tl.int64)
             for p in tl.static_range(SPLITS):
-                ptrs = c_ptr + p * c_split_stride + (t * KS + s) * H + offs
+                ptrs = c_ptr + p * c_split_stride + row * H + offs
                 if FROM_L2:
                     v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                 else:
                     v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-                acc += tl.where((e >= 0) & (e < num_slots), v, -0.0)
+                if ROW_MAP:
+                    v = v * tl.load(w_ptr + t * KS + s)
+                acc += tl.where(ok, v, -0.0)
         for d in tl.static_range(DENSE):
             acc += tl.load(dense_ptr + d * dense_stride + t * H + offs, mask=mask, other=0.0).to(tl.float32)
     _store_cast(out_ptr + t * H + offs, acc, mask, INTERP)
@@ -600,10 +666,14 @@ def _sum_kernel(
     BH: tl.constexpr,
     INTERP: tl.constexpr,
     DENSE: tl.constexpr = 0,
+    rows_ptr=None,
+    w_ptr=None,
+    ROW_MAP: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Row ``t`` of the result: its slots' GEMM2 outputs (slots below ``num_slots``; every K split) plus, for the
-    ``DENSE`` shared slots run as dense GEMMs, ``dense[d, t]``; zeros past ``num_valid_tokens``."""
+    ``DENSE`` shared slots run as dense GEMMs, ``dense[d, t]``; zeros past ``num_valid_tokens``. ROW_MAP: pair p's
+    output is row ``rows[p]`` of c, times the routing weight ``w[p]`` here."""
     _follow_previous_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -626,6 +696,10 @@ def _sum_kernel(
         BH,
         INTERP,
         t,
+        False,
+        rows_ptr,
+        w_ptr,
+        ROW_MAP,
     )
 
 
@@ -747,9 +821,13 @@ def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, num_slots: int, splits: int, dense=None, dense_slots=0):
+def _launch_slot_sum(
+    launch, c, ids_c, out, num_valid_tokens, num_slots: int, splits: int, dense=None, dense_slots=0, rows_of=None
+):
     """``out[t]`` = the sum of token t's slots in GEMM2's float32 ``c [splits, T * KS, H]`` (slots below ``num_slots``,
-    every K split) plus, for ``dense_slots`` > 0, ``dense [dense_slots, T, H]``; zeros past ``num_valid_tokens``."""
+    every K split) plus, for ``dense_slots`` > 0, ``dense [dense_slots, T, H]``; zeros past ``num_valid_tokens``.
+    ``rows_of = (row of each pair [T * KS], routing weights [T * KS])``: pair p's output is row ``rows_of[0][p]`` of
+    ``c [1, rows, H]``, not yet weighted."""
     T, H = out.shape
     KS = ids_c.shape[1]
     BH = min(1024 if T > 64 else 256, next_pow2(H))  # few tokens: more, shorter programs
@@ -764,7 +842,7 @@ def _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, num_slots: int, sp
         c if dense is None else dense,
         H,
         num_slots,
-        T * KS * H,
+        c.shape[1] * H,
         T * H,
         KS=KS,
         SPLITS=splits,
@@ -772,6 +850,9 @@ def _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, num_slots: int, sp
         BH=BH,
         INTERP=interpreting(),
         DENSE=dense_slots,
+        rows_ptr=ids_c if rows_of is None else rows_of[0],
+        w_ptr=ids_c if rows_of is None else rows_of[1],
+        ROW_MAP=rows_of is not None,
         num_warps=4,
     )
 
@@ -819,11 +900,13 @@ def _quantize_rows(
     slots=None,
     post_clamp: bool = False,
     scales_by_column: bool = False,
+    bound: torch.Tensor | None = None,
 ):
     """One ``_quant_kernel`` launch over ``rows`` rows of ``K`` values: (FP8 ``[rows, K]``, float32 scales
     ``[rows, ceil(K/128)]``, column-major with ``scales_by_column``: cuBLAS's 1x128 layout). ``swiglu_splits`` > 0: the
     rows are plain GEMM1's partial sums, put through SwiGLU with ``slots = (ids, (alpha, beta, limit), num_slots)``
-    first, ``ids`` one slot per row (any row stride)."""
+    first, ``ids`` one slot per row (any row stride). ``bound``: int32 ``[1]`` on the device, the rows past it are
+    left alone."""
     q = _alloc((rows, K), FP8_DTYPE, a)
     groups = triton.cdiv(K, 128)
     if scales_by_column:
@@ -849,10 +932,12 @@ def _quantize_rows(
         s.stride(1),
         split_stride,
         ids.stride(0) if slots is not None else 0,
+        bound if bound is not None else ids,
         BR=BR,
         INTERP=interpreting(),
         SWIGLU_SPLITS=swiglu_splits,
         POST_CLAMP=post_clamp,
+        BOUNDED=bound is not None,
         num_warps=4,
     )
     return q, s
@@ -1048,6 +1133,86 @@ def _cuda_prefill(cfg: dict, experts, num_tokens: int, device: torch.device) -> 
     return True
 
 
+def _deepgemm_prefill(cfg: dict, experts, num_tokens: int, device: torch.device) -> bool:
+    """Whether the grouped GEMMs of this call run on DeepGEMM (``prefill_kernel`` "deepgemm"): FP8 slots and more
+    than one token; raises where its shapes or the device do not allow it."""
+    if cfg["prefill_kernel"] != "deepgemm" or num_tokens == 1 or not experts.is_fp8:
+        return False
+    H, I = experts.hidden_size, experts.intermediate_size  # noqa: E741
+    if not (moe_deepgemm.supports(2 * I, H) and moe_deepgemm.supports(H, I)):
+        raise ValueError(f"prefill_kernel 'deepgemm' needs hidden and intermediate sizes of 128s, got {H} and {I}")
+    moe_deepgemm.check_device(device)
+    return True
+
+
+def _fused_moe_deepgemm(launch: _Launches, x, experts, ids_c, w_c, num_valid_tokens, out, act):
+    """The forward with DeepGEMM's grouped GEMMs (:mod:`runtime.moe_deepgemm`), every slot (shared ones too) in them:
+    the pairs bucketed by slot in blocks of its alignment; x quantized, its FP8 rows gathered into that order (with
+    each row's slot and each pair's row); GEMM1 (bf16 gate | up); SwiGLU and h's FP8 over
+    the rows below the padded total; GEMM2 (bf16); the slot sum reads each pair's row and weights it."""
+    T, H = x.shape
+    KS = ids_c.shape[1]
+    E, I = experts.num_expert_slots, experts.intermediate_size  # noqa: E741
+    numel = T * KS
+    BM = moe_deepgemm.ALIGN
+    sorted_ids, expert_ids, total, blocks = _align(launch, ids_c, num_valid_tokens, numel, KS, E, BM)
+    EM = blocks * BM
+    # x quantized once, then its FP8 rows moved into the padded order: the bytes gathered are x's FP8 (in L2 at
+    # prefill sizes), not its bf16 quantized again per pair (twice the bytes, and the divisions: 693 us for DeepSeek-V3
+    # at T = 4096 on the H100)
+    xq1, xs1 = _quantize_rows(launch, x, T, H, x.stride(0), x.stride(1))
+    xq = _alloc((EM, H), FP8_DTYPE, x)
+    xs = moe_deepgemm.activation_scales(EM, H, x.device)
+    m_idx = _alloc((EM,), torch.int32, x)
+    row_of = _alloc((numel,), torch.int32, x)
+    BR, BC = 16, 512
+    launch(
+        _gather_rows_kernel,
+        (triton.cdiv(EM, BR), triton.cdiv(H, BC)),
+        xq1.view(torch.uint8),
+        xs1,
+        xq.view(torch.uint8),
+        xs,
+        m_idx,
+        row_of,
+        sorted_ids,
+        expert_ids,
+        total,
+        H,
+        EM,
+        numel,
+        E,
+        xs1.stride(0),
+        A_DIV=KS,
+        BM=BM,
+        BR=BR,
+        BC=BC,
+        GP=next_pow2(triton.cdiv(H, 128)),
+        num_warps=4,
+    )
+    gate_up = _alloc((EM, 2 * I), torch.bfloat16, x)
+    launch.next_is_dependent()  # DeepGEMM's launch waits for the one before it; the next launch waits for it
+    moe_deepgemm.grouped_gemm(xq, xs, experts.gate_up, experts.gate_up_scale, gate_up, m_idx)
+    h, h_s = _quantize_rows(
+        launch,
+        gate_up,
+        EM,
+        I,
+        gate_up.stride(0),
+        1,
+        swiglu_splits=1,
+        slots=(m_idx, act, E),
+        post_clamp=experts.post_clamp,
+        scales_by_column=True,
+        bound=total,
+    )
+    c = _alloc((1, EM, H), torch.bfloat16, x)
+    launch.next_is_dependent()
+    moe_deepgemm.grouped_gemm(h, h_s, experts.down, experts.down_scale, c[0], m_idx)
+    _launch_slot_sum(launch, c, ids_c, out, num_valid_tokens, E, 1, rows_of=(row_of, w_c))
+    return out
+
+
 def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_config=None, out=None, shared_slots=0):
     """Triton fused MoE: the same arguments, result and errors as :func:`runtime.moe.fused_moe` (which
     checks shapes and dtypes before calling this), with ``tile_config`` overriding the tuned tiles
@@ -1061,6 +1226,11 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if T == 0:
         return out
     cfg = resolve_tile_config(T, experts, KS, x.device, tile_config)
+    if _deepgemm_prefill(cfg, experts, T, x.device):
+        act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
+        launch = _Launches(cfg["dependent_launch"])
+        ids_c, w_c = ids.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
+        return _fused_moe_deepgemm(launch, x, experts, ids_c, w_c, num_valid_tokens, out, act)
     dense = cfg["shared_dense"] and shared_slots > 0
     routed = num_slots - shared_slots if dense else num_slots  # the slots the grouped GEMMs run
     launch = _Launches(cfg["dependent_launch"])

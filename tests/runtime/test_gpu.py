@@ -328,3 +328,74 @@ def test_cuda_prefill_forward_real_shapes(name, T):
     torch.cuda.synchronize()
     assert torch.all(out[n:] == 0)
     assert_as_exact_as_reference(out[:n], ref[:n], exact_moe(x[:n], ew, ids[:n], w[:n]))
+
+
+def _deepgemm_here() -> bool:
+    from runtime import moe_deepgemm
+
+    return torch.cuda.is_available() and moe_deepgemm.available(torch.device("cuda"))
+
+
+needs_deepgemm = pytest.mark.skipif(not _deepgemm_here(), reason="DeepGEMM not importable here, or not a Hopper card")
+
+
+@needs_deepgemm
+def test_deepgemm_equals_its_twin():
+    """DeepGEMM's grouped GEMM against the twin on the same operands: slots of one and two blocks, a block marked -1
+    (no product: zeros from both, though the contract leaves it undefined), bf16 out."""
+    from runtime.moe_deepgemm import ALIGN, activation_scales, grouped_gemm, grouped_gemm_reference
+
+    G, N, K = 5, 512, 1024
+    ew = random_fp8_experts(G, K, N // 2, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    blocks = torch.tensor([4, 4, 0, -1, 2, 1], dtype=torch.int32, device="cuda")
+    M = len(blocks) * ALIGN
+    a = (torch.randn(M, K, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+    a_s = activation_scales(M, K, a.device)
+    a_s.copy_(torch.rand(M, K // 128, device="cuda", generator=gen) + 0.5)
+    m_idx = blocks.repeat_interleave(ALIGN)
+    got = torch.full((M, N), 3.0, device="cuda", dtype=torch.bfloat16)
+    want = got.clone()
+    grouped_gemm(a, a_s, ew.gate_up, ew.gate_up_scale, got, m_idx)
+    grouped_gemm_reference(a, a_s, ew.gate_up, ew.gate_up_scale, want, m_idx)
+    torch.cuda.synchronize()
+    live = m_idx >= 0
+    assert rel(got[live], want[live]) < 4e-3, rel(got[live], want[live])
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("name,T", [("DeepSeek-V3", 4096), ("MiniMax-M3", 600), ("GLM-4.5", 64), ("Kimi-K2", 512)])
+def test_deepgemm_forward_real_shapes(name, T):
+    """The forward with ``prefill_kernel="deepgemm"``: as close to the Triton GEMMs that round gate | up to bf16 as
+    DeepGEMM does (plain GEMM1, bf16 out) as rounding allows, near exact math, and replayed in a CUDA graph with
+    padding rows."""
+    H, I, E, S, K, G, TG, rsf, oai = MODELS[name]
+    ew = random_fp8_experts(E + S, H, I, oai=oai, seed=T + 31)
+    gen = torch.Generator(device="cuda").manual_seed(T + 32)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids, w = route(torch.randn(T, E, device="cuda", generator=gen), None, _cfg(name))
+    same_rounding = dict(gemm1_fused_activation=False, gemm1_split_k=1, gemm1_output_dtype="bfloat16",
+                         quantize_in_epilogue=False)  # fmt: skip
+    twin = fused_moe(x, ew, ids, w, tile_config=same_rounding, shared_slots=S)
+    ref = fused_moe(x, ew, ids, w, backend="torch")
+    exact = exact_moe(x, ew, ids, w)
+    tiles = dict(prefill_kernel="deepgemm")
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, ew, ids, w, tile_config=tiles, out=out, shared_slots=S)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    print(f"{name} T={T}: deepgemm~bf16 Triton {rel(out, twin):.2e}, ~exact {rel(out, exact):.2e}, "
+          f"bf16 Triton~exact {rel(twin, exact):.2e}, reference~exact {rel(ref, exact):.2e}")  # fmt: skip
+    assert rel(out, twin) < 3e-2, rel(out, twin)
+    assert rel(out, exact) <= 1.05 * rel(twin, exact) + 1e-3, (rel(out, exact), rel(twin, exact))
+    nv = torch.tensor([T], dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out, shared_slots=S)
+    n = T - T // 3
+    nv.fill_(n)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out[n:] == 0)
+    assert rel(out[:n], twin[:n]) < 3e-2
