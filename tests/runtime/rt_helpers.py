@@ -302,3 +302,33 @@ def kernel_params_fields(source) -> list[tuple[str, str]]:
         for name in names.split(","):
             fields.append((name.strip(), "ptr" if "*" in kind else "i64"))
     return fields
+
+
+def prefill_kernel_forward(case, kernel: str, skip_a_slot: bool = False):
+    """One forward of a small prefill case with ``tile_config["prefill_kernel"] = kernel`` (the CPU twins): ``case =
+    (E, S, T, KS, num_valid, shared_slots argument, extra tiles, oai)``; checks that every row was written and the
+    rows past ``num_valid`` are zeros. ``skip_a_slot``: one pair's slot is -1. Returns ``(out, ref, rerun)`` with
+    ``ref`` the reference forward and ``rerun(tiles)`` the Triton forward of the same inputs with other tiles."""
+    from runtime import fused_moe
+
+    E, S, T, KS, nv, shared, tiles, oai = case
+    g = torch.Generator().manual_seed(E * 10 + T)
+    H, I = 256, 128  # noqa: E741
+    ew = random_experts(E + S, H, I, oai=oai, gen=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids, w = routing_with_shared_slots(T, KS, E, S, gen=g)
+    if skip_a_slot:
+        ids[3, 1] = -1
+    num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
+    ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+    cfg = {**tiles, "prefill_kernel": kernel}
+    fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=cfg, out=out, shared_slots=shared)
+    assert not torch.isnan(out).any()
+    if nv is not None:
+        assert torch.all(out[nv:] == 0)
+
+    def rerun(other_tiles):
+        return fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=other_tiles, shared_slots=shared)
+
+    return out, ref, rerun

@@ -250,6 +250,22 @@ def test_mxfp4_to_fp8_on_the_gpu_equals_the_cpu(spread):
     assert bool(on_cpu[3].all()) == (spread < 8), "the two cases take the two paths"
 
 
+def replay_with_padding_rows(T: int, out: torch.Tensor, forward) -> int:
+    """``forward(num_valid_tokens)`` (writing ``out [T, H]``) captured in a CUDA graph with T valid tokens, replayed
+    with T - T // 3: returns that count, the rows past it checked to be zeros."""
+    nv = torch.tensor([T], dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward(nv)
+    n = T - T // 3
+    nv.fill_(n)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out[n:] == 0)
+    return n
+
+
 needs_grouped_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="the CUDA prefill kernel needs compute capability 9.0 (wgmma)",
@@ -317,16 +333,8 @@ def test_cuda_prefill_forward_real_shapes(name, T):
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
         assert_as_exact_as_reference(out, ref, exact)
-    nv = torch.tensor([T], dtype=torch.int32, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out, shared_slots=S)
-    n = T - T // 3
-    nv.fill_(n)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.all(out[n:] == 0)
+    n = replay_with_padding_rows(T, out, lambda nv: fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out,
+                                                              shared_slots=S))  # fmt: skip
     assert_as_exact_as_reference(out[:n], ref[:n], exact_moe(x[:n], ew, ids[:n], w[:n]))
 
 
@@ -388,14 +396,6 @@ def test_deepgemm_forward_real_shapes(name, T):
           f"bf16 Triton~exact {rel(twin, exact):.2e}, reference~exact {rel(ref, exact):.2e}")  # fmt: skip
     assert rel(out, twin) < 3e-2, rel(out, twin)
     assert rel(out, exact) <= 1.05 * rel(twin, exact) + 1e-3, (rel(out, exact), rel(twin, exact))
-    nv = torch.tensor([T], dtype=torch.int32, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out, shared_slots=S)
-    n = T - T // 3
-    nv.fill_(n)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.all(out[n:] == 0)
+    n = replay_with_padding_rows(T, out, lambda nv: fused_moe(x, ew, ids, w, nv, tile_config=tiles, out=out,
+                                                              shared_slots=S))  # fmt: skip
     assert rel(out[:n], twin[:n]) < 3e-2

@@ -7,13 +7,12 @@ where it is installed."""
 import pytest
 import torch
 
-from runtime import fused_moe, moe_deepgemm
+from runtime import moe_deepgemm
 from runtime._backend import triton_available
 from runtime.fp8 import dequantize_block_fp8, quantize_activations, quantize_block_fp8
 from runtime.moe_deepgemm import ALIGN, activation_scales, grouped_gemm
-from runtime.moe_triton import resolve_tile_config
 
-from rt_helpers import random_experts, rel, routing_with_shared_slots
+from rt_helpers import prefill_kernel_forward, rel
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 
@@ -84,42 +83,10 @@ CASES = [
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}S{c[1]}T{c[2]}KS{c[3]}nv{c[4]}dense{c[5]}")
 def test_forward_through_the_twin_matches_reference(case):
-    E, S, T, KS, nv, shared, tiles, oai = case
-    g = torch.Generator().manual_seed(E * 10 + T)
-    H, I = 256, 128  # noqa: E741
-    ew = random_experts(E + S, H, I, oai=oai, gen=g)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids, w = routing_with_shared_slots(T, KS, E, S, gen=g)
-    ids[3, 1] = -1  # a skipped slot: no row of its own
-    num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
-    ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
-    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
-    cfg = {**tiles, "prefill_kernel": "deepgemm"}
-    fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=cfg, out=out, shared_slots=shared)
-    assert not torch.isnan(out).any()
-    if nv is not None:
-        assert torch.all(out[nv:] == 0)
+    out, ref, rerun = prefill_kernel_forward(case, "deepgemm", skip_a_slot=True)
     # DeepGEMM writes gate | up in bf16 (its one output type), so h's FP8 codes are those of a bf16-rounded gate | up:
     # the Triton GEMMs doing the same (plain GEMM1, bf16 out) are the yardstick; the reference is 1.4% away for both
     # here (FP8 code flips of h), against 0.3% for the Triton GEMMs' float32 gate | up
-    same_rounding = {**tiles, "gemm1_fused_activation": False, "gemm1_split_k": 1, "gemm1_output_dtype": "bfloat16"}
-    triton_out = fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=same_rounding, shared_slots=shared)
+    same_rounding = {**case[6], "gemm1_fused_activation": False, "gemm1_split_k": 1, "gemm1_output_dtype": "bfloat16"}
+    triton_out = rerun(same_rounding)
     assert rel(out, triton_out) < 1e-2 and rel(out, ref) < 3e-2, (rel(out, triton_out), rel(out, ref))
-
-
-def test_prefill_kernel_deepgemm_is_a_choice():
-    ew = random_experts(5, 256, 128, gen=torch.Generator().manual_seed(2))
-    cfg = resolve_tile_config(64, ew, 3, torch.device("cpu"), {"prefill_kernel": "deepgemm"})
-    assert cfg["prefill_kernel"] == "deepgemm"
-
-
-@needs_triton
-def test_deepgemm_refuses_shapes_off_its_grid_and_one_token_never_takes_it():
-    g = torch.Generator().manual_seed(3)
-    ew = random_experts(4, 192, 96, gen=g)
-    x = torch.randn(8, 192, generator=g).to(torch.bfloat16)
-    ids, w = routing_with_shared_slots(8, 3, 3, 1, gen=g)
-    with pytest.raises(ValueError, match="prefill_kernel 'deepgemm'"):
-        fused_moe(x, ew, ids, w, backend="triton", tile_config={"prefill_kernel": "deepgemm"})
-    out = fused_moe(x[:1], ew, ids[:1], w[:1], backend="triton", tile_config={"prefill_kernel": "deepgemm"})
-    assert rel(out, fused_moe(x[:1], ew, ids[:1], w[:1], backend="torch")) < 2e-3

@@ -16,7 +16,7 @@ from runtime.moe_reference import swiglu
 from runtime.moe_mixed_cuda import nvcc_path
 from runtime.moe_triton import resolve_tile_config
 
-from rt_helpers import kernel_params_fields, random_experts, rel, routing_with_shared_slots
+from rt_helpers import kernel_params_fields, prefill_kernel_forward, random_experts, rel, routing_with_shared_slots
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 
@@ -114,22 +114,9 @@ CASES = [
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}S{c[1]}T{c[2]}KS{c[3]}nv{c[4]}dense{c[5]}")
 def test_forward_through_the_twin_matches_reference(case):
-    E, S, T, KS, nv, shared, tiles, oai = case
-    g = torch.Generator().manual_seed(E * 10 + T)
-    H, I = 256, 128  # noqa: E741
-    ew = random_experts(E + S, H, I, oai=oai, gen=g)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids, w = routing_with_shared_slots(T, KS, E, S, gen=g)
-    num_valid = None if nv is None else torch.tensor([nv], dtype=torch.int32)
-    ref = fused_moe(x, ew, ids, w, num_valid, backend="torch")
-    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
-    cfg = {**tiles, "prefill_kernel": "cuda"}
-    fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=cfg, out=out, shared_slots=shared)
-    assert not torch.isnan(out).any()
-    if nv is not None:
-        assert torch.all(out[nv:] == 0)
+    out, ref, rerun = prefill_kernel_forward(case, "cuda")
     # as close to the reference as the Triton GEMMs of the same config (bf16 slot outputs: 2.7e-3 here), and to them
-    triton_out = fused_moe(x, ew, ids, w, num_valid, backend="triton", tile_config=tiles, shared_slots=shared)
+    triton_out = rerun(case[6])
     assert rel(out, ref) < 4e-3 and rel(out, triton_out) < 5e-4, (rel(out, ref), rel(out, triton_out))
 
 
@@ -138,6 +125,7 @@ def test_prefill_kernel_choice_is_checked():
     cpu = torch.device("cpu")
     assert resolve_tile_config(64, ew, 3, cpu)["prefill_kernel"] == "triton"  # faster on both cards, so far
     assert resolve_tile_config(64, ew, 3, cpu, {"prefill_kernel": "cuda"})["prefill_stages"] == 5
+    assert resolve_tile_config(64, ew, 3, cpu, {"prefill_kernel": "deepgemm"})["prefill_kernel"] == "deepgemm"
     for bad in ("fast", "auto"):
         with pytest.raises(ValueError, match="prefill_kernel"):
             resolve_tile_config(64, ew, 3, cpu, {"prefill_kernel": bad})
@@ -146,15 +134,16 @@ def test_prefill_kernel_choice_is_checked():
 
 
 @needs_triton
-def test_prefill_kernel_refuses_shapes_off_its_grid():
+@pytest.mark.parametrize("kernel", ["cuda", "deepgemm"])
+def test_prefill_kernel_refuses_shapes_off_its_grid(kernel):
     g = torch.Generator().manual_seed(3)
     ew = random_experts(4, 192, 96, gen=g)
     x = torch.randn(8, 192, generator=g).to(torch.bfloat16)
     ids, w = routing_with_shared_slots(8, 3, 3, 1, gen=g)
-    with pytest.raises(ValueError, match="prefill_kernel 'cuda'"):
-        fused_moe(x, ew, ids, w, backend="triton", tile_config={"prefill_kernel": "cuda"})
+    with pytest.raises(ValueError, match=f"prefill_kernel '{kernel}'"):
+        fused_moe(x, ew, ids, w, backend="triton", tile_config={"prefill_kernel": kernel})
     # one token never takes it
-    out = fused_moe(x[:1], ew, ids[:1], w[:1], backend="triton", tile_config={"prefill_kernel": "cuda"})
+    out = fused_moe(x[:1], ew, ids[:1], w[:1], backend="triton", tile_config={"prefill_kernel": kernel})
     assert rel(out, fused_moe(x[:1], ew, ids[:1], w[:1], backend="torch")) < 2e-3
 
 
