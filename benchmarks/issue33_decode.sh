@@ -19,7 +19,7 @@ TOKENS=${TOKENS:-1,8,64}
 # the base config is the default (the CUDA decode kernel at these sizes, profiled launch by launch); the Triton
 # kernel, mma.sync and the CUDA kernel's K splits and ring depths the variants
 TILES=${TILES:-'{}'}
-VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_int4_codes": "unsigned"}, {"decode_mma": "mma.sync"}, {"decode_shared_split": 2}, {"decode_stages": 3}, {"gemm1_split_k": 1}, {"gemm1_split_k": 1, "decode_stages": 3}, {"dependent_launch": false}]'}
+VARIANTS=${VARIANTS:-'[{"decode_kernel": "triton"}, {"decode_int4_codes": "signed"}, {"decode_mma": "mma.sync"}, {"decode_shared_split": 2}, {"decode_stages": 3}, {"gemm1_split_k": 1}, {"gemm1_split_k": 1, "decode_stages": 3}, {"dependent_launch": false}]'}
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1 |
     tee "$OUT/$TAG-card.txt"

@@ -139,8 +139,8 @@ CASES = [  # E, S, T, KS, num_valid, tiles, H, I, format
     (4, 1, 3, 3, None, dict(gemm1_split_k=3), 384, 128, "mxfp4"),  # a K split with an empty last part
     (4, 1, 1, 3, None, {}, 256, 128, "int4"),
     (6, 1, 9, 4, 7, dict(gemm1_split_k=2), 384, 128, "int4"),
-    (6, 1, 9, 4, 7, dict(decode_int4_codes="unsigned"), 384, 128, "int4"),
-    (4, 1, 1, 3, None, dict(decode_int4_codes="unsigned"), 256, 128, "int4"),
+    (6, 1, 9, 4, 7, dict(decode_int4_codes="signed"), 384, 128, "int4"),
+    (4, 1, 1, 3, None, dict(decode_int4_codes="signed"), 256, 128, "int4"),
     (4, 1, 1, 3, None, {}, 256, 128, "nvfp4"),
     (6, 1, 9, 4, 7, dict(gemm2_split_k=2), 384, 128, "nvfp4"),
 ]
