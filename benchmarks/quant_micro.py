@@ -80,6 +80,9 @@ for R, K in ((1, 7168), (8, 7168), (9, 2048), (72, 2048), (4096, 7168)):
                     1,
                     s.stride(0),
                     0,
+                    0,  # split_stride
+                    0,  # stride_ids
+                    ids,  # bound_ptr (unused: not BOUNDED)
                     BR=BR,
                     INTERP=False,
                     SWIGLU_SPLITS=0,
