@@ -245,14 +245,16 @@ def make_dense_anchor(pb: Problem, args) -> dict:
 
 
 def deepgemm_api():
-    """DeepGEMM's grouped-contiguous GEMM, its M alignment and its scale-layout helper, under either generation's names
-    (v1.x: ``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous``; v2: ``m_grouped_fp8_gemm_nt_contiguous``)."""
-    import deep_gemm as dg
+    """DeepGEMM's grouped-contiguous GEMM and its M alignment as the runtime finds them
+    (:func:`runtime.moe_deepgemm.library`, either generation's names), with its scale-layout helper."""
+    from runtime.moe_deepgemm import library
 
-    fn = getattr(dg, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", None) or dg.m_grouped_fp8_gemm_nt_contiguous
-    align = getattr(dg, "get_m_alignment_for_contiguous_layout", None) or dg.get_mk_alignment_for_contiguous_layout
+    lib = library()
+    if lib is None:
+        raise ImportError("deep_gemm does not import (or lacks its grouped contiguous GEMM)")
+    dg, fn, align = lib
     tma = getattr(dg, "get_col_major_tma_aligned_tensor", None) or dg.get_mn_major_tma_aligned_tensor
-    return dict(gemm=fn, align=align(), to_tma=tma, module=dg.__file__, name=fn.__name__)
+    return dict(gemm=fn, align=align, to_tma=tma, module=dg.__file__, name=fn.__name__)
 
 
 def make_deepgemm(pb: Problem, args, api: dict | None = None) -> dict:

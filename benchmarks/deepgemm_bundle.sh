@@ -19,5 +19,6 @@ mv "$tmp/include/cute" "$tmp/include/cutlass" "$tmp/deep_gemm/include/"
 mkdir -p "$DEST/wheels"
 tar -cJf "$DEST/deepgemm-03d0be3_cutlass-eefa171.tar.xz" -C "$tmp" deep_gemm
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$DEST/wheels" "cuda-bindings==13.0.*" cuda-pathfinder
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$DEST/wheels" \
+    "cuda-bindings==13.0.*" cuda-pathfinder
 ls -la "$DEST" "$DEST/wheels"

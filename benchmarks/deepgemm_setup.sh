@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Unpack the offline DeepGEMM bundle (.device/deepgemm/, git-ignored; made by benchmarks/deepgemm_bundle.sh) on a machine with no
-# network, apply its documented patches, and print the environment that makes `python3 -c "import deep_gemm"` work.
+# Unpack the offline DeepGEMM bundle (.device/deepgemm/, git-ignored; made by benchmarks/deepgemm_bundle.sh) on a
+# machine with no network, apply its documented patches, and print the environment that makes
+# `python3 -c "import deep_gemm"` work.
 #
 #   eval "$(bash benchmarks/deepgemm_setup.sh [DEST])"      # from the repo root; DEST defaults to /tmp/deepgemm
 #   python3 benchmarks/bench_grouped_gemm.py --out $OUT/grouped_gemm.json

@@ -7,8 +7,8 @@
 #     OUT=... TAG=2026-12-07-h200-i32-dg bash benchmarks/issue32_deepgemm.sh
 #
 # MODELS, TOKENS, KERNELS (the prefill kernels benched, "deepgemm triton"), PEER_CONFIGS (a tune_moe results file: the
-# peer timed with the configs that won there), TESTS (pytest -k) and TEST_TIMEOUT may be set. Writes $OUT/$TAG-{dg.log,bench-deepgemm.json,
-# bench-triton.json}.
+# peer timed with the configs that won there), TESTS (pytest -k) and TEST_TIMEOUT may be set. Writes
+# $OUT/$TAG-{dg.log,bench-deepgemm.json,bench-triton.json}.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 : "${OUT:?set OUT}" "${TAG:?set TAG}"
@@ -23,7 +23,8 @@ eval "$(bash benchmarks/deepgemm_setup.sh /tmp/deepgemm 2> >(tee -a "$log" >&2))
         -k "${TESTS:-deepgemm}" 2>&1 | tail -30
     for kernel in ${KERNELS:-deepgemm triton}; do
         python3 benchmarks/bench_moe.py --models "$MODELS" --tokens "$TOKENS" --trials 10 --rounds 3 --no-exact \
-            --peer-dir "$PEERS" ${PEER_CONFIGS:+--peer-configs "$PEER_CONFIGS"} --tile-config "{\"prefill_kernel\": \"$kernel\"}" --out "$OUT/$TAG-bench-$kernel.json"
+            --peer-dir "$PEERS" ${PEER_CONFIGS:+--peer-configs "$PEER_CONFIGS"} \
+            --tile-config "{\"prefill_kernel\": \"$kernel\"}" --out "$OUT/$TAG-bench-$kernel.json"
     done
     python3 benchmarks/profile_moe.py --models DeepSeek-V3 --tokens 4096 --iters 5 \
         --tile-config '{"prefill_kernel": "deepgemm"}'

@@ -6,8 +6,9 @@
 #     OUT=... TAG=2026-12-06-h100 bash benchmarks/issue32_tiles.sh            # on the device, kind nvidia-h100-x1
 #     OUT=... TAG=2026-12-06-h200 bash benchmarks/issue32_tiles.sh            # kind nvidia-h200
 #
-# MODELS, TOKENS, ONLY, USER_TUNE, TUNE_DEADLINE (seconds of tuning before no new cell starts) and PEER_FROM (an earlier tune_moe
-# results file: the peer is timed with vLLM's own config and the one that won each cell there) may be set. Writes
+# MODELS, TOKENS, ONLY, USER_TUNE, TUNE_DEADLINE (seconds of tuning before no new cell starts) and PEER_FROM (an
+# earlier tune_moe results file: the peer is timed with vLLM's own config and the one that won each cell there) may be
+# set. Writes
 # $OUT/$TAG-{card.txt,tune.json,tune.log,bench.json,bench.log,user-tune.log} and the table the run wrote.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

@@ -3,9 +3,9 @@ its PyTorch twin.
 
 DeepGEMM (github.com/deepseek-ai/DeepGEMM; the library SGLang and vLLM run for DeepSeek prefill on Hopper) multiplies
 rows grouped by expert: one contiguous FP8 activation tensor whose rows are sorted by slot, each slot's rows padded to
-:data:`ALIGN`, and ``m_indices`` naming each row's slot (``-1``: a block it skips). That is the bucketing
+:data:`ALIGN`, and ``m_indices`` naming each row's slot (``-1``: a block with no product). That is the bucketing
 :func:`runtime.moe_triton._align` makes with ``block_m`` = :data:`ALIGN`; :func:`runtime.moe_triton.fused_moe_triton`
-gathers x's rows into it while it quantizes them, runs :func:`grouped_gemm` for gate | up and for down, and sums the
+quantizes x once and moves its FP8 rows into it, runs :func:`grouped_gemm` for gate | up and for down, and sums the
 slots by reading each pair's row. DeepGEMM is an optional dependency, never installed by this project: where
 ``deep_gemm`` imports on a Hopper card the GEMMs run there; on the CPU :func:`grouped_gemm_reference` runs instead,
 the same contract in float32, so the CPU tests check the layout and the bookkeeping around it. A CUDA device without
@@ -24,7 +24,7 @@ ALIGN = 128  # rows per M block: DeepGEMM's get_m_alignment_for_contiguous_layou
 
 
 @functools.lru_cache(maxsize=None)
-def _library():
+def library():
     """``(module, grouped GEMM, its M alignment)`` or ``None`` where ``deep_gemm`` does not import. Both generations'
     names: v1 ``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous``, v2 ``m_grouped_fp8_gemm_nt_contiguous``."""
     try:
@@ -47,7 +47,7 @@ def available(device: torch.device) -> bool:
     with this module's M alignment."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
-    lib = _library()
+    lib = library()
     return lib is not None and lib[2] == ALIGN
 
 
@@ -62,7 +62,7 @@ def check_device(device: torch.device) -> None:
             f"prefill_kernel 'deepgemm': DeepGEMM's FP8 grouped GEMM is for compute capability 9.0, this card has "
             f"{torch.cuda.get_device_capability(device)}"
         )
-    lib = _library()
+    lib = library()
     if lib is None:
         raise RuntimeError(
             "prefill_kernel 'deepgemm' needs DeepGEMM: `import deep_gemm` failed (install it, or use 'triton')"
@@ -97,7 +97,11 @@ def _check(a, a_scale, w, w_scale, out, m_indices):
             f"DeepGEMM's grouped GEMM takes e4m3 operands, a bf16 result and int32 m_indices, got {a.dtype}, "
             f"{w.dtype}, {out.dtype}, {m_indices.dtype}"
         )
-    if tuple(a_scale.shape) != (M, K // WEIGHT_BLOCK) or tuple(w_scale.shape) != (G, N // WEIGHT_BLOCK, K // 128):
+    if tuple(a_scale.shape) != (M, K // WEIGHT_BLOCK) or tuple(w_scale.shape) != (
+        G,
+        N // WEIGHT_BLOCK,
+        K // WEIGHT_BLOCK,
+    ):
         raise ValueError(
             f"scales {tuple(a_scale.shape)}, {tuple(w_scale.shape)} do not fit a {tuple(a.shape)}, w {tuple(w.shape)}"
         )
@@ -132,7 +136,7 @@ def grouped_gemm(
     if out.device.type == "cpu":
         return grouped_gemm_reference(a, a_scale, w, w_scale, out, m_indices)
     check_device(out.device)
-    _library()[1]((a, a_scale), (w, w_scale), out, m_indices)
+    library()[1]((a, a_scale), (w, w_scale), out, m_indices)
     return out
 
 

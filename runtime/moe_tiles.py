@@ -61,8 +61,8 @@ A tile config is a dict with these keys (every key optional when overriding):
   kernel of :mod:`runtime.moe_grouped_cuda` (Hopper; M blocks of 128; GEMM1 applies SwiGLU in its epilogue with
   ``gemm1_fused_activation``, else the next launch does; h's FP8 quantization is its own launch; the PyTorch twin
   on the CPU; refused where it cannot run); ``"deepgemm"``, DeepGEMM's m-grouped contiguous FP8 GEMM
-  (:mod:`runtime.moe_deepgemm`: an optional dependency; every slot, shared ones too, in the grouped GEMMs; x gathered
-  into its padded layout as it is quantized; a PyTorch twin on the CPU; refused on a CUDA device without it).
+  (:mod:`runtime.moe_deepgemm`: an optional dependency; every slot, shared ones too, in the grouped GEMMs; x's FP8
+  rows moved into its padded layout; a PyTorch twin on the CPU; refused on a CUDA device without it).
   Ignored for one token and other weights.
 - ``prefill_stages``: the CUDA prefill kernel's ring depth (4, 5 or 6 stages of 32 KB).
 - ``prefill_overlap``: the CUDA prefill kernel issues each K step's MMAs before it promotes the previous step's sums

@@ -1120,29 +1120,22 @@ def _dense_shared_slots(launch: _Launches, xq, xs, experts, ids_c, shared: int, 
     return outs[0][None] if shared == 1 else torch.stack(outs)
 
 
-def _cuda_prefill(cfg: dict, experts, num_tokens: int, device: torch.device) -> bool:
-    """Whether the grouped GEMMs of this call run on :mod:`runtime.moe_grouped_cuda` (``prefill_kernel`` "cuda"):
-    FP8 slots and more than one token; raises where its shapes or the device do not allow it."""
-    if cfg["prefill_kernel"] != "cuda" or num_tokens == 1 or not experts.is_fp8:
-        return False
+def _prefill_kernel(cfg: dict, experts, num_tokens: int, device: torch.device) -> str:
+    """Which kernel runs this call's grouped GEMMs: the config's ``prefill_kernel`` ("cuda":
+    :mod:`runtime.moe_grouped_cuda`, "deepgemm": :mod:`runtime.moe_deepgemm`) for FP8 slots and more than one token,
+    else "triton"; raises where the chosen kernel's shapes or the device do not allow it."""
+    kernel = cfg["prefill_kernel"]
+    if kernel == "triton" or num_tokens == 1 or not experts.is_fp8:
+        return "triton"
     H, I = experts.hidden_size, experts.intermediate_size  # noqa: E741
-    if not (moe_grouped_cuda.supports(2 * I, H, I) and moe_grouped_cuda.supports(H, I)):
-        raise ValueError(f"prefill_kernel 'cuda' needs hidden and intermediate sizes of 128s, got {H} and {I}")
-    if device.type == "cuda" and not moe_grouped_cuda.usable(device):
+    module = moe_grouped_cuda if kernel == "cuda" else moe_deepgemm
+    if not (module.supports(2 * I, H) and module.supports(H, I)):
+        raise ValueError(f"prefill_kernel '{kernel}' needs hidden and intermediate sizes of 128s, got {H} and {I}")
+    if kernel == "deepgemm":
+        moe_deepgemm.check_device(device)
+    elif device.type == "cuda" and not moe_grouped_cuda.usable(device):
         raise RuntimeError("prefill_kernel 'cuda': the grouped prefill kernel cannot run on this device")
-    return True
-
-
-def _deepgemm_prefill(cfg: dict, experts, num_tokens: int, device: torch.device) -> bool:
-    """Whether the grouped GEMMs of this call run on DeepGEMM (``prefill_kernel`` "deepgemm"): FP8 slots and more
-    than one token; raises where its shapes or the device do not allow it."""
-    if cfg["prefill_kernel"] != "deepgemm" or num_tokens == 1 or not experts.is_fp8:
-        return False
-    H, I = experts.hidden_size, experts.intermediate_size  # noqa: E741
-    if not (moe_deepgemm.supports(2 * I, H) and moe_deepgemm.supports(H, I)):
-        raise ValueError(f"prefill_kernel 'deepgemm' needs hidden and intermediate sizes of 128s, got {H} and {I}")
-    moe_deepgemm.check_device(device)
-    return True
+    return kernel
 
 
 def _fused_moe_deepgemm(launch: _Launches, x, experts, ids_c, w_c, num_valid_tokens, out, act):
@@ -1226,16 +1219,17 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     if T == 0:
         return out
     cfg = resolve_tile_config(T, experts, KS, x.device, tile_config)
-    if _deepgemm_prefill(cfg, experts, T, x.device):
-        act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
-        launch = _Launches(cfg["dependent_launch"])
-        ids_c, w_c = ids.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
+    launch = _Launches(cfg["dependent_launch"])
+    ids_c = ids.to(torch.int32).contiguous()
+    w_c = weights.to(torch.float32).contiguous()
+    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
+    prefill_kernel = _prefill_kernel(cfg, experts, T, x.device)
+    if prefill_kernel == "deepgemm":
         return _fused_moe_deepgemm(launch, x, experts, ids_c, w_c, num_valid_tokens, out, act)
     dense = cfg["shared_dense"] and shared_slots > 0
     routed = num_slots - shared_slots if dense else num_slots  # the slots the grouped GEMMs run
-    launch = _Launches(cfg["dependent_launch"])
     numel = T * KS
-    cuda_prefill = _cuda_prefill(cfg, experts, T, x.device)
+    cuda_prefill = prefill_kernel == "cuda"
     if cuda_prefill:
         # M blocks of 128 pairs; GEMM1 writes SwiGLU's h (gemm1_fused_activation) or gate | up, and h's FP8 is
         # its own launch
@@ -1243,8 +1237,6 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
         cfg.update(quantize_in_epilogue=False, quantize_hidden_first=True)
     BM = cfg["block_m"]
     interp = interpreting()
-    ids_c = ids.to(torch.int32).contiguous()
-    w_c = weights.to(torch.float32).contiguous()
     has_nv = num_valid_tokens is not None
     # One token: its K+S pairs are distinct slots, so each pair is its own M block and no alignment launch is needed
     # (the GEMMs read the slot ids directly, NAIVE); more tokens share slots and are bucketed by slot first.
@@ -1254,7 +1246,6 @@ def fused_moe_triton(x, experts, ids, weights, num_valid_tokens=None, tile_confi
     else:
         sorted_ids, expert_ids, bound, num_pid_m = _align(launch, ids_c, num_valid_tokens, numel, KS, routed, BM)
     prequant = fp8 and cfg["quantize_input_first"]
-    act = (experts.gemm1_alpha, experts.gemm1_beta, experts.gemm1_clamp_limit)
     dot_dtype = _TL_DTYPES[experts.gate_up.dtype] if not fp8 else tl.float32
     BK = 128 if fp8 else 64
     gi = triton.cdiv(I, 128)

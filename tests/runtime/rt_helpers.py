@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from runtime import fused_moe
 from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 from runtime.moe import ExpertWeights
 from runtime.moe_reference import swiglu
@@ -309,8 +310,6 @@ def prefill_kernel_forward(case, kernel: str, skip_a_slot: bool = False):
     (E, S, T, KS, num_valid, shared_slots argument, extra tiles, oai)``; checks that every row was written and the
     rows past ``num_valid`` are zeros. ``skip_a_slot``: one pair's slot is -1. Returns ``(out, ref, rerun)`` with
     ``ref`` the reference forward and ``rerun(tiles)`` the Triton forward of the same inputs with other tiles."""
-    from runtime import fused_moe
-
     E, S, T, KS, nv, shared, tiles, oai = case
     g = torch.Generator().manual_seed(E * 10 + T)
     H, I = 256, 128  # noqa: E741

@@ -59,10 +59,10 @@ def test_operands_it_refuses():
 def test_device_check_names_what_is_missing(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(moe_deepgemm, "_library", lambda: None)
+    monkeypatch.setattr(moe_deepgemm, "library", lambda: None)
     with pytest.raises(RuntimeError, match="needs DeepGEMM"):
         moe_deepgemm.check_device(cuda)
-    monkeypatch.setattr(moe_deepgemm, "_library", lambda: (None, None, 64))
+    monkeypatch.setattr(moe_deepgemm, "library", lambda: (None, None, 64))
     with pytest.raises(RuntimeError, match="aligns groups to 64"):
         moe_deepgemm.check_device(cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
